@@ -1,0 +1,43 @@
+"""merak: train unmodified PyTorch models with automated 3D parallelism.
+
+Public API::
+
+    import merak
+    merak.init(dp=2, tp=1, pp=2)          # or let merak.run launch the workers
+    merak.run(spec, cfg)                  # recipes: validate, launch, train, summarize
+"""
+
+from merak.compat.torchvision_ops import ensure_torchvision_importable
+
+# Before anything imports torchvision (transformers and timm do): see compat/.
+ensure_torchvision_importable()
+
+from merak.distributed import (  # noqa: E402
+    RankGrid,
+    get_dp_rank,
+    get_dp_size,
+    get_pp_rank,
+    get_pp_size,
+    get_rank_grid,
+    get_tp_rank,
+    get_tp_size,
+    init,
+)
+
+__version__ = "0.1.0"
+
+
+def run(spec, cfg):
+    """Validate a recipe config, launch its workers, train, and return the summary.
+
+    See :func:`merak.runner.run`.
+    """
+    from merak.runner import run as _run
+
+    return _run(spec, cfg)
+
+
+__all__ = [
+    "RankGrid", "init", "run", "get_rank_grid", "get_dp_rank", "get_tp_rank", "get_pp_rank",
+    "get_dp_size", "get_tp_size", "get_pp_size", "__version__",
+]

@@ -1,0 +1,1 @@
+"""Workarounds for the package ecosystem, applied once when merak is imported."""

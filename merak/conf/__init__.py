@@ -1,0 +1,1 @@
+"""Shared Hydra config groups (parallel/, trainer/, launcher/), found through pkg://merak.conf."""

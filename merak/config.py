@@ -1,0 +1,169 @@
+"""Run settings: the Hydra config checked and turned into typed values, before any worker starts.
+
+Only this module and merak.runner read the config; the engine layers get plain
+keyword arguments. The ``trainer`` section uses MerakArguments' field names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from merak.distributed.topology import RankGrid
+from merak.optim.schedule import LR_SCHEDULES
+from merak.pipeline.schedules import schedule_names
+
+
+class ConfigError(ValueError):
+    """The run config cannot work; the message names each field and what to change."""
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The ``trainer`` config group (MerakArguments / TrainingArguments names)."""
+
+    output_dir: str | None = None
+    seed: int = 42
+    max_steps: int = -1
+    num_train_epochs: float = 1.0
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    global_batch_size: int | None = None
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+    warmup_ratio: float = 0.0
+    logging_steps: int = 1
+    train_schedule: str = "1f1b"
+
+
+@dataclass(frozen=True)
+class LauncherSettings:
+    """The ``launcher`` config group: how workers start and talk."""
+
+    start_method: str = "auto"
+    backend: str = "auto"
+    threads_per_rank: int = 1
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything a run needs, validated."""
+
+    grid: RankGrid
+    trainer: TrainerSettings
+    launcher: LauncherSettings
+    model_cfg: Any
+    data_cfg: Any
+    output_dir: str
+    num_microbatches: int
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.trainer.per_device_train_batch_size * self.num_microbatches * self.grid.dp
+
+
+def _section(cfg: DictConfig, name: str, cls, problems: list[str]):
+    values = OmegaConf.to_container(cfg.get(name) or {}, resolve=True)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    for key in unknown:
+        problems.append(f"{name}.{key} is not a known setting; known: {', '.join(sorted(known))}")
+    return cls(**{k: v for k, v in values.items() if k in known})
+
+
+def _positive_int(value, field: str, problems: list[str]) -> bool:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        problems.append(f"{field}={value!r} must be a positive integer")
+        return False
+    return True
+
+
+def _default_output_dir() -> str:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.output_dir
+    except (ImportError, ValueError):
+        return os.path.abspath("merak-output")
+
+
+def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) -> RunSettings:
+    """Check the whole config and return typed settings, or raise ConfigError listing every problem.
+
+    Args:
+        spec: the recipe's RecipeSpec (for model-specific layout and data checks).
+        cfg: the composed Hydra config.
+        world_size: number of processes an outside launcher started, if any.
+    """
+    problems: list[str] = []
+    trainer = _section(cfg, "trainer", TrainerSettings, problems)
+    launcher = _section(cfg, "launcher", LauncherSettings, problems)
+    parallel = OmegaConf.to_container(cfg.get("parallel") or {}, resolve=True)
+    degrees = {axis: parallel.get(axis, 1) for axis in ("dp", "tp", "pp")}
+    layout_ok = all(_positive_int(v, f"parallel.{k}", problems) for k, v in degrees.items())
+    grid = RankGrid(**degrees) if layout_ok else None
+    if grid and world_size is not None and world_size != grid.world_size:
+        problems.append(
+            f"parallel.dp*tp*pp = {grid.dp}*{grid.tp}*{grid.pp} = {grid.world_size} but the launcher "
+            f"started {world_size} processes; make them equal (e.g. torchrun --nproc_per_node)")
+    if grid and grid.tp > 1:
+        problems.append(f"parallel.tp={grid.tp}: tensor parallelism is not available in this version; "
+                        "set parallel.tp=1 and use dp and pp")
+    if trainer.train_schedule not in schedule_names():
+        problems.append(f"trainer.train_schedule={trainer.train_schedule!r} is unknown; choose one of "
+                        f"{', '.join(schedule_names())}")
+    if trainer.lr_scheduler_type not in LR_SCHEDULES:
+        problems.append(f"trainer.lr_scheduler_type={trainer.lr_scheduler_type!r} is unknown; choose one of "
+                        f"{', '.join(LR_SCHEDULES)}")
+    _positive_int(trainer.per_device_train_batch_size, "trainer.per_device_train_batch_size", problems)
+    _positive_int(trainer.gradient_accumulation_steps, "trainer.gradient_accumulation_steps", problems)
+    if trainer.max_steps == 0 or (trainer.max_steps < 0 and trainer.num_train_epochs <= 0):
+        problems.append("nothing to train: set trainer.max_steps > 0 or trainer.num_train_epochs > 0")
+    if launcher.start_method not in ("auto", "fork", "spawn", "forkserver"):
+        problems.append(f"launcher.start_method={launcher.start_method!r}; use auto, fork, spawn or forkserver")
+    if launcher.backend not in ("auto", "gloo", "nccl"):
+        problems.append(f"launcher.backend={launcher.backend!r}; use auto, gloo or nccl")
+    _positive_int(launcher.threads_per_rank, "launcher.threads_per_rank", problems)
+    num_microbatches = trainer.gradient_accumulation_steps
+    if grid and trainer.global_batch_size is not None:
+        per_step = trainer.per_device_train_batch_size * grid.dp
+        if trainer.global_batch_size % per_step:
+            problems.append(
+                f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
+                f"per_device_train_batch_size*dp = {trainer.per_device_train_batch_size}*{grid.dp}; "
+                "change one of them")
+        else:
+            num_microbatches = trainer.global_batch_size // per_step
+    if grid:
+        problems.extend(spec.check_layout(cfg.model, grid.dp, grid.tp, grid.pp))
+    problems.extend(spec.check_data(cfg.data))
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    return RunSettings(grid=grid, trainer=trainer, launcher=launcher, model_cfg=cfg.model, data_cfg=cfg.data,
+                       output_dir=trainer.output_dir or _default_output_dir(), num_microbatches=num_microbatches)
+
+
+def total_steps(settings: RunSettings, steps_per_epoch: int) -> int:
+    """Optimizer steps of the run: max_steps, else epochs x steps per epoch."""
+    if settings.trainer.max_steps > 0:
+        return settings.trainer.max_steps
+    return max(1, int(settings.trainer.num_train_epochs * steps_per_epoch))
+
+
+def warmup_steps(settings: RunSettings, steps: int) -> int:
+    """warmup_steps if set, else warmup_ratio x steps (as the HF Trainer)."""
+    if settings.trainer.warmup_steps > 0:
+        return settings.trainer.warmup_steps
+    return math.ceil(settings.trainer.warmup_ratio * steps)

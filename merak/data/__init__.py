@@ -1,0 +1,1 @@
+"""Layout-independent batching: which samples each rank loads for each step."""

@@ -1,0 +1,107 @@
+"""Which samples each data-parallel rank loads for each step.
+
+The global batch of step ``k`` is the same set of samples whatever the
+layout: one seeded permutation per epoch is cut into global batches, a global
+batch into one contiguous slice per dp rank, and a slice into microbatches.
+So a dp=2 x 4-microbatch run and a single process with one big batch see the
+same data, and runs can be compared number for number. A new epoch draws a
+new permutation (seed + epoch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Sample indices for every step of a run, for one dp rank.
+
+    Args:
+        num_samples: dataset length.
+        micro_batch_size: samples per microbatch on one rank.
+        num_microbatches: microbatches per step (gradient accumulation steps).
+        dp_size: data-parallel degree.
+        dp_rank: this rank's data-parallel index.
+        seed: base seed of the epoch permutations.
+        shuffle: draw a new permutation each epoch (else keep dataset order).
+    """
+
+    num_samples: int
+    micro_batch_size: int
+    num_microbatches: int
+    dp_size: int = 1
+    dp_rank: int = 0
+    seed: int = 0
+    shuffle: bool = True
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_microbatches * self.dp_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    def __post_init__(self) -> None:
+        if self.steps_per_epoch < 1:
+            raise ValueError(
+                f"the dataset has {self.num_samples} samples, fewer than one global batch of "
+                f"{self.global_batch_size} (micro batch {self.micro_batch_size} x "
+                f"{self.num_microbatches} microbatches x dp {self.dp_size}); use more data or a smaller batch"
+            )
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The sample order of one epoch."""
+        if not self.shuffle:
+            return torch.arange(self.num_samples)
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_samples, generator=generator)
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        """Indices of the whole global batch of ``step`` (all dp ranks)."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        start = position * self.global_batch_size
+        return self.epoch_order(epoch)[start:start + self.global_batch_size]
+
+    def microbatch_indices(self, step: int) -> list[list[int]]:
+        """This rank's microbatches of ``step``, as lists of sample indices."""
+        share = self.micro_batch_size * self.num_microbatches
+        mine = self.global_batch(step)[self.dp_rank * share:(self.dp_rank + 1) * share].tolist()
+        return [mine[m * self.micro_batch_size:(m + 1) * self.micro_batch_size]
+                for m in range(self.num_microbatches)]
+
+
+def stack_samples(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Default collate: stack each field of dict samples."""
+    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
+
+
+class MicrobatchLoader:
+    """Loads a step's microbatches for this rank from an indexable dataset.
+
+    Args:
+        dataset: anything with ``__getitem__(int) -> dict of tensors``.
+        plan: the :class:`BatchPlan` of this rank.
+        collate: turns a list of samples into one batch dict.
+        device: where batches are placed.
+    """
+
+    def __init__(self, dataset, plan: BatchPlan,
+                 collate: Callable[[Sequence], dict[str, torch.Tensor]] = stack_samples,
+                 device: torch.device | str = "cpu") -> None:
+        self.dataset = dataset
+        self.plan = plan
+        self.collate = collate
+        self.device = torch.device(device)
+
+    def load_step(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The microbatches of ``step`` (0-based over the whole run)."""
+        batches = []
+        for indices in self.plan.microbatch_indices(step):
+            batch = self.collate([self.dataset[i] for i in indices])
+            batches.append({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+        return batches

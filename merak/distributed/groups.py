@@ -1,0 +1,206 @@
+"""Process groups for the rank grid, and the getters the rest of merak uses.
+
+``init`` is the public entry point (``merak.init(dp, tp, pp)``). It joins a
+process group that already exists (torchrun, SLURM, or one merak's launcher
+started) or creates one from the environment, then builds one group per axis.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from merak.distributed.topology import Coordinates, RankGrid
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass
+class ParallelState:
+    """Everything a worker knows about its place in the grid."""
+
+    grid: RankGrid
+    rank: int
+    coordinates: Coordinates
+    backend: str
+    device: torch.device
+    pp_group: object = None
+    dp_group: object = None
+    tp_group: object = None
+    model_parallel_group: object = None
+    tied_group: object = None  # first and last stage of this rank's (dp, tp) slice
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coordinates.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coordinates.pp == self.grid.pp - 1
+
+
+_STATE: ParallelState | None = None
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """'gloo' on CPU, 'nccl' with CUDA; ``backend`` or $MERAK_BACKEND override it."""
+    choice = backend or os.environ.get("MERAK_BACKEND") or "auto"
+    if choice == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if choice not in ("gloo", "nccl", "mpi", "xccl"):
+        raise ValueError(f"unknown backend {choice!r}; use 'auto', 'gloo' or 'nccl'")
+    return choice
+
+
+def _adopt_slurm_environment() -> None:
+    """Translate SLURM's task variables into the ones torch.distributed reads."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "SLURM_STEP_ID" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    if "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(
+            "running under SLURM but MASTER_ADDR is not set: export MASTER_ADDR to the first "
+            "node's hostname (e.g. $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)) "
+            "and MASTER_PORT to a free port before srun"
+        )
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def _start_process_group(grid: RankGrid, backend: str, timeout_s: float) -> None:
+    _adopt_slurm_environment()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError(
+            f"merak.init(dp={grid.dp}, tp={grid.tp}, pp={grid.pp}) needs {grid.world_size} processes "
+            "but none were launched: start the script with "
+            f"`torchrun --nproc_per_node {grid.world_size} ...`, under srun, or train through merak.run"
+        )
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != grid.world_size:
+        raise RuntimeError(
+            f"dp*tp*pp = {grid.dp}*{grid.tp}*{grid.pp} = {grid.world_size} but {world_size} processes "
+            "were launched; change the parallel degrees or the number of processes"
+        )
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _new_groups(rank_lists: list[list[int]], rank: int):
+    """Create a group for each list (every rank calls this in the same order); return ours."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def init(dp: int = 1, tp: int = 1, pp: int = 1, *, backend: str | None = None,
+         timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelState:
+    """Initialize data, tensor and pipeline parallel groups.
+
+    Args:
+        dp: data-parallel degree.
+        tp: tensor-parallel degree.
+        pp: pipeline-parallel degree.
+        backend: 'auto' (default: nccl with CUDA, else gloo), 'gloo' or 'nccl'.
+        timeout_s: timeout of every collective, so a lost peer fails instead of hanging.
+
+    Returns:
+        The :class:`ParallelState` of this process (also kept for the getters).
+    """
+    global _STATE
+    grid = RankGrid(dp=dp, tp=tp, pp=pp)
+    chosen = resolve_backend(backend)
+    if not dist.is_initialized() and grid.world_size > 1:
+        _start_process_group(grid, chosen, timeout_s)
+    if dist.is_initialized():
+        chosen = dist.get_backend()
+        if dist.get_world_size() != grid.world_size:
+            raise RuntimeError(
+                f"dp*tp*pp = {grid.world_size} but the process group has {dist.get_world_size()} ranks"
+            )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = (torch.device("cuda", torch.cuda.current_device()) if chosen == "nccl"
+              else torch.device("cpu"))
+    state = ParallelState(grid=grid, rank=rank, coordinates=grid.coordinates(rank),
+                          backend=chosen, device=device)
+    if dist.is_initialized():
+        state.pp_group = _new_groups(grid.axis_groups("pp"), rank)
+        state.dp_group = _new_groups(grid.axis_groups("dp"), rank)
+        state.tp_group = _new_groups(grid.axis_groups("tp"), rank)
+        state.model_parallel_group = _new_groups(grid.model_parallel_groups(), rank)
+        if grid.pp > 1:
+            tied = [[group[0], group[-1]] for group in grid.axis_groups("pp")]
+            state.tied_group = _new_groups(tied, rank)
+    _STATE = state
+    logger.debug("rank %d at %s (backend %s)", rank, state.coordinates, chosen)
+    return state
+
+
+def get_state() -> ParallelState:
+    """The state built by :func:`init`; raises if merak was not initialized."""
+    if _STATE is None:
+        raise RuntimeError("merak is not initialized: call merak.init(dp, tp, pp) first")
+    return _STATE
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def shutdown() -> None:
+    """Forget the parallel state and destroy the default process group."""
+    global _STATE
+    _STATE = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank_grid() -> RankGrid:
+    return get_state().grid
+
+
+def get_dp_rank() -> int:
+    return get_state().coordinates.dp
+
+
+def get_tp_rank() -> int:
+    return get_state().coordinates.tp
+
+
+def get_pp_rank() -> int:
+    return get_state().coordinates.pp
+
+
+def get_dp_size() -> int:
+    return get_state().grid.dp
+
+
+def get_tp_size() -> int:
+    return get_state().grid.tp
+
+
+def get_pp_size() -> int:
+    return get_state().grid.pp
+
+
+def get_dp_group():
+    return get_state().dp_group
+
+
+def get_tp_group():
+    return get_state().tp_group
+
+
+def get_pp_group():
+    return get_state().pp_group

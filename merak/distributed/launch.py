@@ -1,0 +1,72 @@
+"""Starting worker processes on this machine, or joining a world that exists.
+
+merak.run either joins the processes torchrun / srun started (one Hydra per
+process) or, from the single Hydra process, starts ``dp*tp*pp`` workers here.
+A worker that fails makes :func:`spawn_workers` stop the others and raise with
+that worker's traceback: no run is left hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised or died; the message holds its traceback or exit status."""
+
+
+def existing_world_size() -> int | None:
+    """World size of a launcher that already started our processes (torchrun, srun), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_STEP_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        return int(os.environ["SLURM_NTASKS"])
+    return None
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_start_method() -> str:
+    # fork is several times faster to start (imports are inherited), but CUDA
+    # cannot be used in a forked child once the parent touched it.
+    return "spawn" if torch.cuda.is_available() else "fork"
+
+
+def _entry(local_rank: int, fn: Callable, world_size: int, port: int, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update({
+        "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    })
+    fn(*args)
+
+
+def spawn_workers(fn: Callable, *, world_size: int, args: tuple = (), start_method: str = "auto",
+                  env: dict[str, str] | None = None) -> None:
+    """Run ``fn(*args)`` in ``world_size`` new processes with torch.distributed's env variables set.
+
+    Raises:
+        WorkerFailed: when any worker raises or exits non-zero (the others are stopped).
+    """
+    method = default_start_method() if start_method == "auto" else start_method
+    context = mp.start_processes(
+        _entry, args=(fn, world_size, free_port(), args, dict(env or {})), nprocs=world_size,
+        join=False, start_method=method)
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessRaisedException as error:
+        raise WorkerFailed(f"worker {error.error_index} failed:\n{error}") from None
+    except mp.ProcessExitedException as error:
+        raise WorkerFailed(f"worker {error.error_index} died with exit code {error.exit_code}"
+                           f"{' (signal ' + error.signal_name + ')' if error.signal_name else ''}") from None

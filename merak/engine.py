@@ -1,0 +1,195 @@
+"""The training engine of one worker: its stage, optimizer, executor and step.
+
+It takes narrow keyword arguments (no config objects), so recipes, the
+trainer API and tests drive the same code.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from merak.distributed.groups import ParallelState
+from merak.distributed.p2p import PointToPoint
+from merak.optim.clip import clip_gradients, global_grad_norm
+from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_gradients
+from merak.optim.schedule import build_lr_scheduler, build_optimizer
+from merak.pipeline import instructions as ins
+from merak.pipeline.executor import PipelineExecutor
+from merak.pipeline.hooks import PipelineHook
+from merak.pipeline.schedules import build_schedule
+from merak.pipeline.stage import find_tied_parameters, parameter_names
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """Optimizer and learning-rate settings (names as in MerakArguments)."""
+
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "linear"
+    warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step reports; identical on every rank."""
+
+    loss: float
+    grad_norm: float
+    learning_rate: float
+
+
+class PipelineEngine:
+    """Trains this rank's pipeline stage.
+
+    Args:
+        model: the full single-device model the stages were cut from (only used to
+            name parameters and find tied weights; stages hold its modules).
+        stages: one module per pipeline stage (see merak.pipeline.stage).
+        loss_fn: ``loss_fn(last_stage_output, microbatch) -> mean loss of the microbatch``.
+        state: this rank's parallel state from ``merak.init``.
+        schedule: pipeline schedule name.
+        num_microbatches: microbatches per optimizer step.
+        total_steps: steps of the run (for the learning-rate schedule).
+        optimizer: optimizer settings.
+        hooks: pipeline listeners (timers, profiler, energy plans).
+        bucket_bytes: size of the data-parallel gradient buckets.
+    """
+
+    def __init__(self, *, model: nn.Module, stages: Sequence[nn.Module],
+                 loss_fn: Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor],
+                 state: ParallelState, schedule: str, num_microbatches: int, total_steps: int,
+                 optimizer: OptimizerOptions = OptimizerOptions(), hooks: Sequence[PipelineHook] = (),
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        grid, coords = state.grid, state.coordinates
+        if len(stages) != grid.pp:
+            raise ValueError(f"got {len(stages)} stages for pp={grid.pp}")
+        self.state = state
+        self.stage_id = coords.pp
+        self.num_stages = grid.pp
+        self.stage = stages[self.stage_id].to(state.device)
+        self.options = optimizer
+        self.bucket_bytes = bucket_bytes
+        names = parameter_names(model)
+        self._param_names = [(names[id(p)], p) for p in self.stage.parameters()]
+        self.tied = [t for t in find_tied_parameters(model, stages) if self.stage_id in t.stages]
+        self._check_tied()
+        tied_names = {t.name for t in self.tied}
+        by_name = dict(self._param_names)
+        self.tied_params = [by_name[t.name] for t in self.tied]
+        # Each parameter counts once in the global norm: tied copies only on their first owner.
+        secondary = {t.name for t in self.tied if t.stages[0] != self.stage_id}
+        self.norm_params = [p for n, p in self._param_names if n not in secondary]
+        self.trainable = [p for _, p in self._param_names if p.requires_grad]
+        self._synchronize_initial_weights(tied_names)
+        self.optimizer = build_optimizer(
+            self._param_names, learning_rate=optimizer.learning_rate, weight_decay=optimizer.weight_decay,
+            betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_epsilon)
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, kind=optimizer.lr_scheduler_type, warmup_steps=optimizer.warmup_steps,
+            total_steps=total_steps)
+        self.instructions = build_schedule(name=schedule, stage_id=self.stage_id, num_stages=self.num_stages,
+                                           num_microbatches=num_microbatches)
+        self.num_microbatches = num_microbatches
+        prev_rank = grid.stage_rank(state.rank, self.stage_id - 1) if self.stage_id > 0 else None
+        next_rank = grid.stage_rank(state.rank, self.stage_id + 1) if self.stage_id < grid.pp - 1 else None
+        self.executor = PipelineExecutor(
+            stage=self.stage, stage_id=self.stage_id, num_stages=self.num_stages,
+            prev_rank=prev_rank, next_rank=next_rank,
+            p2p=PointToPoint(state.device) if grid.pp > 1 else None, loss_fn=loss_fn,
+            step_handlers={ins.ReduceTiedGrads: self._reduce_tied_grads,
+                           ins.ReduceGrads: self._reduce_grads,
+                           ins.OptimizerStep: self._optimizer_step},
+            hooks=hooks)
+        self._last_norm = torch.zeros(())
+
+    # -- set-up ------------------------------------------------------------------
+
+    def _check_tied(self) -> None:
+        for tied in self.tied:
+            if tied.stages != (0, self.num_stages - 1):
+                raise NotImplementedError(
+                    f"parameter {tied.name} is shared by stages {tied.stages}; merak ties weights "
+                    "between the first and last stage only - move the modules that share it onto those stages"
+                )
+
+    def _synchronize_initial_weights(self, tied_names: set[str]) -> None:
+        """Start every replica and every tied copy from identical values."""
+        state = self.state
+        with torch.no_grad():
+            if state.grid.dp > 1:
+                src = state.grid.rank_of(pp=state.coordinates.pp, dp=0, tp=state.coordinates.tp)
+                for _, param in self._param_names:
+                    dist.broadcast(param.data, src=src, group=state.dp_group)
+            if self.tied_params:
+                src = state.grid.stage_rank(state.rank, 0)
+                for param in self.tied_params:
+                    dist.broadcast(param.data, src=src, group=state.tied_group)
+
+    # -- step --------------------------------------------------------------------
+
+    def train_step(self, microbatches: Sequence[Mapping[str, torch.Tensor]] | None) -> StepResult:
+        """Run one optimizer step over ``num_microbatches`` microbatches.
+
+        Args:
+            microbatches: this rank's microbatches on the first and last stage; None elsewhere.
+        """
+        self.stage.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        local_loss = self.executor.run(self.instructions, microbatches)
+        return StepResult(loss=self._global_loss(local_loss), grad_norm=float(self._last_norm),
+                          learning_rate=learning_rate)
+
+    def _global_loss(self, local_loss: float | None) -> float:
+        """Mean loss over the global batch, known to every rank."""
+        if self.state.grid.world_size == 1:
+            return float(local_loss)
+        value = torch.tensor([local_loss if local_loss is not None else 0.0], dtype=torch.float64)
+        dist.all_reduce(value)
+        return float(value) / self.state.grid.dp
+
+    def _reduce_tied_grads(self) -> None:
+        if self.tied_params:
+            all_reduce_gradients(self.tied_params, group=self.state.tied_group, group_size=2,
+                                 average=False, bucket_bytes=self.bucket_bytes)
+
+    def _reduce_grads(self) -> None:
+        all_reduce_gradients(self.trainable, group=self.state.dp_group, group_size=self.state.grid.dp,
+                             average=True, bucket_bytes=self.bucket_bytes)
+
+    def _optimizer_step(self) -> None:
+        group_size = self.state.grid.pp * self.state.grid.tp
+        self._last_norm = global_grad_norm(self.norm_params, group=self.state.model_parallel_group,
+                                           group_size=group_size)
+        clip_gradients(self.trainable, max_norm=self.options.max_grad_norm, total_norm=self._last_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+
+    # -- introspection -----------------------------------------------------------
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This stage's parameters under the full model's names."""
+        return list(self._param_names)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state held by this rank."""
+        def nbytes(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        params = [p for _, p in self._param_names]
+        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return {"parameter_bytes": nbytes(params),
+                "gradient_bytes": nbytes([p.grad for p in params if p.grad is not None]),
+                "optimizer_state_bytes": nbytes(states)}

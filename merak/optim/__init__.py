@@ -1,0 +1,1 @@
+"""Gradient synchronisation, clipping, optimizers and learning-rate schedules."""

@@ -1,0 +1,36 @@
+"""Gradient norm and clipping over the whole model, whichever ranks hold it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def global_grad_norm(params: Sequence[nn.Parameter], *, group, group_size: int) -> torch.Tensor:
+    """L2 norm of the gradients of one model replica spread over ``group``.
+
+    ``params`` must list each parameter of the replica on exactly one rank of the
+    group (copies of tied weights on their other owners left out), so nothing is
+    counted twice.
+    """
+    squares = torch.zeros((), dtype=torch.float64)
+    for param in params:
+        if param.grad is not None:
+            squares += param.grad.detach().double().pow(2).sum().cpu()
+    if group_size > 1:
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt()
+
+
+def clip_gradients(params: Sequence[nn.Parameter], *, max_norm: float, total_norm: torch.Tensor) -> None:
+    """Scale gradients so their global norm is at most ``max_norm`` (as torch's clip_grad_norm_)."""
+    if max_norm <= 0:
+        return
+    coefficient = max_norm / (float(total_norm) + 1e-6)
+    if coefficient < 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.detach().mul_(coefficient)

@@ -1,0 +1,57 @@
+"""Gradient reductions across ranks: tied weights and data parallelism."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
+    """Group tensors of one dtype into runs of about ``bucket_bytes``, keeping order."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        same_dtype = buckets and buckets[-1][0].dtype == tensor.dtype
+        if not buckets or not same_dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += nbytes
+    return buckets
+
+
+def _ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    # A parameter unused in this step still takes part, with a zero gradient,
+    # so every rank reduces the same buffers in the same order.
+    grads = []
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grads.append(param.grad)
+    return grads
+
+
+def all_reduce_gradients(params: Sequence[nn.Parameter], *, group, group_size: int, average: bool,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Sum (or average) gradients of ``params`` over ``group`` in flat buckets.
+
+    Every rank of the group must pass the same parameters in the same order.
+    """
+    if group_size == 1:
+        return
+    grads = _ensure_grads(params)
+    for bucket in _buckets(grads, bucket_bytes):
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat.div_(group_size)
+        offset = 0
+        for grad in bucket:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()

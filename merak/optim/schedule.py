@@ -1,0 +1,49 @@
+"""Optimizer construction and learning-rate schedules (the Hugging Face Trainer's defaults)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+LR_SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+
+
+def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], *, learning_rate: float,
+                    weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (biases and norm weights are not decayed)."""
+    decay, no_decay = [], []
+    for _, param in named_params:
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
+
+
+def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the base learning rate at ``step`` (0-based)."""
+    if kind not in LR_SCHEDULES:
+        raise ValueError(f"unknown lr_scheduler_type {kind!r}; choose one of {', '.join(LR_SCHEDULES)}")
+    if kind == "constant":
+        return 1.0
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    if kind == "constant_with_warmup":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, kind: str, warmup_steps: int,
+                       total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR following :func:`lr_factor`."""
+    lr_factor(0, kind=kind, warmup_steps=warmup_steps, total_steps=total_steps)  # validates kind
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, kind=kind, warmup_steps=warmup_steps, total_steps=total_steps)
+    )

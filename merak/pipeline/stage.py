@@ -1,0 +1,74 @@
+"""Pipeline stages: the modules each rank runs, cut from one full model.
+
+A stage is a sequence of parts; the payload returned by one part is passed to
+the next, and the payload returned by the stage crosses to the next stage
+(any pytree). The first stage receives the microbatch's model inputs as a
+dict; the last stage's output goes to the loss function. Stages hold
+references to the full model's modules, so parameters shared between stages
+(tied weights) are recognised by identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from merak.shard.partition import uniform_boundaries
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: ``parts`` applied in order to the incoming payload."""
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, payload):
+        for part in self.parts:
+            payload = part(payload)
+        return payload
+
+
+def stages_from_blocks(first: nn.Module, blocks: Sequence[nn.Module], last: nn.Module,
+                       num_stages: int) -> list[StageModule]:
+    """Cut ``first, *blocks, last`` into stages with balanced block counts.
+
+    ``first`` (e.g. embeddings) joins the first stage and ``last`` (e.g. the
+    head) the last stage; the blocks are spread so counts differ by at most one.
+    """
+    bounds = uniform_boundaries(len(blocks), num_stages)
+    stages = []
+    for stage in range(num_stages):
+        parts = list(blocks[bounds[stage]:bounds[stage + 1]])
+        if stage == 0:
+            parts.insert(0, first)
+        if stage == num_stages - 1:
+            parts.append(last)
+        stages.append(StageModule(parts))
+    return stages
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter held by several stages (e.g. GPT-2's token embedding and LM head)."""
+
+    name: str  # the full model's name for it
+    stages: tuple[int, ...]
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """Map ``id(parameter)`` to the full model's (first) name for it."""
+    return {id(param): name for name, param in model.named_parameters()}
+
+
+def find_tied_parameters(model: nn.Module, stages: Sequence[nn.Module]) -> list[TiedParameter]:
+    """Parameters that appear in more than one stage, found by identity (never by shape)."""
+    names = parameter_names(model)
+    owners: dict[int, list[int]] = {}
+    for stage_id, stage in enumerate(stages):
+        for param in stage.parameters():
+            owners.setdefault(id(param), []).append(stage_id)
+    tied = [TiedParameter(name=names[key], stages=tuple(ids)) for key, ids in owners.items() if len(ids) > 1]
+    return sorted(tied, key=lambda t: t.name)

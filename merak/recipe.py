@@ -1,0 +1,56 @@
+"""RecipeSpec: what a recipe hands to merak.run, and discovery of recipes/*."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    """A model family ready to train with merak.run.
+
+    Every callable receives plain values or the recipe's own config sections
+    (``model_cfg``, ``data_cfg``), never the whole run config.
+
+    Attributes:
+        name: recipe name (folder under recipes/).
+        build_model: ``(model_cfg) -> nn.Module``, a plain single-device model;
+            called after seeding, identically on every rank.
+        build_stages: ``(model, num_stages) -> list[nn.Module]`` cutting the model
+            into pipeline stages (modules shared with the model).
+        loss_fn: ``(last_stage_output, microbatch) -> scalar`` mean loss of a microbatch.
+        prepare_data: ``(data_cfg, model_cfg) -> str``: runs once before workers
+            start (download, tokenize, cache) and returns what ``load_dataset`` needs.
+        load_dataset: ``(prepared, model_cfg) -> dataset`` with ``__len__`` and
+            ``__getitem__(i) -> dict of tensors``; only ranks that consume data call it.
+        check_layout: ``(model_cfg, dp, tp, pp) -> list[str]`` of problems with
+            this layout for this model (empty when fine).
+        check_data: ``(data_cfg) -> list[str]`` of problems visible before reading
+            the data (missing files, unknown source).
+        tokens_per_sample: ``(model_cfg) -> int`` for throughput in tokens/s.
+    """
+
+    name: str
+    build_model: Callable[[Any], nn.Module]
+    build_stages: Callable[[nn.Module, int], Sequence[nn.Module]]
+    loss_fn: Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]
+    prepare_data: Callable[[Any, Any], str]
+    load_dataset: Callable[[str, Any], Any]
+    check_layout: Callable[[Any, int, int, int], list[str]] = lambda model_cfg, dp, tp, pp: []
+    check_data: Callable[[Any], list[str]] = lambda data_cfg: []
+    tokens_per_sample: Callable[[Any], int] = lambda model_cfg: 1
+
+
+def load_recipe(name: str) -> RecipeSpec:
+    """The SPEC of ``recipes/<name>/spec.py``."""
+    try:
+        module = importlib.import_module(f"recipes.{name}.spec")
+    except ModuleNotFoundError as error:
+        raise ValueError(f"no recipe named {name!r} (looked for recipes/{name}/spec.py)") from error
+    return module.SPEC

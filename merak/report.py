@@ -1,0 +1,123 @@
+"""What a run shows and writes: progress bar, metrics.jsonl, summary.json and the summary table."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+logger = logging.getLogger(__name__)
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.1f}"
+
+
+@dataclass
+class StepRecord:
+    """One line of metrics.jsonl."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_time_s: float
+    samples_per_s: float
+    tokens_per_s: float
+
+
+class MetricsWriter:
+    """Rank 0's progress bar and per-step metrics file.
+
+    Args:
+        output_dir: run directory (metrics.jsonl goes there).
+        total_steps: length of the run, for the progress bar.
+        samples_per_step: global batch size.
+        tokens_per_sample: tokens in one sample (1 for non-text models).
+        enabled: False on ranks that do not report.
+    """
+
+    def __init__(self, *, output_dir: str, total_steps: int, samples_per_step: int, tokens_per_sample: int,
+                 enabled: bool, logging_steps: int = 1) -> None:
+        self.enabled = enabled
+        self.samples_per_step = samples_per_step
+        self.tokens_per_sample = tokens_per_sample
+        self.logging_steps = max(1, logging_steps)
+        self.records: list[StepRecord] = []
+        self._file = None
+        self._bar = None
+        if enabled:
+            os.makedirs(output_dir, exist_ok=True)
+            self._file = open(os.path.join(output_dir, "metrics.jsonl"), "w", encoding="utf-8")
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", file=sys.stderr,
+                             dynamic_ncols=True, mininterval=0.5)
+
+    def log_step(self, *, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float) -> None:
+        """Record one optimizer step (``step`` counts from 1)."""
+        record = StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=step_time_s,
+                            samples_per_s=self.samples_per_step / step_time_s,
+                            tokens_per_s=self.samples_per_step * self.tokens_per_sample / step_time_s)
+        self.records.append(record)
+        if not self.enabled:
+            return
+        if step % self.logging_steps == 0:
+            self._file.write(json.dumps(asdict(record)) + "\n")
+            self._file.flush()
+        self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+
+    def throughput(self) -> dict[str, float]:
+        """Median step time (first step excluded as warm-up when there are more) and rates."""
+        times = [r.step_time_s for r in self.records[1:]] or [r.step_time_s for r in self.records]
+        median = statistics.median(times)
+        return {"median_step_time_s": median,
+                "samples_per_s": self.samples_per_step / median,
+                "tokens_per_s": self.samples_per_step * self.tokens_per_sample / median}
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Write JSON so that readers see the old file or the new one, never half of one."""
+    temporary = f"{path}.tmp.{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=2)
+    os.replace(temporary, path)
+
+
+def format_summary(summary: dict) -> str:
+    """The closing table: throughput, time per step and memory per stage."""
+    layout = summary["layout"]
+    lines = [
+        f"run summary ({summary['recipe']} / {summary['model']}, dp={layout['dp']} tp={layout['tp']} "
+        f"pp={layout['pp']}, schedule {summary['schedule']})",
+        f"  steps              {summary['steps']}  (global batch {summary['global_batch_size']}, "
+        f"{summary['num_microbatches']} microbatches)",
+        f"  loss               {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}",
+        f"  time per step      {summary['median_step_time_s'] * 1000:,.1f} ms (median)",
+        f"  throughput         {summary['samples_per_s']:,.1f} samples/s, {summary['tokens_per_s']:,.0f} tokens/s",
+        f"  wall time          {summary['wall_time_s']:,.1f} s",
+        "  memory per stage (MiB, max over the stage's ranks):",
+        "    stage  params(M)  parameters  gradients  optimizer  peak RSS",
+    ]
+    for stage in summary["stages"]:
+        lines.append(
+            f"    {stage['stage']:>5}  {stage['num_parameters'] / 1e6:>9.2f}  {_mib(stage['parameter_bytes']):>10}"
+            f"  {_mib(stage['gradient_bytes']):>9}  {_mib(stage['optimizer_state_bytes']):>9}"
+            f"  {_mib(stage['peak_rss_bytes']):>8}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Cutting a model into pipeline stages."""

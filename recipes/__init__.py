@@ -1,0 +1,1 @@
+"""Ready-to-run, ready-to-copy model recipes for merak."""

@@ -1,0 +1,1 @@
+"""GPT-2 / GPT-3 style causal language models."""

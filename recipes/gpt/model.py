@@ -1,0 +1,31 @@
+"""Model factory: a plain Hugging Face GPT-2 built from a config (random init, no download)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build_model(model_cfg) -> GPT2LMHeadModel:
+    """A GPT2LMHeadModel with the sizes in ``model_cfg`` (conf/model/*.yaml)."""
+    config = GPT2Config(
+        vocab_size=model_cfg.vocab_size,
+        n_positions=model_cfg.seq_length,
+        n_embd=model_cfg.hidden_size,
+        n_layer=model_cfg.num_layers,
+        n_head=model_cfg.num_heads,
+        resid_pdrop=model_cfg.dropout,
+        embd_pdrop=model_cfg.dropout,
+        attn_pdrop=model_cfg.dropout,
+        tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    return GPT2LMHeadModel(config)
+
+
+def causal_lm_loss(logits: torch.Tensor, batch) -> torch.Tensor:
+    """Mean next-token cross-entropy: position t predicts token t + 1."""
+    labels = batch["labels"]
+    shifted_logits = logits[:, :-1, :].reshape(-1, logits.size(-1))
+    return F.cross_entropy(shifted_logits.float(), labels[:, 1:].reshape(-1), ignore_index=-100)

@@ -1,0 +1,16 @@
+"""The gpt recipe as merak sees it."""
+
+from merak.recipe import RecipeSpec
+from recipes.gpt import data, model, parallel
+
+SPEC = RecipeSpec(
+    name="gpt",
+    build_model=model.build_model,
+    build_stages=parallel.build_stages,
+    loss_fn=model.causal_lm_loss,
+    prepare_data=data.prepare,
+    load_dataset=data.load,
+    check_layout=parallel.check_layout,
+    check_data=data.check_data,
+    tokens_per_sample=lambda model_cfg: int(model_cfg.seq_length),
+)
