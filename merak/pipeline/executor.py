@@ -165,8 +165,9 @@ class PipelineExecutor:
         # matching operations one at a time can then never wait on us.
         for op in ops:
             if isinstance(op, ins.SendActivation):
-                payload = pytree.tree_map(_detach, self._step.outputs[op.microbatch])
-                self._post(payload, self.next_rank)
+                # post_send detaches what it transmits; the requires_grad flags it
+                # announces tell the next stage which inputs need gradients back.
+                self._post(self._step.outputs[op.microbatch], self.next_rank)
             elif isinstance(op, ins.SendGrad):
                 self._post(self._step.input_grads.pop(op.microbatch), self.prev_rank)
         for op in ops:
@@ -185,10 +186,6 @@ class PipelineExecutor:
             for work in works:
                 work.wait()
         self._step.pending.clear()
-
-
-def _detach(value):
-    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 class _StepState:

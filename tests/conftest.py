@@ -1,0 +1,43 @@
+"""Shared fixtures: offline settings, the toy GPT config and its prepared data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import merak  # noqa: E402,F401  (applies the torchvision fallback before transformers loads)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """A private data cache, so tests never depend on (or pollute) the user's cache."""
+    path = tmp_path_factory.mktemp("merak-cache")
+    os.environ["MERAK_CACHE_DIR"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def toy_model_cfg():
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(REPO / "recipes/gpt/conf/model/toy.yaml")
+
+
+@pytest.fixture(scope="session")
+def toy_tokens(cache_dir, toy_model_cfg) -> str:
+    """Path of the tokenized offline corpus (python_docs) for the toy model."""
+    from omegaconf import OmegaConf
+
+    from recipes.gpt import data
+
+    data_cfg = OmegaConf.create({"source": "python_docs", "files": None, "text_column": "text",
+                                 "cache_dir": str(cache_dir)})
+    return data.prepare(data_cfg, toy_model_cfg)

@@ -1,0 +1,167 @@
+"""PointToPoint between two gloo processes: pytrees, renegotiation, requires_grad, failures."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from merak.distributed.launch import WorkerFailed, spawn_workers
+from merak.distributed.p2p import PointToPoint
+
+pytestmark = pytest.mark.dist
+
+
+def make_payloads() -> list:
+    """The sequence rank 0 sends; the same function builds the expected values in the test."""
+    g = torch.Generator().manual_seed(0)
+    plain = torch.randn(3, 4, generator=g)
+    mixed = (torch.arange(6, dtype=torch.float64).reshape(2, 3), 7, None, "text")
+
+    def nested(rows: int, offset: int) -> dict:
+        return {
+            "hidden": [torch.randn(rows, 5, generator=g), 3, [1.5, "inner"]],
+            "mask": torch.arange(rows * 2).reshape(rows, 2) % 3 == offset % 3,
+            "ids": torch.arange(rows, dtype=torch.int64) + 2**40 + offset,
+        }
+
+    first = nested(2, 0)
+    reshaped = nested(4, 1)   # same structure, new shapes: a new description
+    same = nested(4, 2)       # same shapes again: no new description, but new values
+    # non-contiguous float with requires_grad, and integer tensors (never requires_grad)
+    grad = (torch.randn(4, 3, generator=g).t().requires_grad_(True), torch.tensor([5, -6], dtype=torch.int32),
+            torch.ones(2))
+    return [plain, mixed, first, reshaped, same, grad]
+
+
+# works per post_send: header (+ description when it changed) + one per tensor
+EXPECTED_WORKS = [3, 3, 5, 5, 4, 5]
+EXPECTED_NEW_DESCRIPTION = [True, True, True, True, False, True]
+
+
+def exchange_worker(out_path: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        rank = dist.get_rank()
+        p2p = PointToPoint(torch.device("cpu"))
+        payloads = make_payloads()
+        if rank == 0:
+            works = []
+            for payload in payloads:
+                pending = p2p.post_send(payload, 1)
+                works.append(len(pending))
+                for work in pending:
+                    work.wait()
+            torch.save({"works": works}, out_path + ".sender")
+        else:
+            received, new_layout, grads = [], [], []
+            previous = None
+            for _ in payloads:
+                got = p2p.recv(0)
+                layout = p2p._recv_channels[0].layout
+                new_layout.append(layout is not previous)
+                previous = layout
+                received.append(got)
+                grads.append([t.requires_grad for t in torch.utils._pytree.tree_leaves(got)
+                              if isinstance(t, torch.Tensor)])
+            torch.save({"received": received, "new_layout": new_layout, "requires_grad": grads}, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def assert_same_tree(got, expected, where="payload"):
+    assert type(got) is type(expected), where
+    if isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype, where
+        assert got.shape == expected.shape, where
+        assert torch.equal(got.detach(), expected.detach()), where
+    elif isinstance(expected, dict):
+        assert list(got) == list(expected), where
+        for key in expected:
+            assert_same_tree(got[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert len(got) == len(expected), where
+        for i, (a, b) in enumerate(zip(got, expected)):
+            assert_same_tree(a, b, f"{where}[{i}]")
+    else:
+        assert got == expected, where
+
+
+@pytest.mark.timeout(120)
+def test_pytree_exchange(tmp_path):
+    out = str(tmp_path / "received.pt")
+    spawn_workers(exchange_worker, world_size=2, args=(out,), start_method="fork")
+    result = torch.load(out, weights_only=False)
+    sender = torch.load(out + ".sender", weights_only=False)
+    expected = make_payloads()
+
+    assert len(result["received"]) == len(expected)
+    for i, (got, want) in enumerate(zip(result["received"], expected)):
+        assert_same_tree(got, want, f"payload {i}")
+
+    # spot checks with literal values
+    plain, mixed, first, reshaped, same, grad = result["received"]
+    assert plain.shape == (3, 4) and plain.dtype == torch.float32
+    assert mixed[1:] == (7, None, "text")
+    assert mixed[0].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert first["mask"].dtype == torch.bool
+    assert first["mask"].tolist() == [[True, False], [False, True]]
+    assert first["ids"].dtype == torch.int64
+    assert first["ids"].tolist() == [2**40, 2**40 + 1]
+    assert first["hidden"][1:] == [3, [1.5, "inner"]]
+    assert reshaped["hidden"][0].shape == (4, 5)
+    assert reshaped["ids"].tolist() == [2**40 + 1 + i for i in range(4)]
+    assert same["ids"].tolist() == [2**40 + 2 + i for i in range(4)]  # fresh values, not stale ones
+    assert not torch.equal(same["hidden"][0], reshaped["hidden"][0])
+    assert grad[1].tolist() == [5, -6]
+
+    # renegotiation: a description travels only when structure/dtype/shape/value changed
+    assert sender["works"] == EXPECTED_WORKS
+    assert result["new_layout"] == EXPECTED_NEW_DESCRIPTION
+
+    # requires_grad survives for the float leaf only
+    assert result["requires_grad"][5] == [True, False, False]
+    assert grad[0].requires_grad and grad[0].is_leaf
+    assert not grad[1].requires_grad
+    for flags in result["requires_grad"][:5]:
+        assert not any(flags)
+
+
+def failing_worker() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if dist.get_rank() == 1:
+        raise ValueError("boom")
+    PointToPoint(torch.device("cpu")).recv(1)  # never satisfied
+
+
+@pytest.mark.timeout(120)
+def test_failing_worker_does_not_hang():
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as info:
+        spawn_workers(failing_worker, world_size=2, start_method="fork")
+    elapsed = time.monotonic() - start
+    assert "boom" in str(info.value)
+    assert "ValueError" in str(info.value)
+    assert "worker 1 failed" in str(info.value)
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+
+
+def exiting_worker() -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if dist.get_rank() == 1:
+        import os
+
+        os._exit(3)
+    PointToPoint(torch.device("cpu")).recv(1)
+
+
+@pytest.mark.timeout(120)
+def test_dying_worker_reports_exit_code():
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed, match="worker 1 died with exit code 3"):
+        spawn_workers(exiting_worker, world_size=2, start_method="fork")
+    assert time.monotonic() - start < 30

@@ -1,0 +1,120 @@
+"""Every layout and schedule trains to the single-process losses and gradients.
+
+One gloo world per layout runs all schedules; the reference is the plain
+Hugging Face model trained in this process on the same global batches with
+the same optimizer, schedule and clipping.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
+from merak.distributed import groups
+from merak.distributed.launch import spawn_workers
+from merak.engine import OptimizerOptions, PipelineEngine
+from merak.optim.schedule import build_lr_scheduler, build_optimizer
+from recipes.gpt import data, model, parallel
+
+pytestmark = pytest.mark.dist
+
+SEED = 1234
+STEPS = 3
+GLOBAL_BATCH = 16
+SCHEDULES = ("1f1b", "ds_default", "gpipe")
+OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0,
+                           lr_scheduler_type="cosine", warmup_steps=1)
+# fp32 sums in a different order: ~1e-7 relative; anything wrong is orders larger.
+LOSS_RTOL = 1e-6
+GRAD_RTOL = 2e-6
+
+
+def _train_layout(out_dir: str, dp: int, pp: int, num_microbatches: int, model_cfg, tokens: str) -> None:
+    torch.set_num_threads(1)
+    state = groups.init(dp=dp, pp=pp, timeout_s=120)
+    micro_batch = GLOBAL_BATCH // (dp * num_microbatches)
+    try:
+        for schedule in SCHEDULES:
+            torch.manual_seed(SEED)
+            full = model.build_model(model_cfg)
+            engine = PipelineEngine(model=full, stages=parallel.build_stages(full, pp), loss_fn=model.causal_lm_loss,
+                                    state=state, schedule=schedule, num_microbatches=num_microbatches,
+                                    total_steps=STEPS, optimizer=OPTIONS)
+            loader = None
+            if state.is_first_stage or state.is_last_stage:
+                dataset = data.load(tokens, model_cfg)
+                plan = BatchPlan(num_samples=len(dataset), micro_batch_size=micro_batch,
+                                 num_microbatches=num_microbatches, dp_size=dp, dp_rank=state.coordinates.dp,
+                                 seed=SEED)
+                loader = MicrobatchLoader(dataset, plan)
+            records = []
+            for step in range(STEPS):
+                result = engine.train_step(loader.load_step(step) if loader else None)
+                grads = {name: p.grad.detach().clone() for name, p in engine.named_parameters()}
+                records.append({"loss": result.loss, "grad_norm": result.grad_norm, "grads": grads})
+            torch.save(records, Path(out_dir) / f"{schedule}-rank{state.rank}.pt")
+    finally:
+        groups.shutdown()
+
+
+def _reference(model_cfg, tokens: str) -> list[dict]:
+    torch.manual_seed(SEED)
+    full = model.build_model(model_cfg)
+    dataset = data.load(tokens, model_cfg)
+    plan = BatchPlan(num_samples=len(dataset), micro_batch_size=GLOBAL_BATCH, num_microbatches=1, seed=SEED)
+    optimizer = build_optimizer(full.named_parameters(), learning_rate=OPTIONS.learning_rate,
+                                weight_decay=OPTIONS.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    scheduler = build_lr_scheduler(optimizer, kind=OPTIONS.lr_scheduler_type, warmup_steps=OPTIONS.warmup_steps,
+                                   total_steps=STEPS)
+    records = []
+    for step in range(STEPS):
+        batch = stack_samples([dataset[i] for i in plan.global_batch(step).tolist()])
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.causal_lm_loss(full(input_ids=batch["input_ids"]).logits, batch)
+        loss.backward()
+        # The exact norm (float64 sums): torch's fp32 norm of a 1.6M-element embedding
+        # is itself ~2e-6 off, more than the parity tolerance.
+        norm = torch.stack([p.grad.double().pow(2).sum() for p in full.parameters()]).sum().sqrt()
+        torch.nn.utils.clip_grads_with_norm_(full.parameters(), OPTIONS.max_grad_norm, norm.float())
+        records.append({"loss": loss.item(), "grad_norm": float(norm),
+                        "grads": {n: p.grad.detach().clone() for n, p in full.named_parameters()}})
+        optimizer.step()
+        scheduler.step()
+    return records
+
+
+@pytest.fixture(scope="module")
+def reference(toy_model_cfg, toy_tokens):
+    return _reference(toy_model_cfg, toy_tokens)
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dp,pp", [(1, 2), (2, 1), (2, 2)])
+def test_layout_matches_single_process(dp, pp, tmp_path, reference, toy_model_cfg, toy_tokens):
+    num_microbatches = 4
+    spawn_workers(_train_layout, world_size=dp * pp,
+                  args=(str(tmp_path), dp, pp, num_microbatches, toy_model_cfg, toy_tokens))
+    # The clipped regime is exercised: the first step's norm exceeds max_grad_norm.
+    assert reference[0]["grad_norm"] > OPTIONS.max_grad_norm
+    for schedule in SCHEDULES:
+        seen = set()
+        for rank in range(dp * pp):
+            records = torch.load(tmp_path / f"{schedule}-rank{rank}.pt")
+            assert len(records) == STEPS
+            for step, (got, want) in enumerate(zip(records, reference)):
+                where = f"{schedule} dp={dp} pp={pp} rank {rank} step {step}"
+                assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), where
+                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=LOSS_RTOL), where
+                for name, grad in got["grads"].items():
+                    error = _relative_error(grad, want["grads"][name])
+                    assert error < GRAD_RTOL, f"{where}: gradient of {name} off by {error:.2e}"
+                    seen.add(name)
+        # Between them, the ranks hold every parameter of the model.
+        assert seen == set(reference[0]["grads"]), schedule

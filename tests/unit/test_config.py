@@ -1,0 +1,212 @@
+"""merak.config.resolve_settings on the real gpt recipe config, composed with Hydra."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import hydra
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from merak.config import ConfigError, resolve_settings
+from merak.distributed.topology import RankGrid
+from recipes.gpt.spec import SPEC
+
+CONF_DIR = str((Path(__file__).resolve().parents[2] / "recipes" / "gpt" / "conf"))
+
+
+def compose(*overrides: str):
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return hydra.compose("train", overrides=list(overrides))
+
+
+def problems_of(*overrides: str, world_size: int | None = None) -> list[str]:
+    cfg = compose(*overrides)
+    with pytest.raises(ConfigError) as info:
+        resolve_settings(SPEC, cfg, world_size=world_size)
+    message = str(info.value)
+    assert message.startswith("invalid configuration:\n  - ")
+    return message.split("\n  - ")[1:]
+
+
+def test_defaults_resolve():
+    settings = resolve_settings(SPEC, compose())
+    assert settings.grid == RankGrid(dp=2, tp=1, pp=2)
+    assert settings.num_microbatches == 4
+    assert settings.trainer.per_device_train_batch_size == 4
+    assert settings.global_batch_size == 4 * 4 * 2
+    assert settings.trainer.learning_rate == pytest.approx(1e-3)
+    assert settings.trainer.lr_scheduler_type == "cosine"
+    assert settings.trainer.train_schedule == "1f1b"
+    assert settings.trainer.max_steps == 60
+    assert settings.launcher.backend == "auto"
+    assert settings.launcher.timeout_s == 600
+    assert settings.model_cfg.name == "demo"
+    assert settings.data_cfg.source == "python_docs"
+
+
+def test_defaults_match_world_size_four():
+    assert resolve_settings(SPEC, compose(), world_size=4).grid.world_size == 4
+
+
+def test_output_dir_passed_through(tmp_path):
+    settings = resolve_settings(SPEC, compose(f"trainer.output_dir={tmp_path}"))
+    assert settings.output_dir == str(tmp_path)
+
+
+def test_overrides_and_parallel_groups():
+    settings = resolve_settings(SPEC, compose("model=toy", "parallel=pp4", "trainer.train_schedule=gpipe"))
+    assert settings.grid == RankGrid(dp=1, tp=1, pp=4)
+    assert settings.model_cfg.name == "toy"
+    assert settings.trainer.train_schedule == "gpipe"
+
+
+def test_dp_zero():
+    problems = problems_of("parallel.dp=0")
+    assert problems == ["parallel.dp=0 must be a positive integer"]
+
+
+def test_tp_not_available():
+    problems = problems_of("parallel.tp=2")
+    assert len(problems) == 1
+    assert problems[0].startswith("parallel.tp=2: tensor parallelism is not available")
+    assert "set parallel.tp=1" in problems[0]
+
+
+def test_fewer_layers_than_stages():
+    problems = problems_of("model=toy", "parallel.pp=8")
+    assert len(problems) == 1
+    assert "model.num_layers=4" in problems[0]
+    assert "parallel.pp=8" in problems[0]
+
+
+def test_heads_not_dividing_hidden_size():
+    problems = problems_of("model.num_heads=3")
+    assert problems == ["model.hidden_size=128 is not divisible by model.num_heads=3"]
+
+
+def test_unknown_train_schedule_lists_valid_names():
+    problems = problems_of("trainer.train_schedule=zigzag")
+    assert len(problems) == 1
+    assert "trainer.train_schedule='zigzag' is unknown" in problems[0]
+    for name in ("1f1b", "ds_default", "gpipe"):
+        assert name in problems[0]
+
+
+def test_unknown_lr_scheduler():
+    problems = problems_of("trainer.lr_scheduler_type=wobbly")
+    assert len(problems) == 1
+    assert "trainer.lr_scheduler_type='wobbly'" in problems[0]
+    assert "cosine" in problems[0]
+
+
+def test_global_batch_size_not_divisible():
+    problems = problems_of("trainer.global_batch_size=30")
+    assert len(problems) == 1
+    assert "trainer.global_batch_size=30" in problems[0]
+    assert "per_device_train_batch_size*dp = 4*2" in problems[0]
+
+
+def test_unknown_trainer_key():
+    problems = problems_of("+trainer.lerning_rate=0.1")
+    assert len(problems) == 1
+    assert problems[0].startswith("trainer.lerning_rate is not a known setting")
+    assert "learning_rate" in problems[0].split("known:")[1]
+
+
+def test_unknown_key_without_plus_fails_at_compose():
+    with pytest.raises(ConfigCompositionException, match="lerning_rate"):
+        compose("trainer.lerning_rate=0.1")
+
+
+def test_missing_data_file(tmp_path):
+    missing = tmp_path / "nope.txt"
+    present = tmp_path / "there.txt"
+    present.write_text("hello\n")
+    problems = problems_of("data=files", f"data.files=[{present},{missing}]")
+    assert problems == [f"data file not found: {missing} (data.files)"]
+
+
+def test_files_source_without_files():
+    problems = problems_of("data=files")
+    assert problems == ["data.source=files needs data.files=[path, ...]"]
+
+
+def test_existing_data_file_is_fine(tmp_path):
+    present = tmp_path / "there.txt"
+    present.write_text("hello\n")
+    settings = resolve_settings(SPEC, compose("data=files", f"data.files=[{present}]"))
+    assert list(settings.data_cfg.files) == [str(present)]
+
+
+def test_world_size_mismatch():
+    problems = problems_of(world_size=3)
+    assert len(problems) == 1
+    assert "parallel.dp*tp*pp = 2*1*2 = 4" in problems[0]
+    assert "started 3 processes" in problems[0]
+
+
+def test_several_problems_all_listed(tmp_path):
+    missing = tmp_path / "absent.csv"
+    problems = problems_of("parallel.tp=2", "model.num_heads=3", "trainer.train_schedule=zigzag",
+                           "+trainer.lerning_rate=1", "trainer.global_batch_size=30",
+                           "data=files", f"data.files=[{missing}]", world_size=3)
+    joined = "\n".join(problems)
+    assert len(problems) == 8, joined
+    for needle in ("trainer.lerning_rate", "parallel.dp*tp*pp = 2*2*2 = 8", "parallel.tp=2: tensor parallelism",
+                   "trainer.train_schedule='zigzag'", "trainer.global_batch_size=30",
+                   "model.hidden_size=128 is not divisible by model.num_heads=3",
+                   "model.num_heads=3 is not divisible by parallel.tp=2", f"data file not found: {missing}"):
+        assert sum(needle in p for p in problems) == 1, needle
+
+
+@pytest.mark.parametrize("overrides,dp,micro,expected", [
+    (("trainer.global_batch_size=64",), 2, 4, 8),
+    (("trainer.global_batch_size=8",), 2, 4, 1),
+    (("parallel=pp2", "trainer.global_batch_size=12"), 1, 4, 3),
+    (("parallel=dp4", "trainer.per_device_train_batch_size=2", "trainer.global_batch_size=24"), 4, 2, 3),
+])
+def test_global_batch_size_derives_microbatches(overrides, dp, micro, expected):
+    settings = resolve_settings(SPEC, compose(*overrides))
+    assert settings.grid.dp == dp
+    assert settings.trainer.per_device_train_batch_size == micro
+    assert settings.num_microbatches == expected
+    assert settings.global_batch_size == micro * expected * dp
+    # gradient_accumulation_steps from train.yaml (4) is superseded
+    assert settings.trainer.gradient_accumulation_steps == 4
+
+
+def test_unknown_model_option_fails_at_compose():
+    with pytest.raises(ConfigCompositionException) as info:
+        compose("model=nope")
+    message = str(info.value)
+    assert "model/nope" in message
+    assert re.search(r"Available options in 'model':\s+demo\s+toy", message)
+
+
+@pytest.mark.xfail(strict=True, reason="library bug: global_batch_size=0 is accepted and gives 0 microbatches")
+def test_zero_global_batch_size_rejected():
+    problems = problems_of("trainer.global_batch_size=0")
+    assert any("trainer.global_batch_size" in p for p in problems)
+
+
+@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
+                   reason="library bug: per_device_train_batch_size=0 with global_batch_size divides by zero")
+def test_zero_micro_batch_with_global_batch_size_is_a_config_error():
+    problems = problems_of("trainer.per_device_train_batch_size=0", "trainer.global_batch_size=16")
+    assert any("trainer.per_device_train_batch_size=0" in p for p in problems)
+
+
+@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
+                   reason="recipe bug: check_layout divides by model.num_heads=0")
+def test_zero_heads_is_a_config_error():
+    problems = problems_of("model.num_heads=0")
+    assert any("model.num_heads=0" in p for p in problems)
+
+
+@pytest.mark.xfail(strict=True, reason="an invalid parallel degree skips check_layout, so model problems "
+                                       "that do not depend on the layout are not listed")
+def test_invalid_degree_does_not_hide_model_problems():
+    problems = problems_of("parallel.dp=0", "model.num_heads=3")
+    assert "model.hidden_size=128 is not divisible by model.num_heads=3" in problems
