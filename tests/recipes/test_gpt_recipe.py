@@ -1,0 +1,119 @@
+"""The gpt recipe end to end through its real train.py: runs, sweeps, errors, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from merak.distributed.launch import free_port
+
+pytestmark = pytest.mark.recipe
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "recipes/gpt/train.py"
+TOY = ["model=toy", "trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=4"]
+
+
+def _env(cache_dir) -> dict:
+    env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _train(args, cache_dir, cwd=REPO, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TRAIN), *args], cwd=cwd, env=_env(cache_dir),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_train_writes_metrics_and_summary(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    # Started from another directory: the shared conf/ must still be found.
+    result = _train([*TOY, "parallel=dp2_pp2", "trainer.max_steps=4", f"hydra.run.dir={run_dir}"],
+                    cache_dir, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for record in metrics:
+        assert {"loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s"} <= set(record)
+        assert record["tokens_per_s"] > 0
+    assert metrics[-1]["loss"] < metrics[0]["loss"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 2}
+    assert summary["steps"] == 4 and summary["global_batch_size"] == 16
+    assert [s["stage"] for s in summary["stages"]] == [0, 1]
+    assert all(s["parameter_bytes"] > 0 and s["peak_rss_bytes"] > 0 for s in summary["stages"])
+    assert summary["final_loss"] == pytest.approx(metrics[-1]["loss"])
+    printed = result.stdout + result.stderr
+    assert "run summary" in printed and "tokens/s" in printed and "peak RSS" in printed
+
+
+@pytest.mark.timeout(300)
+def test_same_losses_single_process_and_pipeline(tmp_path, cache_dir):
+    """Through train.py, one process and dp2 x pp2 print the same loss curve."""
+    runs = {}
+    for name, layout in (("single", ["parallel=single", "trainer.gradient_accumulation_steps=8",
+                                     "trainer.per_device_train_batch_size=2"]),
+                         ("dp2_pp2", ["parallel=dp2_pp2"])):
+        run_dir = tmp_path / name
+        result = _train([*TOY, *layout, "trainer.max_steps=3", f"hydra.run.dir={run_dir}"], cache_dir)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = [m["loss"] for m in _metrics(run_dir)]
+    assert runs["single"] == pytest.approx(runs["dp2_pp2"], rel=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_multirun_sweep_launches_each_job(tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    result = _train(["-m", *TOY, "parallel=pp2,dp2", "trainer.max_steps=2", f"hydra.sweep.dir={sweep}"],
+                    cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    layouts = sorted(json.loads((job / "summary.json").read_text())["layout"]["pp"]
+                     for job in sweep.iterdir() if (job / "summary.json").exists())
+    assert layouts == [1, 2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("overrides,expected", [
+    (["parallel.pp=8"], "model.num_layers=4 is smaller than parallel.pp=8"),
+    (["trainer.train_schedule=zigzag"], "trainer.train_schedule='zigzag' is unknown"),
+    (["model.num_heads=3"], "not divisible by model.num_heads=3"),
+    (["data=files", "data.files=[/nonexistent/train_context.csv]"], "/nonexistent/train_context.csv"),
+    (["model=gpt-unknown"], "Could not find 'model/gpt-unknown'"),
+])
+def test_bad_config_fails_before_workers_start(overrides, expected, tmp_path, cache_dir):
+    started = time.perf_counter()
+    result = _train([*TOY, *overrides, f"hydra.run.dir={tmp_path}"], cache_dir)
+    assert result.returncode != 0
+    printed = result.stdout + result.stderr
+    assert expected in printed
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert time.perf_counter() - started < 60
+
+
+@pytest.mark.timeout(400)
+def test_torchrun_two_nodes_on_localhost(tmp_path, cache_dir):
+    """Two torchrun "nodes" of 2 processes each form one dp2 x pp2 world."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+              "--master_addr", "127.0.0.1", "--master_port", str(port), str(TRAIN), *TOY,
+              "parallel=dp2_pp2", "trainer.max_steps=3", f"hydra.run.dir={run_dir}"]
+    nodes = [subprocess.Popen(common[:3] + ["--node_rank", str(rank)] + common[3:], cwd=REPO, env=_env(cache_dir),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=360)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert json.loads((run_dir / "summary.json").read_text())["layout"] == {"dp": 2, "tp": 1, "pp": 2}
