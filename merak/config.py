@@ -137,7 +137,9 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
         problems.append(f"launcher.backend={launcher.backend!r}; use auto, gloo or nccl")
     _positive_int(launcher.threads_per_rank, "launcher.threads_per_rank", problems)
     num_microbatches = trainer.gradient_accumulation_steps
-    if grid and trainer.global_batch_size is not None:
+    batch_ok = trainer.global_batch_size is None or _positive_int(
+        trainer.global_batch_size, "trainer.global_batch_size", problems)
+    if grid and batch_ok and trainer.global_batch_size is not None and trainer.per_device_train_batch_size > 0:
         per_step = trainer.per_device_train_batch_size * grid.dp
         if trainer.global_batch_size % per_step:
             problems.append(
@@ -146,8 +148,8 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
                 "change one of them")
         else:
             num_microbatches = trainer.global_batch_size // per_step
-    if grid:
-        problems.extend(spec.check_layout(cfg.model, grid.dp, grid.tp, grid.pp))
+    # Model checks run even when the layout is invalid, so every problem is listed at once.
+    problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
     problems.extend(spec.check_data(cfg.data))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))

@@ -47,6 +47,11 @@ class BatchPlan:
         return self.num_samples // self.global_batch_size
 
     def __post_init__(self) -> None:
+        for field in ("micro_batch_size", "num_microbatches", "dp_size"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field}={getattr(self, field)} must be at least 1")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={self.dp_rank} outside 0..{self.dp_size - 1}")
         if self.steps_per_epoch < 1:
             raise ValueError(
                 f"the dataset has {self.num_samples} samples, fewer than one global batch of "

@@ -9,6 +9,7 @@ that worker's traceback: no run is left hanging.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from collections.abc import Callable
 
@@ -18,6 +19,29 @@ import torch.multiprocessing as mp
 
 class WorkerFailed(RuntimeError):
     """A worker process raised or died; the message holds its traceback or exit status."""
+
+
+# Errors a worker hits only because another worker went away first.
+_SECONDARY_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                      "connection refused", "Socket Timeout", "ECONNRESET")
+
+
+def _worker_tracebacks(context) -> dict[int, str]:
+    """Tracebacks of every worker that raised (torch writes them to per-worker files)."""
+    found = {}
+    for index, path in enumerate(context.error_files):
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            with open(path, "rb") as handle:
+                # Written by our own child process a moment ago, not user data.
+                found[index] = pickle.load(handle)
+    return found
+
+
+def _root_cause(tracebacks: dict[int, str], reported: int) -> int:
+    """The worker whose error caused the others: prefer one that is not a lost connection."""
+    primary = [i for i, text in sorted(tracebacks.items())
+               if not any(marker in text for marker in _SECONDARY_MARKERS)]
+    return primary[0] if primary else reported
 
 
 def existing_world_size() -> int | None:
@@ -66,7 +90,11 @@ def spawn_workers(fn: Callable, *, world_size: int, args: tuple = (), start_meth
         while not context.join():
             pass
     except mp.ProcessRaisedException as error:
-        raise WorkerFailed(f"worker {error.error_index} failed:\n{error}") from None
+        tracebacks = _worker_tracebacks(context) or {error.error_index: str(error)}
+        cause = _root_cause(tracebacks, error.error_index)
+        others = sorted(set(tracebacks) - {cause})
+        note = f"\n(workers {others} failed afterwards)" if others else ""
+        raise WorkerFailed(f"worker {cause} failed:\n{tracebacks.get(cause, error)}{note}") from None
     except mp.ProcessExitedException as error:
         raise WorkerFailed(f"worker {error.error_index} died with exit code {error.exit_code}"
                            f"{' (signal ' + error.signal_name + ')' if error.signal_name else ''}") from None

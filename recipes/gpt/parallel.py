@@ -59,6 +59,12 @@ def build_stages(model: nn.Module, num_stages: int) -> list[nn.Module]:
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
     """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
     problems = []
+    for field in ("hidden_size", "num_heads", "num_layers", "seq_length", "vocab_size"):
+        value = model_cfg.get(field)
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"model.{field}={value!r} must be a positive integer")
+    if problems:
+        return problems
     if model_cfg.hidden_size % model_cfg.num_heads:
         problems.append(f"model.hidden_size={model_cfg.hidden_size} is not divisible by "
                         f"model.num_heads={model_cfg.num_heads}")

@@ -189,9 +189,6 @@ def test_dying_worker_reports_exit_code():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="library bug: when the parent notices the failure late, spawn_workers "
-                                       "reports rank 0's secondary 'Connection closed by peer' error instead "
-                                       "of rank 1's original exception")
 def test_original_error_is_reported_even_when_parent_is_late(monkeypatch):
     import merak.distributed.launch as launch
 

@@ -153,13 +153,11 @@ def test_microbatch_loader_custom_collate():
     assert [b["sum"].tolist() for b in batches] == [[1] * 5, [5] * 5]
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: micro_batch_size=0 raises ZeroDivisionError, not ValueError")
 def test_zero_micro_batch_size_is_a_value_error():
     with pytest.raises(ValueError):
         BatchPlan(num_samples=10, micro_batch_size=0, num_microbatches=1)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: dp_rank >= dp_size is accepted and yields empty microbatches")
 def test_dp_rank_out_of_range_is_rejected():
     with pytest.raises(ValueError):
         BatchPlan(num_samples=10, micro_batch_size=1, num_microbatches=1, dp_size=2, dp_rank=2)

@@ -185,28 +185,21 @@ def test_unknown_model_option_fails_at_compose():
     assert re.search(r"Available options in 'model':\s+demo\s+toy", message)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: global_batch_size=0 is accepted and gives 0 microbatches")
 def test_zero_global_batch_size_rejected():
     problems = problems_of("trainer.global_batch_size=0")
     assert any("trainer.global_batch_size" in p for p in problems)
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
-                   reason="library bug: per_device_train_batch_size=0 with global_batch_size divides by zero")
 def test_zero_micro_batch_with_global_batch_size_is_a_config_error():
     problems = problems_of("trainer.per_device_train_batch_size=0", "trainer.global_batch_size=16")
     assert any("trainer.per_device_train_batch_size=0" in p for p in problems)
 
 
-@pytest.mark.xfail(strict=True, raises=ZeroDivisionError,
-                   reason="recipe bug: check_layout divides by model.num_heads=0")
 def test_zero_heads_is_a_config_error():
     problems = problems_of("model.num_heads=0")
     assert any("model.num_heads=0" in p for p in problems)
 
 
-@pytest.mark.xfail(strict=True, reason="an invalid parallel degree skips check_layout, so model problems "
-                                       "that do not depend on the layout are not listed")
 def test_invalid_degree_does_not_hide_model_problems():
     problems = problems_of("parallel.dp=0", "model.num_heads=3")
     assert "model.hidden_size=128 is not divisible by model.num_heads=3" in problems
