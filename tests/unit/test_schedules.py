@@ -269,3 +269,15 @@ def test_render_text_timeline():
     assert render_text_timeline(result, 4) == text
     narrow = render_text_timeline(result, 4, width=30)
     assert all(len(row) <= len("s0 |") + 30 for row in narrow.splitlines())
+
+
+def test_simulate_cli_prints_bubble_and_timeline(capsys):
+    from merak.pipeline.cli import main
+
+    assert main(["--schedule", "1f1b", "--stages", "4", "--microbatches", "8", "--backward", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "makespan 22, bubble 27.3%" in out
+    rows = out.splitlines()[1:]
+    assert [row[:4] for row in rows] == ["s0 |", "s1 |", "s2 |", "s3 |"]
+    assert rows[0].startswith("s0 |F0 F1 F2 F3 .. .. .. B0")
+    assert main(["--stages", "0"]) == 2
