@@ -82,12 +82,12 @@ def run(spec, cfg) -> dict:
 def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> None:
     """The body of one worker: join the grid, build the stage, train, report."""
     torch.set_num_threads(settings.launcher.threads_per_rank)
-    rank = int(os.environ.get("RANK", "0"))
-    _configure_worker_logging(rank)
     trainer = settings.trainer
     grid = settings.grid
     state = groups.init(grid.dp, grid.tp, grid.pp, backend=settings.launcher.backend,
                         timeout_s=settings.launcher.timeout_s)
+    rank = state.rank
+    _configure_worker_logging(rank)
     try:
         started = time.perf_counter()
         torch.manual_seed(trainer.seed)  # every rank builds the same model
