@@ -108,6 +108,9 @@ Instruction = Union[
 
 COMPUTE_TYPES = (Forward, Backward)
 P2P_TYPES = (SendActivation, RecvActivation, SendGrad, RecvGrad)
+MICROBATCH_TYPES = (LoadMicrobatch, Forward, Backward) + P2P_TYPES
+STEP_END_TYPES = (ReduceTiedGrads, ReduceGrads, OptimizerStep)
+INSTRUCTION_TYPES = MICROBATCH_TYPES + (Exchange,) + STEP_END_TYPES
 
 
 def peer_offset(op: P2POp) -> int:

@@ -23,6 +23,8 @@ from typing import Protocol, Sequence
 
 from merak.pipeline.instructions import (
     COMPUTE_TYPES,
+    INSTRUCTION_TYPES,
+    MICROBATCH_TYPES,
     P2P_TYPES,
     Backward,
     Exchange,
@@ -32,8 +34,6 @@ from merak.pipeline.instructions import (
     OptimizerStep,
     RecvActivation,
     RecvGrad,
-    ReduceGrads,
-    ReduceTiedGrads,
     SendActivation,
     SendGrad,
     is_send,
@@ -41,21 +41,8 @@ from merak.pipeline.instructions import (
     p2p_ops,
     peer_offset,
 )
+from merak.pipeline.schedules.common import check_pipeline_args
 
-_KNOWN_TYPES = (
-    LoadMicrobatch,
-    Forward,
-    Backward,
-    SendActivation,
-    RecvActivation,
-    SendGrad,
-    RecvGrad,
-    Exchange,
-    ReduceTiedGrads,
-    ReduceGrads,
-    OptimizerStep,
-)
-_MICROBATCH_TYPES = (LoadMicrobatch, Forward, Backward) + P2P_TYPES
 
 
 class ScheduleError(ValueError):
@@ -137,36 +124,13 @@ class SimulationResult:
     timeline: tuple[TimelineEvent, ...]
 
 
-def check_pipeline_args(stage_id: int, num_stages: int, num_microbatches: int) -> None:
-    """Reject impossible pipeline shapes.
-
-    Args:
-        stage_id: Stage index, ``0 <= stage_id < num_stages``.
-        num_stages: Number of pipeline stages, at least 1.
-        num_microbatches: Number of microbatches per step, at least 1.
-
-    Raises:
-        ValueError: If a number is not an int or out of range; the message quotes the numbers.
-    """
-    values = {"stage_id": stage_id, "num_stages": num_stages, "num_microbatches": num_microbatches}
-    for name, value in values.items():
-        # bool is an int subclass; True stages is surely a caller bug.
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name} must be an int, got {value!r}")
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if not 0 <= stage_id < num_stages:
-        raise ValueError(f"stage_id must be in [0, {num_stages - 1}] for num_stages={num_stages}, got {stage_id}")
-
 
 def _positions(stage_id: int, num_stages: int, num_microbatches: int, instructions: Sequence[Instruction]):
     """Index every microbatch-bearing op by (type, microbatch); check types, ranges and peers."""
     where: dict[tuple[type, int], list[int]] = {}
     others: dict[type, list[int]] = {}
     for idx, instr in enumerate(instructions):
-        if not isinstance(instr, _KNOWN_TYPES):
+        if not isinstance(instr, INSTRUCTION_TYPES):
             raise ScheduleError(f"stage {stage_id}: instruction #{idx} {instr!r} is not an instruction")
         if isinstance(instr, Exchange):
             if not instr.ops or not all(isinstance(op, P2P_TYPES) for op in instr.ops):
@@ -175,7 +139,7 @@ def _positions(stage_id: int, num_stages: int, num_microbatches: int, instructio
                 )
             if len({peer_offset(op) for op in instr.ops}) > 1:
                 raise ScheduleError(f"stage {stage_id}: instruction #{idx} {instr!r} mixes both neighbours")
-        items = p2p_ops(instr) or ((instr,) if isinstance(instr, _MICROBATCH_TYPES) else ())
+        items = p2p_ops(instr) or ((instr,) if isinstance(instr, MICROBATCH_TYPES) else ())
         if not items:
             others.setdefault(type(instr), []).append(idx)
         for item in items:
@@ -301,7 +265,7 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
         for stage in lists
         for instr in stage
         for item in (p2p_ops(instr) or (instr,))
-        if isinstance(item, _MICROBATCH_TYPES)
+        if isinstance(item, MICROBATCH_TYPES)
     ]
     if not microbatches:
         raise ScheduleError("no microbatch instructions in any stage")

@@ -10,20 +10,19 @@ import torch
 from merak.compat.torchvision_ops import nms_reference
 
 
+def _iou(a, b) -> float:
+    width = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    height = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = width * height
+    area_a = (a[2] - a[0]) * (a[3] - a[1])
+    area_b = (b[2] - b[0]) * (b[3] - b[1])
+    return inter / (area_a + area_b - inter)
+
+
 def _brute_force_nms(boxes, scores, threshold):
-    order = sorted(range(len(scores)), key=lambda i: -float(scores[i]))
     keep = []
-    for i in order:
-        ok = True
-        for j in keep:
-            x1 = max(boxes[i][0], boxes[j][0]); y1 = max(boxes[i][1], boxes[j][1])
-            x2 = min(boxes[i][2], boxes[j][2]); y2 = min(boxes[i][3], boxes[j][3])
-            inter = max(0.0, x2 - x1) * max(0.0, y2 - y1)
-            area = lambda b: (b[2] - b[0]) * (b[3] - b[1])  # noqa: E731
-            if inter / (area(boxes[i]) + area(boxes[j]) - inter) > threshold:
-                ok = False
-                break
-        if ok:
+    for i in sorted(range(len(scores)), key=lambda i: -scores[i]):
+        if all(_iou(boxes[i], boxes[j]) <= threshold for j in keep):
             keep.append(i)
     return keep
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from merak.pipeline.instructions import Forward, Instruction, LoadMicrobatch, RecvActivation, SendActivation
+from merak.pipeline.instructions import Instruction
+from merak.pipeline.schedules.common import check_pipeline_args, forward_run
 from merak.pipeline.schedules.ds_default import ds_default_schedule
 from merak.pipeline.schedules.gpipe import gpipe_schedule
 from merak.pipeline.schedules.one_f_one_b import one_f_one_b_schedule
-from merak.pipeline.simulate import check_pipeline_args
 
 ScheduleFn = Callable[[int, int, int], list[Instruction]]
 
@@ -74,13 +74,7 @@ def build_forward_only_schedule(*, stage_id: int, num_stages: int, num_microbatc
     first, last = stage_id == 0, stage_id == num_stages - 1
     out: list[Instruction] = []
     for m in range(num_microbatches):
-        if not first:
-            out.append(RecvActivation(m))
-        if first or last:
-            out.append(LoadMicrobatch(m))
-        out.append(Forward(m))
-        if not last:
-            out.append(SendActivation(m))
+        out += forward_run(m, first=first, last=last)
     return out
 
 

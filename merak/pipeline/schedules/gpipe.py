@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-from merak.pipeline.instructions import (
-    Backward,
-    Forward,
-    Instruction,
-    LoadMicrobatch,
-    OptimizerStep,
-    RecvActivation,
-    RecvGrad,
-    ReduceGrads,
-    ReduceTiedGrads,
-    SendActivation,
-    SendGrad,
-)
-from merak.pipeline.simulate import check_pipeline_args
+from merak.pipeline.instructions import Instruction
+from merak.pipeline.schedules.common import backward_run, check_pipeline_args, end_of_step, forward_run
 
 
 def gpipe_schedule(stage_id: int, num_stages: int, num_microbatches: int) -> list[Instruction]:
@@ -40,18 +28,7 @@ def gpipe_schedule(stage_id: int, num_stages: int, num_microbatches: int) -> lis
     first, last = stage_id == 0, stage_id == num_stages - 1
     out: list[Instruction] = []
     for m in range(num_microbatches):
-        if not first:
-            out.append(RecvActivation(m))
-        if first or last:
-            out.append(LoadMicrobatch(m))
-        out.append(Forward(m))
-        if not last:
-            out.append(SendActivation(m))
+        out += forward_run(m, first=first, last=last)
     for m in range(num_microbatches):
-        if not last:
-            out.append(RecvGrad(m))
-        out.append(Backward(m))
-        if not first:
-            out.append(SendGrad(m))
-    out += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
-    return out
+        out += backward_run(m, first=first, last=last)
+    return out + end_of_step()

@@ -8,15 +8,12 @@ from merak.pipeline.instructions import (
     Forward,
     Instruction,
     LoadMicrobatch,
-    OptimizerStep,
     RecvActivation,
     RecvGrad,
-    ReduceGrads,
-    ReduceTiedGrads,
     SendActivation,
     SendGrad,
 )
-from merak.pipeline.simulate import check_pipeline_args
+from merak.pipeline.schedules.common import backward_run, check_pipeline_args, end_of_step, forward_run
 
 
 def one_f_one_b_schedule(stage_id: int, num_stages: int, num_microbatches: int) -> list[Instruction]:
@@ -48,13 +45,7 @@ def one_f_one_b_schedule(stage_id: int, num_stages: int, num_microbatches: int) 
     steady = num_microbatches - warmup
     out: list[Instruction] = []
     for m in range(warmup):
-        if not first:
-            out.append(RecvActivation(m))
-        if load:
-            out.append(LoadMicrobatch(m))
-        out.append(Forward(m))
-        if not last:
-            out.append(SendActivation(m))
+        out += forward_run(m, first=first, last=last)
     if steady > 0 and not first:
         out.append(RecvActivation(warmup))
     for i in range(steady):
@@ -72,10 +63,6 @@ def one_f_one_b_schedule(stage_id: int, num_stages: int, num_microbatches: int) 
             else:
                 out.append(Exchange((SendGrad(i), RecvActivation(m + 1))))
     for i in range(steady, num_microbatches):
-        if not last:
-            out.append(RecvGrad(i))
-        out.append(Backward(i))
-        if not first:
-            out.append(SendGrad(i))
-    out += [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
+        out += backward_run(i, first=first, last=last)
+    out += end_of_step()
     return out
