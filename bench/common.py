@@ -21,14 +21,14 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
-import merak  # noqa: E402,F401  (makes torchvision importable before transformers is)
+import merak  # noqa: F401  (makes torchvision importable before transformers is)
 
 logger = logging.getLogger("bench")
 
 # A GPT-2 of ~8.4 M parameters (2.1 M of them the tied 8192 x 256 embedding).
-MODEL_DEFAULTS = dict(vocab_size=8192, seq_length=128, hidden_size=256, num_layers=8, num_heads=8)
+MODEL_DEFAULTS = {"vocab_size": 8192, "seq_length": 128, "hidden_size": 256, "num_layers": 8, "num_heads": 8}
 
 
 def setup_logging() -> None:
@@ -103,7 +103,7 @@ def random_batches(model_cfg, *, micro_batch_size: int, num_microbatches: int, c
 class StepTimer:
     """Wall-clock (perf_counter) and CPU (process_time, all threads of the process) of one step."""
 
-    def __enter__(self) -> "StepTimer":
+    def __enter__(self):
         self._wall = time.perf_counter()
         self._cpu = time.process_time()
         return self

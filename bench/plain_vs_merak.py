@@ -26,13 +26,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import common  # noqa: E402  (sets OMP_NUM_THREADS before torch starts threads)
-import torch  # noqa: E402
+import common  # first: sets OMP_NUM_THREADS before torch starts threads)
+import torch
 
-from merak.distributed import groups  # noqa: E402
-from merak.engine import OptimizerOptions, PipelineEngine  # noqa: E402
-from recipes.gpt import parallel  # noqa: E402
-from recipes.gpt.model import causal_lm_loss  # noqa: E402
+from merak.distributed import groups
+from merak.engine import OptimizerOptions, PipelineEngine
+from recipes.gpt import parallel
+from recipes.gpt.model import causal_lm_loss
 
 logger = logging.getLogger("bench.plain_vs_merak")
 
