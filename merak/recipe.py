@@ -11,6 +11,16 @@ import torch
 from torch import nn
 
 
+def no_problems(*_args) -> list[str]:
+    """Default check: nothing to report."""
+    return []
+
+
+def one_token_per_sample(_model_cfg) -> int:
+    """Default for models whose samples are not token sequences."""
+    return 1
+
+
 @dataclass(frozen=True)
 class RecipeSpec:
     """A model family ready to train with merak.run.
@@ -42,9 +52,10 @@ class RecipeSpec:
     loss_fn: Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]
     prepare_data: Callable[[Any, Any], str]
     load_dataset: Callable[[str, Any], Any]
-    check_layout: Callable[[Any, int, int, int], list[str]] = lambda model_cfg, dp, tp, pp: []
-    check_data: Callable[[Any], list[str]] = lambda data_cfg: []
-    tokens_per_sample: Callable[[Any], int] = lambda model_cfg: 1
+    # Module-level functions only (no lambdas): the spec is pickled when workers are spawned.
+    check_layout: Callable[[Any, int, int, int], list[str]] = no_problems
+    check_data: Callable[[Any], list[str]] = no_problems
+    tokens_per_sample: Callable[[Any], int] = one_token_per_sample
 
 
 def load_recipe(name: str) -> RecipeSpec:

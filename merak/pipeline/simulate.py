@@ -44,7 +44,6 @@ from merak.pipeline.instructions import (
 from merak.pipeline.schedules.common import check_pipeline_args
 
 
-
 class ScheduleError(ValueError):
     """A schedule is malformed, pairs the wrong microbatches, or deadlocks."""
 
@@ -122,7 +121,6 @@ class SimulationResult:
     busy: tuple[float, ...]
     bubble_fraction: float
     timeline: tuple[TimelineEvent, ...]
-
 
 
 def _positions(stage_id: int, num_stages: int, num_microbatches: int, instructions: Sequence[Instruction]):

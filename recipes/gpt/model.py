@@ -24,6 +24,11 @@ def build_model(model_cfg) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
+def tokens_per_sample(model_cfg) -> int:
+    """Every sample is one block of ``seq_length`` tokens."""
+    return int(model_cfg.seq_length)
+
+
 def causal_lm_loss(logits: torch.Tensor, batch) -> torch.Tensor:
     """Mean next-token cross-entropy: position t predicts token t + 1."""
     labels = batch["labels"]

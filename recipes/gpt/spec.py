@@ -12,5 +12,5 @@ SPEC = RecipeSpec(
     load_dataset=data.load,
     check_layout=parallel.check_layout,
     check_data=data.check_data,
-    tokens_per_sample=lambda model_cfg: int(model_cfg.seq_length),
+    tokens_per_sample=model.tokens_per_sample,
 )

@@ -74,6 +74,16 @@ def test_same_losses_single_process_and_pipeline(tmp_path, cache_dir):
 
 
 @pytest.mark.timeout(300)
+def test_spawn_start_method(tmp_path, cache_dir):
+    """The start method used with CUDA: workers re-import everything they are given."""
+    run_dir = tmp_path / "run"
+    result = _train([*TOY, "parallel=pp2", "trainer.max_steps=2", "launcher.start_method=spawn",
+                     f"hydra.run.dir={run_dir}"], cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
+
+
+@pytest.mark.timeout(300)
 def test_multirun_sweep_launches_each_job(tmp_path, cache_dir):
     sweep = tmp_path / "sweep"
     result = _train(["-m", *TOY, "parallel=pp2,dp2", "trainer.max_steps=2", f"hydra.sweep.dir={sweep}"],

@@ -203,3 +203,13 @@ def test_zero_heads_is_a_config_error():
 def test_invalid_degree_does_not_hide_model_problems():
     problems = problems_of("parallel.dp=0", "model.num_heads=3")
     assert "model.hidden_size=128 is not divisible by model.num_heads=3" in problems
+
+
+def test_spec_and_settings_survive_pickling_for_spawned_workers():
+    """With the spawn start method (the default with CUDA) both cross a process boundary."""
+    import pickle
+
+    settings = resolve_settings(SPEC, compose())
+    spec_copy, settings_copy = pickle.loads(pickle.dumps((SPEC, settings)))
+    assert spec_copy.tokens_per_sample(settings_copy.model_cfg) == 128
+    assert settings_copy.grid == settings.grid and settings_copy.num_microbatches == 4
