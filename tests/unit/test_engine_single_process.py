@@ -1,0 +1,98 @@
+"""The engine in one process (no process group): accumulation parity and hook calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from merak.distributed import groups
+from merak.engine import OptimizerOptions, PipelineEngine
+from merak.pipeline.hooks import PipelineHook
+from merak.pipeline.stage import StageModule
+
+
+class Recorder(PipelineHook):
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_step_begin(self) -> None:
+        self.events.append("step_begin")
+
+    def on_step_end(self) -> None:
+        self.events.append("step_end")
+
+    def on_instruction_begin(self, name: str) -> None:
+        self.events.append(f"{name}_begin")
+
+    def on_instruction_end(self, name: str) -> None:
+        self.events.append(f"{name}_end")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(6, 12)
+        self.second = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+class Input(nn.Module):
+    def __init__(self, net: Net) -> None:
+        super().__init__()
+        self.first = net.first
+
+    def forward(self, batch):
+        return torch.tanh(self.first(batch["x"]))
+
+
+def loss_fn(output, batch):
+    return F.mse_loss(output, batch["y"])
+
+
+@pytest.fixture
+def single_process():
+    state = groups.init()
+    yield state
+    groups.shutdown()
+
+
+def test_microbatches_accumulate_to_the_full_batch_step(single_process):
+    torch.manual_seed(0)
+    net = Net()
+    reference = Net()
+    reference.load_state_dict(net.state_dict())
+    recorder = Recorder()
+    options = OptimizerOptions(learning_rate=0.1, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1)
+    engine = PipelineEngine(model=net, stages=[StageModule([Input(net), net.second])], loss_fn=loss_fn,
+                            state=single_process, schedule="1f1b", num_microbatches=4, total_steps=3,
+                            optimizer=options, hooks=[recorder])
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(step, 1) * (1 - (step - 1) / 2))
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)
+        microbatches = [{"x": x[i:i + 2], "y": y[i:i + 2]} for i in range(0, 8, 2)]
+        result = engine.train_step(microbatches)
+        optimizer.zero_grad()
+        loss = loss_fn(reference(x), {"y": y})
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        optimizer.step()
+        scheduler.step()
+        assert result.loss == pytest.approx(loss.item(), rel=1e-6)
+        assert result.grad_norm == pytest.approx(norm.item(), rel=1e-5)
+    for (name, got), want in zip(net.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    per_step = ["step_begin"] + ["forward_begin", "forward_end", "backward_begin", "backward_end"] * 4 + ["step_end"]
+    assert recorder.events == per_step * 3
+
+
+def test_stage_count_must_match_pp(single_process):
+    net = Net()
+    with pytest.raises(ValueError, match="got 2 stages for pp=1"):
+        PipelineEngine(model=net, stages=[Input(net), net.second], loss_fn=loss_fn, state=single_process,
+                       schedule="1f1b", num_microbatches=1, total_steps=1)
