@@ -9,6 +9,7 @@ in the run directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -39,6 +40,13 @@ def _steps_per_epoch(settings: RunSettings, num_samples: int) -> int:
     plan = BatchPlan(num_samples=num_samples, micro_batch_size=settings.trainer.per_device_train_batch_size,
                      num_microbatches=settings.num_microbatches, dp_size=settings.grid.dp)
     return plan.steps_per_epoch
+
+
+def _optimizer_options(settings: RunSettings, steps: int) -> OptimizerOptions:
+    """OptimizerOptions from the trainer settings (same field names), warm-up resolved."""
+    names = {field.name for field in dataclasses.fields(OptimizerOptions)}
+    values = {name: getattr(settings.trainer, name) for name in names}
+    return OptimizerOptions(**{**values, "warmup_steps": warmup_steps(settings, steps)})
 
 
 def run(spec, cfg) -> dict:
@@ -96,11 +104,7 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> None
         engine = PipelineEngine(
             model=model, stages=stages, loss_fn=spec.loss_fn, state=state, schedule=trainer.train_schedule,
             num_microbatches=settings.num_microbatches, total_steps=steps,
-            optimizer=OptimizerOptions(
-                learning_rate=trainer.learning_rate, weight_decay=trainer.weight_decay,
-                adam_beta1=trainer.adam_beta1, adam_beta2=trainer.adam_beta2, adam_epsilon=trainer.adam_epsilon,
-                max_grad_norm=trainer.max_grad_norm, lr_scheduler_type=trainer.lr_scheduler_type,
-                warmup_steps=warmup_steps(settings, steps)))
+            optimizer=_optimizer_options(settings, steps))
         del model, stages  # the engine keeps this rank's stage only
         torch.manual_seed(trainer.seed + rank)  # dropout masks differ between ranks
         loader = None
