@@ -55,6 +55,7 @@ class LauncherSettings:
     backend: str = "auto"
     threads_per_rank: int = 1
     timeout_s: float = 600.0
+    keep_freed_memory: bool = True
 
 
 @dataclass(frozen=True)

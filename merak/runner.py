@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from merak.compat.allocator import keep_freed_memory
 from merak.config import ConfigError, RunSettings, resolve_settings, total_steps, warmup_steps
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
@@ -90,6 +91,8 @@ def run(spec, cfg) -> dict:
 def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> None:
     """The body of one worker: join the grid, build the stage, train, report."""
     torch.set_num_threads(settings.launcher.threads_per_rank)
+    if settings.launcher.keep_freed_memory:
+        keep_freed_memory()
     trainer = settings.trainer
     grid = settings.grid
     state = groups.init(grid.dp, grid.tp, grid.pp, backend=settings.launcher.backend,

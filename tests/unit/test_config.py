@@ -39,7 +39,7 @@ def test_defaults_resolve():
     assert settings.trainer.learning_rate == pytest.approx(1e-3)
     assert settings.trainer.lr_scheduler_type == "cosine"
     assert settings.trainer.train_schedule == "1f1b"
-    assert settings.trainer.max_steps == 60
+    assert settings.trainer.max_steps == 80
     assert settings.launcher.backend == "auto"
     assert settings.launcher.timeout_s == 600
     assert settings.model_cfg.name == "demo"
