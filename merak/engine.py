@@ -157,7 +157,9 @@ class PipelineEngine:
         """Mean loss over the global batch, known to every rank."""
         if self.state.grid.world_size == 1:
             return float(local_loss)
-        value = torch.tensor([local_loss if local_loss is not None else 0.0], dtype=torch.float64)
+        # One contribution per data-parallel replica: the last stage's first tensor-parallel rank.
+        counts = local_loss is not None and self.state.coordinates.tp == 0
+        value = torch.tensor([local_loss if counts else 0.0], dtype=torch.float64)
         dist.all_reduce(value)
         return float(value) / self.state.grid.dp
 

@@ -72,24 +72,25 @@ def run(spec, cfg) -> dict:
                 steps, settings.trainer.train_schedule)
     args = (spec, settings, prepared, steps)
     if outside_world is not None or grid.world_size == 1:
-        train_worker(*args)
+        summary = train_worker(*args)  # this process is a worker; only rank 0 gets the summary
+        if summary is None:
+            return {}
     else:
         spawn_workers(train_worker, world_size=grid.world_size, args=args,
                       start_method=settings.launcher.start_method,
                       env={"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS":
                            str(settings.launcher.threads_per_rank)})
-    summary_path = os.path.join(settings.output_dir, "summary.json")
-    if not os.path.exists(summary_path):  # ranks other than 0 under torchrun
-        return {}
-    with open(summary_path, encoding="utf-8") as handle:
-        summary = json.load(handle)
-    if outside_world is None:
-        logger.info("\n%s", format_summary(summary))
+        with open(os.path.join(settings.output_dir, "summary.json"), encoding="utf-8") as handle:
+            summary = json.load(handle)
+    logger.info("\n%s", format_summary(summary))
     return summary
 
 
-def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> None:
-    """The body of one worker: join the grid, build the stage, train, report."""
+def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> dict | None:
+    """The body of one worker: join the grid, build the stage, train, report.
+
+    Returns the run summary on rank 0, None on the other ranks.
+    """
     torch.set_num_threads(settings.launcher.threads_per_rank)
     if settings.launcher.keep_freed_memory:
         keep_freed_memory()
@@ -128,13 +129,14 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> None
             metrics.log_step(step=step + 1, loss=result.loss, lr=result.learning_rate,
                              grad_norm=result.grad_norm, step_time_s=time.perf_counter() - step_start)
         metrics.close()
-        _write_summary(spec, settings, engine, metrics, steps, time.perf_counter() - started, rank)
+        return _write_summary(spec, settings, engine, metrics, steps, time.perf_counter() - started, rank)
     finally:
         groups.shutdown()
 
 
 def _write_summary(spec, settings: RunSettings, engine: PipelineEngine, metrics: MetricsWriter, steps: int,
-                   wall_time_s: float, rank: int) -> None:
+                   wall_time_s: float, rank: int) -> dict | None:
+    """Gather every rank's memory figures; rank 0 writes summary.json and returns the summary."""
     local = {"stage": engine.stage_id, "rank": rank,
              "num_parameters": sum(p.numel() for _, p in engine.named_parameters()),
              "peak_rss_bytes": peak_rss_bytes(), **engine.memory_report()}
@@ -144,7 +146,7 @@ def _write_summary(spec, settings: RunSettings, engine: PipelineEngine, metrics:
     else:
         everyone = [local]
     if rank != 0:
-        return
+        return None
     stages = []
     for stage_id in range(settings.grid.pp):
         rows = [r for r in everyone if r["stage"] == stage_id]
@@ -160,3 +162,4 @@ def _write_summary(spec, settings: RunSettings, engine: PipelineEngine, metrics:
         **metrics.throughput(), "wall_time_s": wall_time_s, "stages": stages,
     }
     write_json_atomic(os.path.join(settings.output_dir, "summary.json"), summary)
+    return summary
