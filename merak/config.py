@@ -128,7 +128,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     if trainer.lr_scheduler_type not in LR_SCHEDULES:
         problems.append(f"trainer.lr_scheduler_type={trainer.lr_scheduler_type!r} is unknown; choose one of "
                         f"{', '.join(LR_SCHEDULES)}")
-    _positive_int(trainer.per_device_train_batch_size, "trainer.per_device_train_batch_size", problems)
+    micro_ok = _positive_int(trainer.per_device_train_batch_size, "trainer.per_device_train_batch_size", problems)
     _positive_int(trainer.gradient_accumulation_steps, "trainer.gradient_accumulation_steps", problems)
     if trainer.max_steps == 0 or (trainer.max_steps < 0 and trainer.num_train_epochs <= 0):
         problems.append("nothing to train: set trainer.max_steps > 0 or trainer.num_train_epochs > 0")
@@ -140,7 +140,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     num_microbatches = trainer.gradient_accumulation_steps
     batch_ok = trainer.global_batch_size is None or _positive_int(
         trainer.global_batch_size, "trainer.global_batch_size", problems)
-    if grid and batch_ok and trainer.global_batch_size is not None and trainer.per_device_train_batch_size > 0:
+    if grid and micro_ok and batch_ok and trainer.global_batch_size is not None:
         per_step = trainer.per_device_train_batch_size * grid.dp
         if trainer.global_batch_size % per_step:
             problems.append(

@@ -1,8 +1,7 @@
-"""RecipeSpec: what a recipe hands to merak.run, and discovery of recipes/*."""
+"""RecipeSpec: what a recipe hands to merak.run."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,11 +56,3 @@ class RecipeSpec:
     check_data: Callable[[Any], list[str]] = no_problems
     tokens_per_sample: Callable[[Any], int] = one_token_per_sample
 
-
-def load_recipe(name: str) -> RecipeSpec:
-    """The SPEC of ``recipes/<name>/spec.py``."""
-    try:
-        module = importlib.import_module(f"recipes.{name}.spec")
-    except ModuleNotFoundError as error:
-        raise ValueError(f"no recipe named {name!r} (looked for recipes/{name}/spec.py)") from error
-    return module.SPEC

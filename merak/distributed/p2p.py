@@ -57,8 +57,6 @@ def _wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
 class Channel:
     """One direction of traffic with one peer; remembers the last description."""
 
-    peer: int
-    group: object = None
     last_description: str | None = None
     layout: dict | None = field(default=None, repr=False)
 
@@ -79,7 +77,7 @@ class PointToPoint:
 
     def _channel(self, table: dict[int, Channel], peer: int) -> Channel:
         if peer not in table:
-            table[peer] = Channel(peer=peer, group=self.group)
+            table[peer] = Channel()
         return table[peer]
 
     def post_send(self, payload, peer: int) -> list:

@@ -41,18 +41,15 @@ def check_pipeline_args(stage_id: int, num_stages: int, num_microbatches: int) -
         raise ValueError(f"stage_id must be in [0, {num_stages - 1}] for num_stages={num_stages}, got {stage_id}")
 
 
-def forward_run(microbatch: int, *, first: bool, last: bool, send: bool = True) -> list[Instruction]:
-    """Receive the input (unless first), load data (first/last), forward, send the output (unless last).
-
-    ``send=False`` leaves the send out, for schedules that batch it with a receive.
-    """
+def forward_run(microbatch: int, *, first: bool, last: bool) -> list[Instruction]:
+    """Receive the input (unless first), load data (first/last), forward, send the output (unless last)."""
     run: list[Instruction] = []
     if not first:
         run.append(RecvActivation(microbatch))
     if first or last:
         run.append(LoadMicrobatch(microbatch))
     run.append(Forward(microbatch))
-    if send and not last:
+    if not last:
         run.append(SendActivation(microbatch))
     return run
 
