@@ -12,7 +12,7 @@ setup: $(STAMP)
 
 # torch goes first and alone: installing it as a dependency of something else
 # would fetch a CUDA build. Everything else is pinned by constraints.txt.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt setup.py merak/shard/_autopipe.cpp
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -c constraints.txt -e ".[dev,vision]"

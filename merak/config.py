@@ -45,6 +45,16 @@ class TrainerSettings:
     warmup_ratio: float = 0.0
     logging_steps: int = 1
     train_schedule: str = "1f1b"
+    # Automatic pipeline splitting (merak.shard.plan.ShardingOptions).
+    trace_method: str | None = "fx"
+    split_method: str = "farthest_min_deps"
+    shard_count: int | None = None
+    custom_split_points: list[str] | None = None
+    partition_method: str = "uniform"
+    custom_partition: list[int] | None = None
+    input_names: list[str] | None = None
+    leaf_modules: list[str] | None = None
+    init_device: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -149,6 +159,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
                 "change one of them")
         else:
             num_microbatches = trainer.global_batch_size // per_step
+    problems.extend(_sharding_problems(spec, trainer, grid))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
     problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
     problems.extend(spec.check_data(cfg.data))
@@ -156,6 +167,52 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     return RunSettings(grid=grid, trainer=trainer, launcher=launcher, model_cfg=cfg.model, data_cfg=cfg.data,
                        output_dir=trainer.output_dir or _default_output_dir(), num_microbatches=num_microbatches)
+
+
+INIT_DEVICES = ("auto", "cpu", "meta")
+
+
+def _sharding_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
+    """Checks of the pipeline-splitting settings that need no model."""
+    from merak.shard.plan import PARTITION_METHODS
+    from merak.shard.split import SPLIT_METHODS
+    from merak.trace.capture import TRACE_METHODS
+
+    problems = []
+    if trainer.trace_method is None:
+        if grid and grid.pp > 1 and spec.build_stages is None:
+            problems.append(f"trainer.trace_method=null with parallel.pp={grid.pp}: without tracing the "
+                            f"recipe must supply stages (RecipeSpec.build_stages); use trace_method=fx")
+    elif trainer.trace_method not in TRACE_METHODS:
+        problems.append(f"trainer.trace_method={trainer.trace_method!r}; choose fx, dynamo or null")
+    if trainer.split_method not in SPLIT_METHODS:
+        problems.append(f"trainer.split_method={trainer.split_method!r}; choose one of {', '.join(SPLIT_METHODS)}")
+    elif trainer.split_method == "layer_split" and not (trainer.custom_split_points or spec.split_points):
+        problems.append("trainer.split_method=layer_split needs trainer.custom_split_points (module names or "
+                        "globs such as 'transformer.h.*'); this recipe has no default split points")
+    if trainer.shard_count is not None:
+        _positive_int(trainer.shard_count, "trainer.shard_count", problems)
+    if trainer.partition_method not in PARTITION_METHODS:
+        problems.append(f"trainer.partition_method={trainer.partition_method!r}; choose one of "
+                        f"{', '.join(PARTITION_METHODS)}")
+    elif trainer.partition_method == "custom":
+        bounds = trainer.custom_partition
+        if not bounds:
+            problems.append("trainer.partition_method=custom needs trainer.custom_partition: pp+1 shard "
+                            "boundaries such as [0, 6, 12]")
+        elif grid and len(bounds) != grid.pp + 1:
+            problems.append(f"trainer.custom_partition must have pp+1 = {grid.pp + 1} entries, got {len(bounds)}")
+        else:
+            disorder = [i for i in range(1, len(bounds)) if bounds[i] <= bounds[i - 1]]
+            if bounds[0] != 0:
+                problems.append(f"trainer.custom_partition must start at 0, got {bounds[0]}")
+            if disorder:
+                i = disorder[0]
+                problems.append(f"trainer.custom_partition is not increasing at position {i}: "
+                                f"{bounds[i - 1]} then {bounds[i]}")
+    if trainer.init_device not in INIT_DEVICES:
+        problems.append(f"trainer.init_device={trainer.init_device!r}; choose one of {', '.join(INIT_DEVICES)}")
+    return problems
 
 
 def total_steps(settings: RunSettings, steps_per_epoch: int) -> int:

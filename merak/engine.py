@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak.distributed.groups import ParallelState
+from merak.distributed.groups import ParallelState, stage_set_group
 from merak.distributed.p2p import PointToPoint
 from merak.optim.clip import clip_gradients, global_grad_norm
 from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_gradients
@@ -84,8 +84,10 @@ class PipelineEngine:
         self.bucket_bytes = bucket_bytes
         names = parameter_names(model)
         self._param_names = [(names[id(p)], p) for p in self.stage.parameters()]
-        self.tied = [t for t in find_tied_parameters(model, stages) if self.stage_id in t.stages]
-        self._check_tied()
+        all_tied = find_tied_parameters(model, stages)
+        # Every rank creates every tie's group, in the same order (group creation is collective).
+        self._tied_groups = {t.stages: stage_set_group(state, t.stages) for t in all_tied}
+        self.tied = [t for t in all_tied if self.stage_id in t.stages]
         tied_names = {t.name for t in self.tied}
         by_name = dict(self._param_names)
         self.tied_params = [by_name[t.name] for t in self.tied]
@@ -117,14 +119,6 @@ class PipelineEngine:
 
     # -- set-up ------------------------------------------------------------------
 
-    def _check_tied(self) -> None:
-        for tied in self.tied:
-            if tied.stages != (0, self.num_stages - 1):
-                raise NotImplementedError(
-                    f"parameter {tied.name} is shared by stages {tied.stages}; merak ties weights "
-                    "between the first and last stage only - move the modules that share it onto those stages"
-                )
-
     def _synchronize_initial_weights(self, tied_names: set[str]) -> None:
         """Start every replica and every tied copy from identical values."""
         state = self.state
@@ -133,10 +127,9 @@ class PipelineEngine:
                 src = state.grid.rank_of(pp=state.coordinates.pp, dp=0, tp=state.coordinates.tp)
                 for _, param in self._param_names:
                     dist.broadcast(param.data, src=src, group=state.dp_group)
-            if self.tied_params:
-                src = state.grid.stage_rank(state.rank, 0)
-                for param in self.tied_params:
-                    dist.broadcast(param.data, src=src, group=state.tied_group)
+            for tied, param in zip(self.tied, self.tied_params):
+                src = state.grid.stage_rank(state.rank, tied.stages[0])
+                dist.broadcast(param.data, src=src, group=self._tied_groups[tied.stages])
 
     # -- step --------------------------------------------------------------------
 
@@ -164,8 +157,11 @@ class PipelineEngine:
         return float(value) / self.state.grid.dp
 
     def _reduce_tied_grads(self) -> None:
-        if self.tied_params:
-            all_reduce_gradients(self.tied_params, group=self.state.tied_group, group_size=2,
+        by_stages: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for tied, param in zip(self.tied, self.tied_params):
+            by_stages.setdefault(tied.stages, []).append(param)
+        for stages, params in by_stages.items():  # same order on every rank: self.tied is sorted by name
+            all_reduce_gradients(params, group=self._tied_groups[stages], group_size=len(stages),
                                  average=False, bucket_bytes=self.bucket_bytes)
 
     def _reduce_grads(self) -> None:

@@ -31,9 +31,7 @@ class RecipeSpec:
         name: recipe name (folder under recipes/).
         build_model: ``(model_cfg) -> nn.Module``, a plain single-device model;
             called after seeding, identically on every rank.
-        build_stages: ``(model, num_stages) -> list[nn.Module]`` cutting the model
-            into pipeline stages (modules shared with the model).
-        loss_fn: ``(last_stage_output, microbatch) -> scalar`` mean loss of a microbatch.
+        loss_fn: ``(model_output, microbatch) -> scalar`` mean loss of a microbatch.
         prepare_data: ``(data_cfg, model_cfg) -> str``: runs once before workers
             start (download, tokenize, cache) and returns what ``load_dataset`` needs.
         load_dataset: ``(prepared, model_cfg) -> dataset`` with ``__len__`` and
@@ -43,11 +41,17 @@ class RecipeSpec:
         check_data: ``(data_cfg) -> list[str]`` of problems visible before reading
             the data (missing files, unknown source).
         tokens_per_sample: ``(model_cfg) -> int`` for throughput in tokens/s.
+        example_inputs: ``(model_cfg, micro_batch_size) -> dict of tensors`` shaped like
+            a microbatch, for graph capture (default: the first samples of the data).
+        input_names: the model's forward arguments fed from the microbatch.
+        leaf_modules: module classes, class names or qualified names kept whole when tracing.
+        split_points: default ``layer_split`` points, module-name globs (``transformer.h.*``).
+        build_stages: ``(model, num_stages) -> list[nn.Module]``: hand-made stages, used
+            only with ``trace_method=None`` (default: automatic capture and sharding).
     """
 
     name: str
     build_model: Callable[[Any], nn.Module]
-    build_stages: Callable[[nn.Module, int], Sequence[nn.Module]]
     loss_fn: Callable[[Any, Mapping[str, torch.Tensor]], torch.Tensor]
     prepare_data: Callable[[Any, Any], str]
     load_dataset: Callable[[str, Any], Any]
@@ -55,4 +59,9 @@ class RecipeSpec:
     check_layout: Callable[[Any, int, int, int], list[str]] = no_problems
     check_data: Callable[[Any], list[str]] = no_problems
     tokens_per_sample: Callable[[Any], int] = one_token_per_sample
+    example_inputs: Callable[[Any, int], Mapping[str, torch.Tensor]] | None = None
+    input_names: tuple[str, ...] | None = None
+    leaf_modules: tuple = ()
+    split_points: tuple[str, ...] = ()
+    build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None
 

@@ -121,3 +121,30 @@ def format_summary(summary: dict) -> str:
             f"  {_mib(stage['gradient_bytes']):>9}  {_mib(stage['optimizer_state_bytes']):>9}"
             f"  {_mib(stage['peak_rss_bytes']):>8}")
     return "\n".join(lines)
+
+
+def _human(count: float, unit: str = "") -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(count) >= scale:
+            return f"{count / scale:.2f}{suffix}{unit}"
+    return f"{count:.0f}{unit}"
+
+
+def format_partition(report: dict) -> str:
+    """The dry-run table: per stage its modules, parameters, FLOPs, what it sends and estimated memory."""
+    layout = report["layout"]
+    lines = [f"pipeline plan ({report['recipe']} / {report['model']}, pp={layout['pp']}): captured with "
+             f"{report['trace_method']}, {report['num_shards']} shards by {report['split_method']}, "
+             f"stages by {report['partition_method']}, boundaries {report['boundaries']}"]
+    lines += [f"  note: {note}" for note in report.get("notes", [])]
+    lines.append(f"{'stage':>5} {'shards':>9} {'params':>9} {'fwd FLOPs':>10} {'est. mem':>9}  modules / sends")
+    for stage in report["stages"]:
+        first, last = stage["shards"]
+        modules = stage["modules"]
+        shown = ", ".join(modules[:3]) + (f", ... ({len(modules)} modules)" if len(modules) > 3 else "")
+        lines.append(f"{stage['stage']:>5} {f'{first}-{last - 1}':>9} {_human(stage['num_parameters']):>9} "
+                     f"{_human(stage['forward_flops']):>10} {_human(stage['estimated_memory_bytes'], 'B'):>9}  "
+                     f"{shown}")
+        if stage["sends"]:
+            lines.append(f"{'':>47}sends {', '.join(f'{k}: {v}' for k, v in stage['sends'].items())}")
+    return "\n".join(lines)

@@ -10,6 +10,7 @@ in the run directory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -18,13 +19,18 @@ import time
 import torch
 import torch.distributed as dist
 
+from merak.assemble import assemble
 from merak.compat.allocator import keep_freed_memory
 from merak.config import ConfigError, RunSettings, resolve_settings, total_steps, warmup_steps
-from merak.data.batching import BatchPlan, MicrobatchLoader
+from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
 from merak.distributed import groups
 from merak.distributed.launch import existing_world_size, spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
-from merak.report import MetricsWriter, format_summary, peak_rss_bytes, write_json_atomic
+from merak.report import MetricsWriter, format_partition, format_summary, peak_rss_bytes, write_json_atomic
+from merak.shard.partition import PartitionError
+from merak.shard.plan import ShardingOptions
+from merak.shard.split import ShardingError
+from merak.trace.capture import TraceError
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,10 @@ def run(spec, cfg) -> dict:
     except ValueError as error:
         raise ConfigError(f"invalid configuration:\n  - {error}") from None
     os.makedirs(settings.output_dir, exist_ok=True)
+    if cfg.get("dry_run"):
+        return dry_run(spec, settings, prepared)
+    if settings.trainer.trace_method is not None and settings.grid.pp > 1:
+        del plan_before_launch(spec, settings, prepared).model  # workers plan again, identically
     grid = settings.grid
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
                 spec.name, settings.model_cfg.get("name", "?"), grid.dp, grid.tp, grid.pp, grid.world_size,
@@ -86,6 +96,62 @@ def run(spec, cfg) -> dict:
     return summary
 
 
+def sharding_options(spec, settings: RunSettings) -> ShardingOptions:
+    """Capture/shard/partition options: the trainer settings over the recipe's defaults."""
+    trainer = settings.trainer
+    return ShardingOptions(
+        trace_method=trainer.trace_method, split_method=trainer.split_method, shard_count=trainer.shard_count,
+        split_points=tuple(trainer.custom_split_points or spec.split_points),
+        partition_method=trainer.partition_method,
+        custom_partition=tuple(trainer.custom_partition) if trainer.custom_partition else None,
+        leaf_modules=tuple(spec.leaf_modules) + tuple(trainer.leaf_modules or ()),
+        input_names=tuple(trainer.input_names or spec.input_names or ()) or None)
+
+
+def example_inputs(spec, settings: RunSettings, prepared: str) -> dict[str, torch.Tensor]:
+    """One microbatch-shaped input: from the recipe's config shapes, else the first samples of the data."""
+    size = settings.trainer.per_device_train_batch_size
+    if spec.example_inputs is not None:
+        return dict(spec.example_inputs(settings.model_cfg, size))
+    dataset = spec.load_dataset(prepared, settings.model_cfg)
+    return stack_samples([dataset[i] for i in range(min(size, len(dataset)))])
+
+
+def _assemble(spec, settings: RunSettings, prepared: str, *, stage_id: int, device, planning: bool = False):
+    """This worker's model and stages; ``planning``: on the meta device, nothing materialized."""
+    return assemble(
+        build=functools.partial(spec.build_model, settings.model_cfg), seed=settings.trainer.seed,
+        init_device="meta" if planning else settings.trainer.init_device, options=sharding_options(spec, settings),
+        num_stages=settings.grid.pp, num_microbatches=settings.num_microbatches, stage_id=stage_id,
+        device=device, example_inputs=example_inputs(spec, settings, prepared), build_stages=spec.build_stages,
+        materialize_stage=not planning)
+
+
+def plan_before_launch(spec, settings: RunSettings, prepared: str):
+    """Capture, shard and partition on the meta device in this process, so impossible splits fail
+    before any worker starts. Returns the assembled (weightless) model and plan."""
+    try:
+        return _assemble(spec, settings, prepared, stage_id=0, device=torch.device("cpu"), planning=True)
+    except (TraceError, ShardingError, PartitionError) as error:
+        raise ConfigError(f"invalid configuration:\n  - {error}") from error
+
+
+def dry_run(spec, settings: RunSettings, prepared: str) -> dict:
+    """Build, capture, shard and partition in this process; report and write partition.json; no training."""
+    started = time.perf_counter()
+    built = plan_before_launch(spec, settings, prepared)
+    if built.plan is None:
+        raise ConfigError("dry_run needs a captured graph: set trainer.trace_method to fx or dynamo")
+    report = {"recipe": spec.name, "model": settings.model_cfg.get("name", "?"),
+              "layout": {"dp": settings.grid.dp, "tp": settings.grid.tp, "pp": settings.grid.pp},
+              "built_on_meta": built.on_meta, **built.plan.to_json(),
+              "seconds": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak_rss_bytes()}
+    path = os.path.join(settings.output_dir, "partition.json")
+    write_json_atomic(path, report)
+    logger.info("\n%s\nwrote %s", format_partition(report), path)
+    return report
+
+
 def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> dict | None:
     """The body of one worker: join the grid, build the stage, train, report.
 
@@ -102,14 +168,12 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> dict
     _configure_worker_logging(rank)
     try:
         started = time.perf_counter()
-        torch.manual_seed(trainer.seed)  # every rank builds the same model
-        model = spec.build_model(settings.model_cfg)
-        stages = spec.build_stages(model, grid.pp)
+        built = _assemble(spec, settings, prepared, stage_id=state.coordinates.pp, device=state.device)
         engine = PipelineEngine(
-            model=model, stages=stages, loss_fn=spec.loss_fn, state=state, schedule=trainer.train_schedule,
-            num_microbatches=settings.num_microbatches, total_steps=steps,
+            model=built.model, stages=built.stages, loss_fn=spec.loss_fn, state=state,
+            schedule=trainer.train_schedule, num_microbatches=settings.num_microbatches, total_steps=steps,
             optimizer=_optimizer_options(settings, steps))
-        del model, stages  # the engine keeps this rank's stage only
+        del built  # the engine keeps this rank's stage only
         torch.manual_seed(trainer.seed + rank)  # dropout masks differ between ranks
         loader = None
         if state.is_first_stage or state.is_last_stage:  # only they consume data

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ class ParallelState:
     dp_group: object = None
     tp_group: object = None
     model_parallel_group: object = None
-    tied_group: object = None  # first and last stage of this rank's (dp, tp) slice
+    stage_set_groups: dict = field(default_factory=dict)  # see stage_set_group
 
     @property
     def is_first_stage(self) -> bool:
@@ -139,12 +139,23 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, *, backend: str | None = None,
         state.dp_group = _new_groups(grid.axis_groups("dp"), rank)
         state.tp_group = _new_groups(grid.axis_groups("tp"), rank)
         state.model_parallel_group = _new_groups(grid.model_parallel_groups(), rank)
-        if grid.pp > 1:
-            tied = [[group[0], group[-1]] for group in grid.axis_groups("pp")]
-            state.tied_group = _new_groups(tied, rank)
     _STATE = state
     logger.debug("rank %d at %s (backend %s)", rank, state.coordinates, chosen)
     return state
+
+
+def stage_set_group(state: ParallelState, stages: tuple[int, ...]):
+    """The group of this rank's (dp, tp) slice on pipeline stages ``stages`` (e.g. to sum tied gradients).
+
+    Collective: every rank must call it for the same stage sets in the same
+    order, including ranks outside ``stages`` (they get None). Groups are cached.
+    """
+    if stages not in state.stage_set_groups:
+        if len(set(stages)) < 2 or not dist.is_initialized():
+            raise ValueError(f"a stage-set group needs two or more stages in a process group, got {stages}")
+        rank_lists = [[group[s] for s in stages] for group in state.grid.axis_groups("pp")]
+        state.stage_set_groups[stages] = _new_groups(rank_lists, state.rank)
+    return state.stage_set_groups[stages]
 
 
 def get_state() -> ParallelState:

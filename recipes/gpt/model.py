@@ -29,8 +29,12 @@ def tokens_per_sample(model_cfg) -> int:
     return int(model_cfg.seq_length)
 
 
-def causal_lm_loss(logits: torch.Tensor, batch) -> torch.Tensor:
-    """Mean next-token cross-entropy: position t predicts token t + 1."""
+def causal_lm_loss(output, batch) -> torch.Tensor:
+    """Mean next-token cross-entropy: position t predicts token t + 1.
+
+    ``output`` is the model's output (a ModelOutput with ``logits``) or the logits.
+    """
+    logits = output if isinstance(output, torch.Tensor) else output["logits"]
     labels = batch["labels"]
     shifted_logits = logits[:, :-1, :].reshape(-1, logits.size(-1))
     return F.cross_entropy(shifted_logits.float(), labels[:, 1:].reshape(-1), ignore_index=-100)

@@ -6,11 +6,13 @@ from recipes.gpt import data, model, parallel
 SPEC = RecipeSpec(
     name="gpt",
     build_model=model.build_model,
-    build_stages=parallel.build_stages,
     loss_fn=model.causal_lm_loss,
     prepare_data=data.prepare,
     load_dataset=data.load,
     check_layout=parallel.check_layout,
     check_data=data.check_data,
     tokens_per_sample=model.tokens_per_sample,
+    example_inputs=parallel.example_inputs,
+    input_names=parallel.INPUT_NAMES,
+    split_points=parallel.SPLIT_POINTS,
 )

@@ -12,11 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import functools
+
+from merak.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
 from merak.optim.schedule import build_lr_scheduler, build_optimizer
+from merak.shard.plan import ShardingOptions
 from recipes.gpt import data, model, parallel
 
 pytestmark = pytest.mark.dist
@@ -27,6 +31,13 @@ GLOBAL_BATCH = 16
 SCHEDULES = ("1f1b", "ds_default", "gpipe")
 OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0,
                            lr_scheduler_type="cosine", warmup_steps=1)
+# Each layout also exercises a different split and partition method.
+SHARDING = {
+    (1, 2): ShardingOptions(split_method="farthest_min_deps", partition_method="uniform"),
+    (2, 1): ShardingOptions(split_method="nearest_min_deps", partition_method="parameters"),
+    (2, 2): ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS,
+                            partition_method="autopipe"),
+}
 # fp32 sums in a different order: ~1e-7 relative; anything wrong is orders larger.
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 2e-6
@@ -38,9 +49,12 @@ def _train_layout(out_dir: str, dp: int, pp: int, num_microbatches: int, model_c
     micro_batch = GLOBAL_BATCH // (dp * num_microbatches)
     try:
         for schedule in SCHEDULES:
-            torch.manual_seed(SEED)
-            full = model.build_model(model_cfg)
-            engine = PipelineEngine(model=full, stages=parallel.build_stages(full, pp), loss_fn=model.causal_lm_loss,
+            # Stages come from the automatic path: captured, sharded, partitioned.
+            built = assemble(build=functools.partial(model.build_model, model_cfg), seed=SEED, init_device="cpu",
+                             options=SHARDING[(dp, pp)], num_stages=pp, num_microbatches=num_microbatches,
+                             stage_id=state.coordinates.pp, device=state.device,
+                             example_inputs=parallel.example_inputs(model_cfg, micro_batch))
+            engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss,
                                     state=state, schedule=schedule, num_microbatches=num_microbatches,
                                     total_steps=STEPS, optimizer=OPTIONS)
             loader = None

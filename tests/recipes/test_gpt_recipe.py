@@ -96,7 +96,7 @@ def test_multirun_sweep_launches_each_job(tmp_path, cache_dir):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("overrides,expected", [
-    (["parallel.pp=8"], "model.num_layers=4 is smaller than parallel.pp=8"),
+    (["parallel.pp=8", "trainer.split_method=layer_split"], "only 5 shards for pp=8 stages"),
     (["trainer.train_schedule=zigzag"], "trainer.train_schedule='zigzag' is unknown"),
     (["model.num_heads=3"], "not divisible by model.num_heads=3"),
     (["data=files", "data.files=[/nonexistent/train_context.csv]"], "/nonexistent/train_context.csv"),

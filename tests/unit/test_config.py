@@ -11,6 +11,7 @@ from hydra.errors import ConfigCompositionException
 
 from merak.config import ConfigError, resolve_settings
 from merak.distributed.topology import RankGrid
+from merak.runner import plan_before_launch
 from recipes.gpt.spec import SPEC
 
 CONF_DIR = str((Path(__file__).resolve().parents[2] / "recipes" / "gpt" / "conf"))
@@ -74,11 +75,33 @@ def test_tp_not_available():
     assert "set parallel.tp=1" in problems[0]
 
 
-def test_fewer_layers_than_stages():
-    problems = problems_of("model=toy", "parallel.pp=8")
-    assert len(problems) == 1
-    assert "model.num_layers=4" in problems[0]
-    assert "parallel.pp=8" in problems[0]
+def test_more_stages_than_shards_fails_before_launch():
+    settings = resolve_settings(SPEC, compose("model=toy", "parallel=pp4", "parallel.pp=8",
+                                              "trainer.split_method=layer_split"))
+    with pytest.raises(ConfigError, match=r"only 5 shards for pp=8 stages: raise shard_count"):
+        plan_before_launch(SPEC, settings, prepared="")
+
+
+def test_custom_partition_checked_against_shards_before_launch():
+    settings = resolve_settings(SPEC, compose("model=toy", "parallel=pp2", "trainer.split_method=layer_split",
+                                              "trainer.partition_method=custom",
+                                              "trainer.custom_partition=[0,3,9]"))
+    with pytest.raises(ConfigError, match="must end at the number of shards 5, got 9"):
+        plan_before_launch(SPEC, settings, prepared="")
+
+
+def test_sharding_settings_are_checked():
+    problems = problems_of("trainer.trace_method=jit", "trainer.split_method=halves",
+                           "trainer.partition_method=custom", "trainer.shard_count=0")
+    assert any("trainer.trace_method='jit'" in p for p in problems)
+    assert any("trainer.split_method='halves'" in p for p in problems)
+    assert any("partition_method=custom needs trainer.custom_partition" in p for p in problems)
+    assert any("trainer.shard_count=0" in p for p in problems)
+    problems = problems_of("trainer.partition_method=custom", "trainer.custom_partition=[0,4,4]")
+    assert problems == ["trainer.custom_partition is not increasing at position 2: 4 then 4"]
+    problems = problems_of("trainer.trace_method=null")
+    assert problems == ["trainer.trace_method=null with parallel.pp=2: without tracing the recipe must supply "
+                        "stages (RecipeSpec.build_stages); use trace_method=fx"]
 
 
 def test_heads_not_dividing_hidden_size():

@@ -1,0 +1,148 @@
+"""Build the model and the pipeline stages of one worker.
+
+Three ways to get stages, chosen by ``trace_method``:
+
+- ``'fx'`` / ``'dynamo'``: capture the unmodified model, shard and partition it
+  automatically (merak.shard.plan);
+- ``None`` with hand-made stages: the caller's ``build_stages(model, pp)``;
+- ``None`` with one stage: the whole model, called with the microbatch's inputs.
+
+Models too large to build on every worker (``init_device='meta'``, or
+``'auto'`` above ``META_THRESHOLD_PARAMS``) are built on the meta device,
+planned without weights, and only this worker's stage is materialized.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from merak.pipeline.stage import StageModule
+from merak.shard.plan import PipelinePlan, ShardingOptions, plan_pipeline
+from merak.trace.meta import InitFn, default_init, materialize, parameters_on_meta
+
+logger = logging.getLogger(__name__)
+
+# Above this many parameters (4 GB in fp32) 'auto' builds on the meta device. The rule depends on the
+# model only, never on the layout, so every layout of a model initializes it the same way.
+META_THRESHOLD_PARAMS = 1_000_000_000
+
+
+@dataclass
+class Assembled:
+    """A worker's model (possibly mostly on meta), all stages, and the plan when one was made."""
+
+    model: nn.Module
+    stages: list[nn.Module]
+    plan: PipelinePlan | None
+    on_meta: bool
+
+
+class CallModel(nn.Module):
+    """The whole model as one stage: ``model(**inputs)`` with the named microbatch fields."""
+
+    def __init__(self, model: nn.Module, input_names: Sequence[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.input_names = list(input_names)
+
+    def forward(self, batch):
+        return self.model(**{name: batch[name] for name in self.input_names})
+
+
+def build_model(build: Callable[[], nn.Module], *, seed: int, init_device: str) -> tuple[nn.Module, bool]:
+    """Build the model with ``seed``; returns (model, on_meta).
+
+    ``'auto'`` first builds on meta (no memory) to count parameters, then
+    rebuilds for real when the model is small enough.
+    """
+    if init_device in ("auto", "meta"):
+        torch.manual_seed(seed)
+        with parameters_on_meta():
+            model = build()
+        count = sum(p.numel() for p in model.parameters())
+        if init_device == "meta" or count > META_THRESHOLD_PARAMS:
+            logger.info("built %s on the meta device (%.2f B parameters)", type(model).__name__, count / 1e9)
+            return model, True
+        del model
+    torch.manual_seed(seed)
+    return build(), False
+
+
+def default_input_names(model: nn.Module, example: Mapping[str, torch.Tensor]) -> list[str]:
+    """The microbatch fields the model's forward accepts, labels excluded (the loss is merak's)."""
+    from merak.trace.capture import forward_parameter_names
+
+    accepted = set(forward_parameter_names(model))
+    names = [k for k in example if k in accepted and k not in ("labels", "label")]
+    if not names:
+        raise ValueError(f"none of the microbatch fields {sorted(example)} is an argument of "
+                         f"{type(model).__name__}.forward; set input_names")
+    return names
+
+
+def retarget_devices(module: nn.Module, device: torch.device) -> None:
+    """Point device arguments that a meta-device capture baked into graphs at ``device``."""
+    meta = torch.device("meta")
+
+    def swap(value):
+        return device if isinstance(value, torch.device) and value == meta else value
+
+    for graph_module in module.modules():
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        changed = False
+        for node in graph_module.graph.nodes:
+            args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            graph_module.recompile()
+
+
+def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, options: ShardingOptions,
+             num_stages: int, num_microbatches: int, stage_id: int, device: torch.device,
+             example_inputs: Mapping[str, torch.Tensor],
+             build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None,
+             init: InitFn = default_init, materialize_stage: bool = True) -> Assembled:
+    """The model and every stage for the worker running ``stage_id``.
+
+    Args:
+        build: builds the plain model (called after seeding).
+        seed: the run seed (weights are identical on every rank and layout).
+        init_device: ``'auto'``, ``'cpu'`` or ``'meta'``.
+        options: capture/shard/partition settings; ``trace_method=None`` disables capture.
+        example_inputs: one microbatch-shaped input dict (graphs are specialized to its shapes).
+        build_stages: hand-made stages for ``trace_method=None`` and several stages.
+        init: initializes one module of a meta-built model.
+        materialize_stage: False only for planning (dry run): weights stay on meta.
+    """
+    model, on_meta = build_model(build, seed=seed, init_device=init_device)
+    model.train()
+    input_names = list(options.input_names or default_input_names(model, example_inputs))
+    plan = None
+    if options.trace_method is None:
+        if build_stages is not None:
+            stages = list(build_stages(model, num_stages))
+        elif num_stages == 1:
+            stages = [StageModule([CallModel(model, input_names)])]
+        else:
+            raise ValueError("trace_method=None needs build_stages for more than one pipeline stage")
+    else:
+        examples = {name: example_inputs[name] for name in input_names}
+        if on_meta:
+            examples = {k: v.to("meta") for k, v in examples.items()}
+        plan = plan_pipeline(model, examples, num_stages=num_stages, num_microbatches=num_microbatches,
+                             options=ShardingOptions(**{**vars(options), "input_names": tuple(input_names)}))
+        stages = plan.stages()
+    if on_meta and materialize_stage:
+        owned = list({id(p): p for p in stages[stage_id].parameters()}.values())
+        count = materialize(model, owned, seed=seed, device=device, init=init)
+        retarget_devices(stages[stage_id], torch.device(device))
+        logger.info("materialized stage %d: %.3f B parameters", stage_id, count / 1e9)
+    return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta)

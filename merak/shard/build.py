@@ -1,0 +1,80 @@
+"""Turn cut positions into runnable shards.
+
+Each shard is a ``torch.fx.GraphModule`` with one argument, the incoming
+payload (a dict: model inputs by name for the first shard, crossing values by
+node name after that), and returns the dict of values crossing its end; the
+last shard returns the model's output. Values a later shard needs are passed
+through every shard in between. Parameters are shared with the captured module
+(never copied), so tied weights stay one object.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from merak.shard.graph import GraphUnits
+
+
+class RebuildOutput(nn.Module):
+    """Rebuilds the model's output structure (e.g. a ModelOutput) from an exported graph's flat outputs."""
+
+    def __init__(self, spec: pytree.TreeSpec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, flat):
+        return pytree.tree_unflatten(list(flat), self.spec)
+
+
+def _key(node: fx.Node, input_names: dict[fx.Node, str]) -> str:
+    return input_names.get(node, node.name)
+
+
+def build_shards(units: GraphUnits, cuts: Sequence[int]) -> list[fx.GraphModule]:
+    """One GraphModule per shard for the given cut positions."""
+    captured = units.captured
+    input_names = dict(zip(units.placeholders, captured.input_names))
+    bounds = [0, *cuts, len(units)]
+    shards = []
+    for index in range(len(bounds) - 1):
+        start, stop = bounds[index], bounds[index + 1]
+        graph = fx.Graph()
+        payload = graph.placeholder("payload")
+        env: dict[fx.Node, fx.Node] = {}
+        incoming = units.placeholders if index == 0 else units.crossing_values(start)
+        for value in incoming:
+            if index == 0 and not value.users:
+                continue
+            env[value] = graph.call_function(operator.getitem, (payload, _key(value, input_names)))
+            env[value].meta = dict(value.meta)
+
+        def lookup(node: fx.Node) -> fx.Node:
+            if node not in env:  # attributes are copied into every shard that reads them
+                if node.op != "get_attr":
+                    raise AssertionError(f"value {node.name} is not available in shard {index}")
+                env[node] = graph.node_copy(node)
+            return env[node]
+
+        for unit in units.units[start:stop]:
+            for node in unit.nodes:
+                env[node] = graph.node_copy(node, lookup)
+        if stop == len(units):
+            graph.output(fx.map_arg(units.output_node.args[0], lookup))
+        else:
+            graph.output({_key(v, input_names): env[v] for v in units.crossing_values(stop)})
+        shards.append(fx.GraphModule(captured.module, graph, f"Shard{index}"))
+    return shards
+
+
+def shard_modules(units: GraphUnits, cuts: Sequence[int]) -> list[nn.Module]:
+    """The shards as a module list; an export capture's last shard also rebuilds the output structure."""
+    shards: list[nn.Module] = list(build_shards(units, cuts))
+    spec = units.captured.output_spec
+    if spec is not None:
+        shards[-1] = nn.Sequential(shards[-1], RebuildOutput(spec))
+    return shards

@@ -1,0 +1,229 @@
+"""From an unmodified model to pipeline stages: capture, shard, measure, partition.
+
+``plan_pipeline`` is the whole automatic path; it allocates nothing for a
+model built on the meta device (shapes and FLOPs are measured on meta
+tensors), so every rank can plan a giant model and then materialize only its
+own stage (``PipelinePlan.stage_parameters``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from merak.pipeline.stage import StageModule
+from merak.shard import partition as part
+from merak.shard.autopipe import autopipe_boundaries
+from merak.shard.build import shard_modules
+from merak.shard.graph import GraphUnits
+from merak.shard.split import ShardingError, split_units
+from merak.trace.capture import capture
+from merak.trace.meta import buffers_on_meta
+
+logger = logging.getLogger(__name__)
+
+PARTITION_METHODS = ("uniform", "uniform_floor", "parameters", "custom", "autopipe")
+BYTES_PER_TRAINED_PARAM = 16  # fp32 weight + gradient + two Adam moments
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How to capture, shard and partition (MerakArguments names).
+
+    ``split_points`` are the layer_split cut points: the user's
+    ``custom_split_points`` or the recipe's defaults.
+    """
+
+    trace_method: str = "fx"
+    split_method: str = "farthest_min_deps"
+    shard_count: int | None = None
+    split_points: tuple[str, ...] = ()
+    partition_method: str = "uniform"
+    custom_partition: tuple[int, ...] | None = None
+    leaf_modules: tuple = ()
+    input_names: tuple[str, ...] | None = None
+    backward_flops_factor: float = 2.0
+
+
+@dataclass
+class ShardReport:
+    """What one shard holds and computes."""
+
+    modules: list[str]
+    num_parameters: int
+    forward_flops: int
+    outputs: dict[str, str]  # crossing value -> "float32[4, 128, 64]" (or a Python value's repr)
+
+
+@dataclass
+class PipelinePlan:
+    """Shards, their measurements and the stage boundaries over them."""
+
+    shards: list[nn.Module]
+    reports: list[ShardReport]
+    boundaries: list[int]
+    trace_method: str
+    split_method: str
+    partition_method: str
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.boundaries) - 1
+
+    def stage(self, stage_id: int) -> StageModule:
+        """The module of stage ``stage_id``: its shards applied in order."""
+        return StageModule(self.shards[self.boundaries[stage_id]:self.boundaries[stage_id + 1]])
+
+    def stages(self) -> list[StageModule]:
+        return [self.stage(s) for s in range(self.num_stages)]
+
+    def stage_parameters(self, stage_id: int) -> list[nn.Parameter]:
+        """Parameters stage ``stage_id`` reads (tied ones included), each once."""
+        return list({id(p): p for p in self.stage(stage_id).parameters()}.values())
+
+    def stage_summary(self, stage_id: int) -> dict:
+        """Modules, parameters, FLOPs, boundary values and memory estimate of one stage."""
+        first, last = self.boundaries[stage_id], self.boundaries[stage_id + 1]
+        reports = self.reports[first:last]
+        params = sum(p.numel() for p in self.stage_parameters(stage_id))
+        outputs = reports[-1].outputs
+        activation = sum(_bytes_of(text) for text in outputs.values())
+        in_flight = self.num_stages - stage_id  # 1F1B keeps up to this many microbatches' boundaries alive
+        modules = [name for r in reports for name in r.modules]
+        return {"stage": stage_id, "shards": [first, last], "modules": _compact(modules),
+                "num_parameters": params, "forward_flops": sum(r.forward_flops for r in reports),
+                "sends": outputs if stage_id < self.num_stages - 1 else {},
+                "estimated_memory_bytes": params * BYTES_PER_TRAINED_PARAM + activation * in_flight}
+
+    def to_json(self) -> dict:
+        """The plan as plain data (``partition.json``)."""
+        return {"trace_method": self.trace_method, "split_method": self.split_method,
+                "partition_method": self.partition_method, "num_shards": len(self.shards),
+                "boundaries": self.boundaries, "notes": self.notes,
+                "stages": [self.stage_summary(s) for s in range(self.num_stages)],
+                "shards": [vars(r) for r in self.reports]}
+
+
+def _bytes_of(description: str) -> int:
+    if "[" not in description:
+        return 0
+    dtype, shape = description.split("[", 1)
+    numel = 1
+    for dim in shape.rstrip("]").split(","):
+        if dim.strip():
+            numel *= int(dim)
+    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def _compact(names: list[str]) -> list[str]:
+    """Module names without those whose parent is also listed."""
+    kept = set(names)
+    return [n for n in dict.fromkeys(names) if not any(n.startswith(k + ".") for k in kept if k != n)]
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}[{', '.join(str(d) for d in value.shape)}]"
+    return repr(value)[:60]
+
+
+def default_shard_count(model: nn.Module) -> int:
+    """About two shards per layer (as the original): from the model config's layer count, else 16."""
+    config = getattr(model, "config", None)
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return 2 * value
+    return 16
+
+
+def _measure(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int],
+             example_inputs: Mapping[str, torch.Tensor]) -> list[ShardReport]:
+    """Run the shards once in sequence (no grad) to count FLOPs and describe boundaries.
+
+    A model with meta parameters runs entirely on meta tensors (nothing allocated).
+    """
+    module = units.captured.module
+    on_meta = any(p.device.type == "meta" for p in module.parameters())
+    buffers = {} if on_meta else {name: b.clone() for name, b in module.named_buffers()}
+    bounds = [0, *cuts, len(units)]
+    reports = []
+    payload = {k: v.to("meta") if on_meta and isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
+    with torch.no_grad(), (buffers_on_meta(module) if on_meta else contextlib.nullcontext()):
+        for index, shard in enumerate(shards):
+            with FlopCounterMode(display=False) as counter:
+                payload = shard(payload)
+            # Second-level names (transformer.h.3, layer1.0) say what a shard holds without listing every op.
+            scope = [u.scope[min(1, len(u.scope) - 1)] for u in units.units[bounds[index]:bounds[index + 1]]
+                     if u.scope]
+            outputs = {k: _describe(v) for k, v in payload.items()} if isinstance(payload, dict) and \
+                index < len(shards) - 1 else {}
+            reports.append(ShardReport(
+                modules=list(dict.fromkeys(scope)),
+                num_parameters=sum(p.numel() for p in {id(p): p for p in shard.parameters()}.values()),
+                forward_flops=int(counter.get_total_flops()), outputs=outputs))
+    # Measuring ran the model once in training mode; undo buffer updates (e.g. batch-norm statistics).
+    with torch.no_grad():
+        for name, buffer in module.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+    return reports
+
+
+def _partition(options: ShardingOptions, reports: list[ShardReport], num_stages: int,
+               num_microbatches: int) -> list[int]:
+    method, count = options.partition_method, len(reports)
+    if num_stages > count:
+        raise part.PartitionError(
+            f"only {count} shards for pp={num_stages} stages: raise shard_count, use split_method=layer_split "
+            "with more split points, or lower parallel.pp")
+    if method == "uniform":
+        return part.uniform_boundaries(count, num_stages)
+    if method == "uniform_floor":
+        return part.uniform_floor_boundaries(count, num_stages)
+    if method == "parameters":
+        return part.parameter_boundaries([r.num_parameters for r in reports], num_stages)
+    if method == "custom":
+        if options.custom_partition is None:
+            raise part.PartitionError("partition_method=custom needs custom_partition (pp+1 shard boundaries)")
+        return part.check_custom_boundaries(list(options.custom_partition), count, num_stages)
+    if method == "autopipe":
+        forward = [float(r.forward_flops) for r in reports]
+        backward = [f * options.backward_flops_factor for f in forward]
+        return autopipe_boundaries(forward, backward, num_stages, num_microbatches)
+    raise part.PartitionError(f"partition_method={method!r} is unknown; choose one of "
+                              f"{', '.join(PARTITION_METHODS)}")
+
+
+def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, num_stages: int,
+                  num_microbatches: int, options: ShardingOptions = ShardingOptions()) -> PipelinePlan:
+    """Capture ``model``, cut it into shards and partition the shards into ``num_stages`` stages.
+
+    Raises:
+        merak.trace.capture.TraceError: the model cannot be captured.
+        merak.shard.split.ShardingError / merak.shard.partition.PartitionError: impossible splits.
+    """
+    captured = capture(model, example_inputs, method=options.trace_method, input_names=options.input_names,
+                       leaf_modules=options.leaf_modules)
+    units = GraphUnits(captured)
+    if not len(units):
+        raise ShardingError(f"the captured graph of {type(model).__name__} has no operations to shard")
+    shard_count = options.shard_count or default_shard_count(model)
+    cuts = split_units(units, method=options.split_method, shard_count=shard_count,
+                       split_points=options.split_points, module_names=[n for n, _ in model.named_modules()])
+    shards = shard_modules(units, cuts)
+    inputs = {name: example_inputs[name] for name in captured.input_names}
+    reports = _measure(shards, units, cuts, inputs)
+    boundaries = _partition(options, reports, num_stages, num_microbatches)
+    logger.info("%d shards (%s, %s), stage boundaries %s (%s)", len(shards), captured.method,
+                options.split_method, boundaries, options.partition_method)
+    return PipelinePlan(shards=shards, reports=reports, boundaries=boundaries, trace_method=captured.method,
+                        split_method=options.split_method, partition_method=options.partition_method,
+                        notes=list(captured.notes))

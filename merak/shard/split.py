@@ -1,0 +1,142 @@
+"""Graph sharding: where the unit sequence is cut into shards.
+
+Every method returns sorted cut positions (unit indices at which a new shard
+starts, never 0), so shard ``i`` holds units ``[cuts[i-1], cuts[i])``.
+
+- ``farthest_min_deps``: a parameter budget of ``total / shard_count`` per
+  shard; each shard grows as far as the budget allows (at least one unit), then
+  is cut at the position in its range where the fewest values cross, the
+  farthest such position on ties. Units larger than an even share (embeddings)
+  count as one shard's budget each; the rest is spread over the other shards.
+- ``nearest_min_deps``: the same budget, but a shard is closed only once the
+  budget is reached, at the nearest following position where the fewest values
+  cross within the next budget's reach.
+- ``layer_split``: cut before each module whose qualified name matches one of
+  the split points (globs, e.g. ``transformer.h.*``); recipes
+  supply defaults (every transformer block), users ``custom_split_points``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from merak.shard.graph import GraphUnits
+
+SPLIT_METHODS = ("farthest_min_deps", "nearest_min_deps", "layer_split")
+
+
+class ShardingError(ValueError):
+    """The graph cannot be sharded as asked; the message says what to change."""
+
+
+def _budget(units: GraphUnits, shard_count: int) -> float:
+    """Parameters per shard. Units bigger than an even share (embeddings) take one shard each and
+    the rest of the parameters are spread over the remaining shards."""
+    if shard_count < 1:
+        raise ShardingError(f"shard_count={shard_count} must be a positive integer")
+    weights = _weights(units)
+    total = sum(weights)
+    big = [w for w in weights if w > total / shard_count]
+    if big and len(big) < shard_count:
+        return (total - sum(big)) / (shard_count - len(big))
+    return total / shard_count
+
+
+def _weights(units: GraphUnits) -> list[float]:
+    # Parameter-free graphs fall back to counting units, so every method still makes progress.
+    return [float(p) for p in units.unit_params] if sum(units.unit_params) else [1.0] * len(units)
+
+
+def farthest_min_deps(units: GraphUnits, shard_count: int) -> list[int]:
+    """Budget-bounded shards, each cut at its farthest fewest-crossing position."""
+    budget, weights, crossing = _budget(units, shard_count), _weights(units), units.crossing_counts()
+    cuts: list[int] = []
+    start, n = 0, len(units)
+    while start < n:
+        end, used = start + 1, weights[start]  # end is exclusive
+        while end < n and (used + weights[end] <= budget or used == 0):  # no parameter-free shards
+            used += weights[end]
+            end += 1
+        if end >= n:
+            break
+        # Positions start+1 .. end are possible cuts; pick min crossing, farthest on ties.
+        best = min(range(start + 1, end + 1), key=lambda k: (crossing[k], -k))
+        cuts.append(best)
+        start = best
+    return cuts
+
+
+def nearest_min_deps(units: GraphUnits, shard_count: int) -> list[int]:
+    """Shards closed after the budget is reached, at the nearest fewest-crossing position."""
+    budget, weights, crossing = _budget(units, shard_count), _weights(units), units.crossing_counts()
+    cuts: list[int] = []
+    start, n = 0, len(units)
+    while start < n:
+        reach, used = start, 0.0
+        while reach < n and used < budget:
+            used += weights[reach]
+            reach += 1
+        if reach >= n:
+            break
+        horizon, ahead = reach, 0.0  # look at most one more budget ahead
+        while horizon < n and ahead < budget:
+            ahead += weights[horizon]
+            horizon += 1
+        window = range(reach, min(horizon, n - 1) + 1) if horizon > reach else range(reach, reach + 1)
+        best = min(window, key=lambda k: (crossing[k], k))
+        if best >= n:
+            break
+        cuts.append(best)
+        start = best
+    return cuts
+
+
+def module_pattern(pattern: str) -> re.Pattern:
+    """Compile a module-name glob: ``*`` matches within one dotted part, ``**`` across parts."""
+    parts = re.split(r"(\*\*|\*|\?)", pattern)
+    table = {"**": ".*", "*": "[^.]*", "?": "[^.]"}
+    return re.compile("".join(table.get(part, re.escape(part)) for part in parts))
+
+
+def layer_split(units: GraphUnits, split_points: Sequence[str], module_names: Sequence[str]) -> list[int]:
+    """Cut before every module whose qualified name matches a split point.
+
+    Args:
+        units: the graph's units.
+        split_points: glob patterns over module names (``transformer.h.*``)
+            or exact names.
+        module_names: the model's module names in definition order.
+    """
+    if not split_points:
+        raise ShardingError("layer_split needs split points: set custom_split_points (module names or globs "
+                            "such as 'transformer.h.*'), or pick another split_method")
+    first_unit: dict[str, int] = {}
+    for index, unit in enumerate(units.units):
+        for name in unit.scope:
+            first_unit.setdefault(name, index)
+    cuts: set[int] = set()
+    for pattern in split_points:
+        regex = module_pattern(pattern)
+        matched = [name for name in module_names if regex.fullmatch(name)]
+        if not matched:
+            raise ShardingError(f"split point {pattern!r} matches no module; module names look like "
+                                f"{list(module_names)[1:6]}")
+        used = [first_unit[name] for name in matched if name in first_unit]
+        if not used:
+            raise ShardingError(f"split point {pattern!r} matches modules {matched[:3]} that the captured "
+                                "graph never calls")
+        cuts.update(k for k in used if k > 0)
+    return sorted(cuts)
+
+
+def split_units(units: GraphUnits, *, method: str, shard_count: int, split_points: Sequence[str] = (),
+                module_names: Sequence[str] = ()) -> list[int]:
+    """Cut positions for ``method`` (see the module docstring)."""
+    if method == "farthest_min_deps":
+        return farthest_min_deps(units, shard_count)
+    if method == "nearest_min_deps":
+        return nearest_min_deps(units, shard_count)
+    if method == "layer_split":
+        return layer_split(units, split_points, module_names)
+    raise ShardingError(f"split_method={method!r} is unknown; choose one of {', '.join(SPLIT_METHODS)}")

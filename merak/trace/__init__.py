@@ -1,0 +1,1 @@
+"""Graph capture of unmodified models and meta-device construction of giant ones."""

@@ -1,0 +1,122 @@
+"""Giant models on one worker: build without weights, materialize one stage.
+
+``parameters_on_meta()`` builds a model whose parameters live on the meta
+device (no memory) while buffers stay real (they are small and often computed
+in ``__init__``, e.g. position ids). The model can then be captured, sharded
+and partitioned; each rank calls ``materialize`` for the parameters of its own
+stage only.
+
+Initialization does not depend on the layout: every module is initialized
+with a generator seeded from ``(seed, module name)``, children before parents
+(the order of ``nn.Module.apply`` and Hugging Face's ``init_weights``). A
+stage therefore gets exactly the values the single-process model gets from
+the same path, whatever the number of stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import zlib
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+InitFn = Callable[[nn.Module, nn.Module], None]  # (model, module) -> None, initializes module's parameters
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Within this block, every parameter a module registers is moved to the meta device."""
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+@contextlib.contextmanager
+def buffers_on_meta(model: nn.Module):
+    """Within this block the model's real buffers are meta tensors (same objects), to run it on meta inputs."""
+    swapped = []
+    for buffer in {id(b): b for b in model.buffers()}.values():
+        if buffer.device.type != "meta":
+            holder = buffer.to("meta")
+            try:
+                torch.utils.swap_tensors(buffer, holder)  # holder now keeps the real data
+            except RuntimeError:
+                continue  # referenced weakly (e.g. by export's caches): leave it real; most ops mix fine
+            swapped.append((buffer, holder))
+    try:
+        yield
+    finally:
+        for buffer, holder in swapped:
+            torch.utils.swap_tensors(buffer, holder)
+
+
+def has_meta_parameters(model: nn.Module) -> bool:
+    """True when any parameter still lives on the meta device."""
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The generator seed of module ``name``: stable across processes and Python runs."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def default_init(model: nn.Module, module: nn.Module) -> None:
+    """Hugging Face models: the model's own ``_init_weights``; others: ``reset_parameters``."""
+    hf_init = getattr(model, "_init_weights", None)
+    if callable(hf_init):
+        hf_init(module)
+    elif hasattr(module, "reset_parameters") and any(True for _ in module.parameters(recurse=False)):
+        module.reset_parameters()
+    elif any(True for _ in module.parameters(recurse=False)):
+        raise TypeError(f"{type(module).__name__} has parameters but no reset_parameters(); pass an "
+                        "init function (model, module) -> None to initialize it")
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.Module]]:
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{name}" if prefix else name)
+    yield prefix, module
+
+
+def materialize(model: nn.Module, parameters: Iterable[nn.Parameter], *, seed: int,
+                device: torch.device | str = "cpu", init: InitFn = default_init) -> int:
+    """Give the modules owning ``parameters`` real storage on ``device`` and initialize them.
+
+    Parameters keep their identity (``torch.utils.swap_tensors``), so stages,
+    tied references and optimizers built later all see the real tensors. The
+    owning modules and their ancestors are initialized in post-order, each under
+    its own seed (see the module docstring). Returns the number of elements made real.
+    """
+    wanted = {id(p) for p in parameters}
+    owners: set[str] = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        if any(id(p) in wanted for p in module.parameters(recurse=False)):
+            owners.add(name)
+    real = 0
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name not in owners:
+                continue
+            for param in module.parameters(recurse=False):
+                if param.device.type == "meta":
+                    fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                    torch.utils.swap_tensors(param, fresh)
+                    real += param.numel()
+        ancestors = {name.rsplit(".", k)[0] for name in owners for k in range(name.count(".") + 1)} | {""}
+        for name, module in _post_order(model):
+            if name in owners or name in ancestors:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(module_seed(seed, name))
+                    init(model, module)
+    return real
