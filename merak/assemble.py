@@ -142,7 +142,7 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         stages = plan.stages()
     if on_meta and materialize_stage:
         owned = list({id(p): p for p in stages[stage_id].parameters()}.values())
-        count = materialize(model, owned, seed=seed, device=device, init=init)
+        count = materialize(model, owned, seed=seed, device=device, init=init, also_in=stages)
         retarget_devices(stages[stage_id], torch.device(device))
         logger.info("materialized stage %d: %.3f B parameters", stage_id, count / 1e9)
     return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta)

@@ -133,10 +133,18 @@ def _capture_fx(model: nn.Module, input_names: Sequence[str], leaf_modules: Sequ
         location = f"in module '{where[0] or '<root>'}' ({where[1]})" if where else "at the top level"
         raise TraceError(f"torch.fx could not trace {type(model).__name__} {location}: "
                          f"{type(error).__name__}: {error}") from error
-    # concrete_args become placeholders that are never used; drop them so inputs are exactly input_names.
+    # Arguments outside input_names were fixed (concrete_args); fx still keeps placeholders for them,
+    # read only by its specialization checks. Put the fixed value in their place so the graph's
+    # inputs are exactly input_names.
     for node in list(graph.nodes):
-        if node.op == "placeholder" and node.target not in input_names and not node.users:
-            graph.erase_node(node)
+        if node.op != "placeholder" or node.target in input_names:
+            continue
+        name = str(node.target).rsplit("_", 1)[0] if str(node.target) not in concrete else str(node.target)
+        value = concrete.get(name)
+        for user in list(node.users):
+            user.args = fx.node.map_arg(user.args, lambda n, v=value: v if n is node else n)
+            user.kwargs = fx.node.map_arg(user.kwargs, lambda n, v=value: v if n is node else n)
+        graph.erase_node(node)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
@@ -195,7 +203,8 @@ def capture(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, met
             try:
                 module = _capture_fx(model, input_names, leaf_modules)
                 logger.info("captured %s with torch.fx (%d nodes)", type(model).__name__, len(module.graph.nodes))
-                return CapturedGraph(module, "fx", input_names, None, leaf_scopes, notes)
+                ordered = [str(n.target) for n in module.graph.nodes if n.op == "placeholder"]
+                return CapturedGraph(module, "fx", ordered, None, leaf_scopes, notes)
             except TraceError as fx_error:
                 notes.append(f"torch.fx failed, used torch.export: {_first_lines(fx_error, 2)}")
                 logger.info("%s", notes[-1])

@@ -89,34 +89,43 @@ def _post_order(module: nn.Module, prefix: str = "") -> Iterable[tuple[str, nn.M
     yield prefix, module
 
 
+def _replace_parameters(roots: Iterable[nn.Module], fresh: dict[int, nn.Parameter]) -> None:
+    for root in roots:
+        for module in root.modules():
+            for name, param in module._parameters.items():
+                if param is not None and id(param) in fresh:
+                    module._parameters[name] = fresh[id(param)]
+
+
 def materialize(model: nn.Module, parameters: Iterable[nn.Parameter], *, seed: int,
-                device: torch.device | str = "cpu", init: InitFn = default_init) -> int:
+                device: torch.device | str = "cpu", init: InitFn = default_init,
+                also_in: Iterable[nn.Module] = ()) -> int:
     """Give the modules owning ``parameters`` real storage on ``device`` and initialize them.
 
-    Parameters keep their identity (``torch.utils.swap_tensors``), so stages,
-    tied references and optimizers built later all see the real tensors. The
-    owning modules and their ancestors are initialized in post-order, each under
-    its own seed (see the module docstring). Returns the number of elements made real.
+    The new parameters replace the meta ones in ``model`` and in every module of
+    ``also_in`` (e.g. the stages cut from it), so tied references stay one
+    object. The owning modules and their ancestors are initialized in
+    post-order, each under its own seed (see the module docstring). Returns the
+    number of elements made real.
     """
     wanted = {id(p) for p in parameters}
     owners: set[str] = set()
     for name, module in model.named_modules(remove_duplicate=False):
         if any(id(p) in wanted for p in module.parameters(recurse=False)):
             owners.add(name)
-    real = 0
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name not in owners:
-                continue
+    fresh: dict[int, nn.Parameter] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name in owners:
             for param in module.parameters(recurse=False):
-                if param.device.type == "meta":
-                    fresh = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
-                    torch.utils.swap_tensors(param, fresh)
-                    real += param.numel()
+                if param.device.type == "meta" and id(param) not in fresh:
+                    fresh[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                                    requires_grad=param.requires_grad)
+    _replace_parameters([model, *also_in], fresh)
+    with torch.no_grad():
         ancestors = {name.rsplit(".", k)[0] for name in owners for k in range(name.count(".") + 1)} | {""}
         for name, module in _post_order(model):
             if name in owners or name in ancestors:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(module_seed(seed, name))
                     init(model, module)
-    return real
+    return sum(p.numel() for p in fresh.values())

@@ -1,0 +1,1 @@
+"""Swin Transformer image classification: Hugging Face or timm models."""

@@ -1,0 +1,17 @@
+"""The swin recipe as merak sees it."""
+
+from merak.recipe import RecipeSpec
+from recipes.swin import model, parallel
+from recipes.vision import data, loss
+
+SPEC = RecipeSpec(
+    name="swin",
+    build_model=model.build_model,
+    loss_fn=loss.cross_entropy_loss,
+    prepare_data=data.prepare,
+    load_dataset=data.load,
+    check_layout=parallel.check_layout,
+    check_data=data.check_data,
+    example_inputs=parallel.example_inputs,
+    split_points=parallel.SPLIT_POINTS,
+)

@@ -1,0 +1,1 @@
+"""T5 encoder-decoder (sequence-to-sequence) models."""

@@ -1,0 +1,46 @@
+"""How T5 is split into pipeline stages, and which layouts fit a model size.
+
+The model is captured and sharded automatically (merak.shard); this file only
+holds the recipe's data for it: which inputs the model takes (source ids and
+the shifted target ids; every sample has the full lengths, so no attention
+masks), where ``layer_split`` cuts by default (before every encoder and every
+decoder block), and the layout checks. The encoder's output crosses every stage
+boundary after the encoder (the decoder's cross-attention reads it); merak
+finds and sends it by itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INPUT_NAMES = ("input_ids", "decoder_input_ids")
+SPLIT_POINTS = ("encoder.block.*", "decoder.block.*")
+
+
+def example_inputs(model_cfg, micro_batch_size: int) -> dict[str, torch.Tensor]:
+    """A microbatch-shaped input for graph capture (source and target token ids)."""
+    return {"input_ids": torch.zeros(micro_batch_size, model_cfg.source_length, dtype=torch.long),
+            "decoder_input_ids": torch.zeros(micro_batch_size, model_cfg.target_length, dtype=torch.long)}
+
+
+def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
+    """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
+    from recipes.t5.data import FIRST_WORD
+
+    problems = []
+    for field in ("d_model", "d_kv", "d_ff", "num_heads", "num_layers", "num_decoder_layers", "vocab_size",
+                  "source_length", "target_length"):
+        value = model_cfg.get(field)
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"model.{field}={value!r} must be a positive integer")
+    if problems:
+        return problems
+    if model_cfg.num_heads % tp:
+        problems.append(f"model.num_heads={model_cfg.num_heads} is not divisible by parallel.tp={tp}")
+    if model_cfg.vocab_size <= FIRST_WORD + 1:
+        problems.append(f"model.vocab_size={model_cfg.vocab_size} must exceed {FIRST_WORD + 1} "
+                        "(ids below it are the special tokens)")
+    if model_cfg.target_length > model_cfg.source_length:
+        problems.append(f"model.target_length={model_cfg.target_length} must not exceed "
+                        f"model.source_length={model_cfg.source_length} (targets are made from the source)")
+    return problems

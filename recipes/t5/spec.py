@@ -1,0 +1,18 @@
+"""The t5 recipe as merak sees it."""
+
+from merak.recipe import RecipeSpec
+from recipes.t5 import data, model, parallel
+
+SPEC = RecipeSpec(
+    name="t5",
+    build_model=model.build_model,
+    loss_fn=model.seq2seq_loss,
+    prepare_data=data.prepare,
+    load_dataset=data.load,
+    check_layout=parallel.check_layout,
+    check_data=data.check_data,
+    tokens_per_sample=model.tokens_per_sample,
+    example_inputs=parallel.example_inputs,
+    input_names=parallel.INPUT_NAMES,
+    split_points=parallel.SPLIT_POINTS,
+)

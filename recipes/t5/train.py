@@ -1,0 +1,15 @@
+"""Train a T5 encoder-decoder with merak: python recipes/t5/train.py [model=...] [parallel=...] [trainer.*=...]."""
+
+import hydra
+
+import merak
+from recipes.t5.spec import SPEC
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="train")
+def main(cfg) -> None:
+    merak.run(SPEC, cfg)
+
+
+if __name__ == "__main__":
+    main()

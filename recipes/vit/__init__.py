@@ -1,0 +1,1 @@
+"""Vision Transformer (ViT) image classification: Hugging Face or timm models."""

@@ -1,0 +1,15 @@
+"""Train a ViT with merak: python recipes/vit/train.py [model=...] [parallel=...] [trainer.*=...]."""
+
+import hydra
+
+import merak
+from recipes.vit.spec import SPEC
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="train")
+def main(cfg) -> None:
+    merak.run(SPEC, cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Wide ResNet image classification: torchvision models."""

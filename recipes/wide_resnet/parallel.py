@@ -1,0 +1,36 @@
+"""How a Wide ResNet is split into pipeline stages, and which layouts fit a model size.
+
+The model is captured and sharded automatically (merak.shard); this file only
+holds the recipe's data for it: the example microbatch for capture, where
+``layer_split`` cuts by default (before every Bottleneck block) and the layout checks.
+torchvision's ResNet takes the images as ``x``.
+"""
+
+from __future__ import annotations
+
+from recipes.vision.data import example_inputs, image_model_problems, positive_int_problems  # noqa: F401
+
+# Every Bottleneck block: layer1.0, layer1.1, ..., layer4.2.
+SPLIT_POINTS = ("layer?.*",)
+MIN_IMAGE_SIZE = 32  # the stem and three strided stages divide the image by 32
+
+
+def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
+    """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
+    problems = image_model_problems(model_cfg, ("torchvision",))
+    if not problems and model_cfg.image_size < MIN_IMAGE_SIZE:
+        problems.append(f"model.image_size={model_cfg.image_size} is below {MIN_IMAGE_SIZE}: the ResNet stem and "
+                        "stages downsample by 32")
+    if model_cfg.get("torchvision_name"):
+        return problems
+    problems += positive_int_problems(model_cfg, ("width_per_group",))
+    layers = model_cfg.get("layers")
+    try:
+        layers = list(layers)
+    except TypeError:
+        layers = None
+    if (layers is None or len(layers) != 4
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in layers)):
+        problems.append(f"model.layers={model_cfg.get('layers')!r} must be 4 positive block counts, "
+                        "e.g. [3, 4, 6, 3]")
+    return problems
