@@ -123,9 +123,8 @@ def _bytes_of(description: str) -> int:
 
 
 def _compact(names: list[str]) -> list[str]:
-    """Module names without those whose parent is also listed."""
-    kept = set(names)
-    return [n for n in dict.fromkeys(names) if not any(n.startswith(k + ".") for k in kept if k != n)]
+    """Module names once each, in order."""
+    return list(dict.fromkeys(names))
 
 
 def _describe(value) -> str:

@@ -21,13 +21,50 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 InitFn = Callable[[nn.Module, nn.Module], None]  # (model, module) -> None, initializes module's parameters
 
 
+# Factories whose large results go straight to meta while a model is built (filling a 2.4 GB
+# weight with zeros only to move it to meta would dominate the build time of a giant model).
+_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint}
+LARGE_TENSOR_ELEMENTS = 1 << 20
+
+
+def _requested_numel(args) -> int:
+    shape = args[0] if args and isinstance(args[0], (tuple, list, torch.Size)) else \
+        [a for a in args if isinstance(a, int)]
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    return numel
+
+
+class _LargeTensorsOnMeta(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES and kwargs.get("device") is None:
+            size_args = args[1:] if func in (torch.randint, torch.full) and len(args) > 1 and \
+                not isinstance(args[0], (tuple, list, torch.Size)) else args
+            if func is torch.full:
+                size_args = args[:1]
+            try:
+                large = _requested_numel(size_args) > LARGE_TENSOR_ELEMENTS
+            except (TypeError, ValueError):
+                large = False
+            if large:
+                kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
-    """Within this block, every parameter a module registers is moved to the meta device."""
+    """Within this block, every parameter a module registers is moved to the meta device.
+
+    Buffers stay real: they are small and often computed in ``__init__``
+    (position ids, relative position indices) where meta would lose their values.
+    """
     original = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -36,10 +73,14 @@ def parameters_on_meta():
         original(module, name, param)
 
     nn.Module.register_parameter = register_on_meta
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small real fills (biases) would each pay a thread-pool start-up
     try:
-        yield
+        with _LargeTensorsOnMeta():
+            yield
     finally:
         nn.Module.register_parameter = original
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ def build_model(model_cfg) -> T5ForConditionalGeneration:
         decoder_start_token_id=0,
         use_cache=False,
     )
-    config._attn_implementation = "eager"  # T5's relative position bias goes into the attention scores
+    config._attn_implementation = "sdpa"  # the relative position bias goes in as the additive mask
     return T5ForConditionalGeneration(config)
 
 

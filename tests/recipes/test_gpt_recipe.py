@@ -127,3 +127,44 @@ def test_torchrun_two_nodes_on_localhost(tmp_path, cache_dir):
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert json.loads((run_dir / "summary.json").read_text())["layout"] == {"dp": 2, "tp": 1, "pp": 2}
+
+
+@pytest.mark.timeout(300)
+def test_dry_run_prints_and_writes_the_plan(tmp_path, cache_dir):
+    run_dir = tmp_path / "plan"
+    result = _train([*TOY, "parallel=pp4", "dry_run=true", "trainer.partition_method=autopipe",
+                     f"hydra.run.dir={run_dir}"], cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((run_dir / "partition.json").read_text())
+    assert not (run_dir / "metrics.jsonl").exists()  # nothing trained
+    assert report["trace_method"] == "export" and report["partition_method"] == "autopipe"
+    bounds = report["boundaries"]
+    assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == report["num_shards"]
+    assert all(a < b for a, b in zip(bounds, bounds[1:]))
+    stages = report["stages"]
+    assert [s["stage"] for s in stages] == [0, 1, 2, 3]
+    assert all(s["num_parameters"] > 0 and s["estimated_memory_bytes"] > 0 for s in stages)
+    # autopipe balances compute: the LM head's matmul makes the last stage the heaviest and shortest.
+    flops = [s["forward_flops"] for s in stages]
+    assert flops[-1] == max(flops) and bounds[-1] - bounds[-2] == 1
+    # Every boundary but the last sends the hidden states [micro batch, seq, hidden] among its values.
+    for stage in stages[:-1]:
+        assert "float32[2, 32, 32]" in stage["sends"].values(), stage["sends"]
+    printed = result.stdout + result.stderr
+    assert "pipeline plan (gpt / toy, pp=4)" in printed and "fwd FLOPs" in printed
+
+
+@pytest.mark.timeout(420)
+def test_gpt3_175b_is_planned_on_one_cpu_process(tmp_path, cache_dir):
+    run_dir = tmp_path / "giant"
+    result = _train(["model=gpt3-175b", "parallel=pp4", "parallel.pp=8", "dry_run=true",
+                     "trainer.per_device_train_batch_size=1", "trainer.split_method=layer_split",
+                     f"hydra.run.dir={run_dir}"], cache_dir, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((run_dir / "partition.json").read_text())
+    assert report["built_on_meta"]
+    total = sum(s["num_parameters"] for s in report["stages"])
+    tied = 50257 * 12288  # the embedding is counted on the first and the last stage
+    assert total - tied == pytest.approx(174.604e9, rel=1e-4)
+    assert len(report["stages"]) == 8
+    assert report["peak_rss_bytes"] < 2 * 1024**3  # weights are never allocated

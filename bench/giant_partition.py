@@ -1,0 +1,100 @@
+"""Plan GPT-3 175B on one CPU process: merak's capture + shard + partition vs torch's pipeline().
+
+Each measurement runs in a fresh subprocess (so peak RSS is its own): the
+model is built on the meta device from recipes/gpt/conf/model/gpt3-175b.yaml,
+then either
+
+- merak: ``plan_pipeline`` (torch.export capture, graph sharding, partition), or
+- torch: ``torch.distributed.pipelining.pipeline`` split at the same block
+  boundaries (``SplitPoint.BEGINNING``) as merak's stages,
+
+for 8 and 64 stages. Prints a table of wall time (build included) and peak RSS.
+
+    python bench/giant_partition.py [--stages 8 64] [--micro-batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("bench.giant_partition")
+
+
+def _build():
+    from omegaconf import OmegaConf
+
+    from merak.trace.meta import parameters_on_meta
+    from recipes.gpt.model import build_model
+
+    cfg = OmegaConf.load(REPO / "recipes/gpt/conf/model/gpt3-175b.yaml")
+    with parameters_on_meta():
+        model = build_model(cfg)
+    return model.train(), cfg
+
+
+def _measure(tool: str, stages: int, micro_batch: int) -> dict:
+    started = time.perf_counter()
+    import torch
+
+    import merak  # noqa: F401
+
+    torch.set_num_threads(1)  # nothing is computed on meta; spare both tools thread-pool overheads
+    model, cfg = _build()
+    inputs = {"input_ids": torch.zeros(micro_batch, cfg.seq_length, dtype=torch.long, device="meta")}
+    if tool == "merak":
+        from merak.shard.plan import ShardingOptions, plan_pipeline
+
+        plan = plan_pipeline(model, inputs, num_stages=stages, num_microbatches=2 * stages,
+                             options=ShardingOptions(trace_method="dynamo", split_method="layer_split",
+                                                     split_points=("transformer.h.*",)))
+        result = {"shards": len(plan.shards), "boundaries": plan.boundaries}
+    else:
+        from torch.distributed.pipelining import SplitPoint, pipeline
+
+        from merak.shard.partition import uniform_boundaries
+
+        # Same stage starts as merak's layer_split + uniform: blocks cut evenly, first stage also embeds.
+        shard_bounds = uniform_boundaries(cfg.num_layers + 1, stages)
+        split_spec = {f"transformer.h.{b - 1}": SplitPoint.BEGINNING for b in shard_bounds[1:-1]}
+        pipe = pipeline(model, mb_args=(), mb_kwargs=inputs, split_spec=split_spec)
+        result = {"stages": pipe.num_stages}
+    result.update(tool=tool, num_stages=stages, seconds=time.perf_counter() - started,
+                  peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  parameters_b=sum(p.numel() for p in model.parameters()) / 1e9)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--tools", nargs="+", default=["merak", "torch"])
+    parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: tool stages
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(_measure(args.one[0], int(args.one[1]), args.micro_batch)))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = []
+    for stages in args.stages:
+        for tool in args.tools:
+            out = subprocess.run([sys.executable, __file__, "--one", tool, str(stages),
+                                  "--micro-batch", str(args.micro_batch)],
+                                 capture_output=True, text=True, check=True, cwd=REPO)
+            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            logger.info("%s", rows[-1])
+    logger.info("\n%-6s %-6s %10s %12s", "stages", "tool", "seconds", "peak RSS MB")
+    for row in rows:
+        logger.info("%-6d %-6s %10.1f %12.0f", row["num_stages"], row["tool"], row["seconds"], row["peak_rss_mb"])
+
+
+if __name__ == "__main__":
+    main()
