@@ -1,7 +1,7 @@
 """merak's 1F1B pipeline against torch.distributed.pipelining's Schedule1F1B (pp=2, gloo).
 
 Two ranks x one thread train the gpt recipe's GPT2LMHeadModel cut into the same
-two stages (``recipes.gpt.parallel.build_stages(model, 2)``: stage 0 = embeddings
+two stages (``bench/gpt_stages.hand_stages(model, 2)``: stage 0 = embeddings
 + first half of the blocks, stage 1 = second half + ln_f + lm_head), M
 microbatches per step, AdamW step included, no gradient clipping:
 
@@ -39,12 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # first: sets OMP_NUM_THREADS before torch starts threads)
 import torch
 import torch.distributed as dist
+from gpt_stages import hand_stages
 from torch import nn
 
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
-from recipes.gpt import parallel
 from recipes.gpt.model import causal_lm_loss
 
 logger = logging.getLogger("bench.pipeline_vs_torch")
@@ -97,7 +97,7 @@ class MerakMethod:
         model = common.build_model(model_cfg, args.seed, untie=True)
         options = OptimizerOptions(learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
                                    max_grad_norm=0.0, lr_scheduler_type="constant")
-        self.engine = PipelineEngine(model=model, stages=parallel.build_stages(model, NUM_STAGES),
+        self.engine = PipelineEngine(model=model, stages=hand_stages(model, NUM_STAGES),
                                      loss_fn=causal_lm_loss, state=state, schedule="1f1b",
                                      num_microbatches=args.num_microbatches, total_steps=total_steps,
                                      optimizer=options)
@@ -112,7 +112,7 @@ class TorchMethod:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         model = common.build_model(model_cfg, args.seed, untie=True)
-        stage_module = parallel.build_stages(model, NUM_STAGES)[rank]
+        stage_module = hand_stages(model, NUM_STAGES)[rank]
         if rank == 0:
             submodule = InputIdsStage(stage_module)
             example = torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)

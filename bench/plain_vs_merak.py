@@ -6,7 +6,7 @@ this one process on one thread:
 * plain: for each of M microbatches ``model(input_ids).logits`` -> causal_lm_loss
   -> (loss / M).backward(); then clip_grad_norm_(1.0), AdamW step, zero_grad.
 * merak: ``PipelineEngine(schedule="1f1b", num_microbatches=M)`` on
-  ``groups.init(1, 1, 1)`` with the stages of ``recipes.gpt.parallel.build_stages(model, 1)``,
+  ``groups.init(1, 1, 1)`` with the whole model as its one stage (``merak.assemble.CallModel``),
   ``train_step(microbatches)`` (clipping at 1.0, the same AdamW, a constant learning rate).
 
 The machine is shared and noisy, so the two alternate: R rounds of
@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # first: sets OMP_NUM_THREADS before torch starts threads)
 import torch
 
+from merak.assemble import CallModel
 from merak.distributed import groups
 from merak.engine import OptimizerOptions, PipelineEngine
-from recipes.gpt import parallel
+from merak.pipeline.stage import StageModule
 from recipes.gpt.model import causal_lm_loss
 
 logger = logging.getLogger("bench.plain_vs_merak")
@@ -89,7 +90,7 @@ class MerakLoop:
         state = groups.init(1, 1, 1)
         options = OptimizerOptions(learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
                                    max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="constant")
-        self.engine = PipelineEngine(model=model, stages=parallel.build_stages(model, 1), loss_fn=causal_lm_loss,
+        self.engine = PipelineEngine(model=model, stages=[StageModule([CallModel(model, ["input_ids"])])], loss_fn=causal_lm_loss,
                                      state=state, schedule="1f1b", num_microbatches=num_microbatches,
                                      total_steps=total_steps, optimizer=options)
 

@@ -12,7 +12,7 @@ from merak.compat.torchvision_ops import ensure_torchvision_importable
 # Before anything imports torchvision (transformers and timm do): see compat/.
 ensure_torchvision_importable()
 
-from merak.distributed import (  # noqa: E402
+from merak.distributed import (
     RankGrid,
     get_dp_rank,
     get_dp_size,
@@ -38,6 +38,15 @@ def run(spec, cfg):
 
 
 __all__ = [
-    "RankGrid", "init", "run", "get_rank_grid", "get_dp_rank", "get_tp_rank", "get_pp_rank",
-    "get_dp_size", "get_tp_size", "get_pp_size", "__version__",
+    "RankGrid",
+    "__version__",
+    "get_dp_rank",
+    "get_dp_size",
+    "get_pp_rank",
+    "get_pp_size",
+    "get_rank_grid",
+    "get_tp_rank",
+    "get_tp_size",
+    "init",
+    "run",
 ]

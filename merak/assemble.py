@@ -19,8 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 
 from merak.pipeline.stage import StageModule
 from merak.shard.plan import PipelinePlan, ShardingOptions, plan_pipeline

@@ -21,12 +21,24 @@ import torch.distributed as dist
 
 from merak.assemble import assemble
 from merak.compat.allocator import keep_freed_memory
-from merak.config import ConfigError, RunSettings, resolve_settings, total_steps, warmup_steps
+from merak.config import (
+    ConfigError,
+    RunSettings,
+    resolve_settings,
+    total_steps,
+    warmup_steps,
+)
 from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
 from merak.distributed import groups
 from merak.distributed.launch import existing_world_size, spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
-from merak.report import MetricsWriter, format_partition, format_summary, peak_rss_bytes, write_json_atomic
+from merak.report import (
+    MetricsWriter,
+    format_partition,
+    format_summary,
+    peak_rss_bytes,
+    write_json_atomic,
+)
 from merak.shard.partition import PartitionError
 from merak.shard.plan import ShardingOptions
 from merak.shard.split import ShardingError
@@ -34,7 +46,7 @@ from merak.trace.capture import TraceError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["run", "ConfigError"]
+__all__ = ["ConfigError", "run"]
 
 
 def _configure_worker_logging(rank: int) -> None:

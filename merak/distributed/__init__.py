@@ -20,7 +20,21 @@ from merak.distributed.groups import (
 from merak.distributed.topology import Coordinates, RankGrid
 
 __all__ = [
-    "Coordinates", "ParallelState", "RankGrid", "init", "is_initialized", "shutdown", "get_state",
-    "get_rank_grid", "get_dp_rank", "get_tp_rank", "get_pp_rank", "get_dp_size", "get_tp_size",
-    "get_pp_size", "get_dp_group", "get_tp_group", "get_pp_group",
+    "Coordinates",
+    "ParallelState",
+    "RankGrid",
+    "get_dp_group",
+    "get_dp_rank",
+    "get_dp_size",
+    "get_pp_group",
+    "get_pp_rank",
+    "get_pp_size",
+    "get_rank_grid",
+    "get_state",
+    "get_tp_group",
+    "get_tp_rank",
+    "get_tp_size",
+    "init",
+    "is_initialized",
+    "shutdown",
 ]

@@ -18,8 +18,9 @@ is deadlock-free whatever buffering the backend provides.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from merak.pipeline.instructions import (
     COMPUTE_TYPES,

@@ -10,11 +10,11 @@ through every shard in between. Parameters are shared with the captured module
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from merak.shard.graph import GraphUnits
@@ -29,6 +29,15 @@ class RebuildOutput(nn.Module):
 
     def forward(self, flat):
         return pytree.tree_unflatten(list(flat), self.spec)
+
+
+def _lookup(env: dict[fx.Node, fx.Node], graph: fx.Graph, index: int, node: fx.Node) -> fx.Node:
+    """The shard's copy of ``node``; attributes are copied into every shard that reads them."""
+    if node not in env:
+        if node.op != "get_attr":
+            raise AssertionError(f"value {node.name} is not available in shard {index}")
+        env[node] = graph.node_copy(node)
+    return env[node]
 
 
 def _key(node: fx.Node, input_names: dict[fx.Node, str]) -> str:
@@ -53,13 +62,7 @@ def build_shards(units: GraphUnits, cuts: Sequence[int]) -> list[fx.GraphModule]
             env[value] = graph.call_function(operator.getitem, (payload, _key(value, input_names)))
             env[value].meta = dict(value.meta)
 
-        def lookup(node: fx.Node) -> fx.Node:
-            if node not in env:  # attributes are copied into every shard that reads them
-                if node.op != "get_attr":
-                    raise AssertionError(f"value {node.name} is not available in shard {index}")
-                env[node] = graph.node_copy(node)
-            return env[node]
-
+        lookup = functools.partial(_lookup, env, graph, index)
         for unit in units.units[start:stop]:
             for node in unit.nodes:
                 env[node] = graph.node_copy(node, lookup)

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 
 from merak.trace.capture import CapturedGraph
 
@@ -153,8 +152,7 @@ def _merge_split_leaves(units: list[Unit], leaf_scopes: set[str]) -> list[Unit]:
     merged: list[Unit] = []
     index = 0
     for start, stop in spans:
-        if start < index:  # overlaps a span already merged
-            start = index
+        start = max(start, index)  # a span overlapping one already merged starts after it
         merged.extend(units[index:start])
         if start <= stop:
             merged.append(Unit([n for u in units[start:stop + 1] for n in u.nodes], units[start].scope))

@@ -22,8 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx as fx
-from torch import nn
+from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 logger = logging.getLogger(__name__)
@@ -141,9 +140,12 @@ def _capture_fx(model: nn.Module, input_names: Sequence[str], leaf_modules: Sequ
             continue
         name = str(node.target).rsplit("_", 1)[0] if str(node.target) not in concrete else str(node.target)
         value = concrete.get(name)
+        def fixed(arg: fx.Node, placeholder=node, constant=value):
+            return constant if arg is placeholder else arg
+
         for user in list(node.users):
-            user.args = fx.node.map_arg(user.args, lambda n, v=value: v if n is node else n)
-            user.kwargs = fx.node.map_arg(user.kwargs, lambda n, v=value: v if n is node else n)
+            user.args = fx.node.map_arg(user.args, fixed)
+            user.kwargs = fx.node.map_arg(user.kwargs, fixed)
         graph.erase_node(node)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
 

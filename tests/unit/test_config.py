@@ -14,7 +14,7 @@ from merak.distributed.topology import RankGrid
 from merak.runner import plan_before_launch
 from recipes.gpt.spec import SPEC
 
-CONF_DIR = str((Path(__file__).resolve().parents[2] / "recipes" / "gpt" / "conf"))
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "recipes" / "gpt" / "conf")
 
 
 def compose(*overrides: str):
@@ -205,7 +205,7 @@ def test_unknown_model_option_fails_at_compose():
         compose("model=nope")
     message = str(info.value)
     assert "model/nope" in message
-    assert re.search(r"Available options in 'model':\s+demo\s+toy", message)
+    assert re.search(r"Available options in 'model':\s+demo\s+gpt3-175b\s+toy", message)
 
 
 def test_zero_global_batch_size_rejected():

@@ -8,10 +8,10 @@ and every value a later shard needs crosses each boundary in between.
 from __future__ import annotations
 
 import pytest
+import tiny_models
 import torch
 from torch import nn
 
-import tiny_models
 from merak.shard.build import shard_modules
 from merak.shard.graph import GraphUnits
 from merak.shard.plan import ShardingOptions, plan_pipeline

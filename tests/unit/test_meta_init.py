@@ -5,10 +5,10 @@ from __future__ import annotations
 import functools
 
 import pytest
+import tiny_models
 import torch
 from torch import nn
 
-import tiny_models
 from merak.assemble import assemble, build_model
 from merak.shard.plan import ShardingOptions
 from merak.trace.meta import materialize, parameters_on_meta

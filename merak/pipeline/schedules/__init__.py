@@ -6,7 +6,7 @@ and run by the executor.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from merak.pipeline.instructions import Instruction
 from merak.pipeline.schedules.common import check_pipeline_args, forward_run

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from merak.pipeline.instructions import Instruction
-from merak.pipeline.schedules.common import backward_run, check_pipeline_args, end_of_step, forward_run
+from merak.pipeline.schedules.common import (
+    backward_run,
+    check_pipeline_args,
+    end_of_step,
+    forward_run,
+)
 
 
 def gpipe_schedule(stage_id: int, num_stages: int, num_microbatches: int) -> list[Instruction]:

@@ -13,7 +13,12 @@ from merak.pipeline.instructions import (
     SendActivation,
     SendGrad,
 )
-from merak.pipeline.schedules.common import backward_run, check_pipeline_args, end_of_step, forward_run
+from merak.pipeline.schedules.common import (
+    backward_run,
+    check_pipeline_args,
+    end_of_step,
+    forward_run,
+)
 
 
 def one_f_one_b_schedule(stage_id: int, num_stages: int, num_microbatches: int) -> list[Instruction]:
