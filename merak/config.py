@@ -55,6 +55,7 @@ class TrainerSettings:
     input_names: list[str] | None = None
     leaf_modules: list[str] | None = None
     init_device: str = "auto"
+    autopipe_costs: str = "flops"
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,8 @@ def _sharding_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) ->
                 i = disorder[0]
                 problems.append(f"trainer.custom_partition is not increasing at position {i}: "
                                 f"{bounds[i - 1]} then {bounds[i]}")
+    if trainer.autopipe_costs not in ("flops", "time"):
+        problems.append(f"trainer.autopipe_costs={trainer.autopipe_costs!r}; choose flops or time")
     if trainer.init_device not in INIT_DEVICES:
         problems.append(f"trainer.init_device={trainer.init_device!r}; choose one of {', '.join(INIT_DEVICES)}")
     return problems

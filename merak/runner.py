@@ -117,7 +117,8 @@ def sharding_options(spec, settings: RunSettings) -> ShardingOptions:
         partition_method=trainer.partition_method,
         custom_partition=tuple(trainer.custom_partition) if trainer.custom_partition else None,
         leaf_modules=tuple(spec.leaf_modules) + tuple(trainer.leaf_modules or ()),
-        input_names=tuple(trainer.input_names or spec.input_names or ()) or None)
+        input_names=tuple(trainer.input_names or spec.input_names or ()) or None,
+        autopipe_costs=trainer.autopipe_costs)
 
 
 def example_inputs(spec, settings: RunSettings, prepared: str) -> dict[str, torch.Tensor]:

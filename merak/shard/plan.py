@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class ShardingOptions:
     leaf_modules: tuple = ()
     input_names: tuple[str, ...] | None = None
     backward_flops_factor: float = 2.0
+    autopipe_costs: str = "flops"  # or "time": measured forward seconds per shard (real weights only)
 
 
 @dataclass
@@ -59,6 +61,7 @@ class ShardReport:
     num_parameters: int
     forward_flops: int
     outputs: dict[str, str]  # crossing value -> "float32[4, 128, 64]" (or a Python value's repr)
+    forward_seconds: float | None = None
 
 
 @dataclass
@@ -143,8 +146,18 @@ def default_shard_count(model: nn.Module) -> int:
     return 16
 
 
+def _forward_seconds(shard: nn.Module, payload, repeats: int = 3) -> float:
+    """Fastest of a few forward runs of one shard (the minimum is the least noisy estimate)."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        shard(payload)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 def _measure(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int],
-             example_inputs: Mapping[str, torch.Tensor]) -> list[ShardReport]:
+             example_inputs: Mapping[str, torch.Tensor], timed: bool = False) -> list[ShardReport]:
     """Run the shards once in sequence (no grad) to count FLOPs and describe boundaries.
 
     A model with meta parameters runs entirely on meta tensors (nothing allocated).
@@ -157,6 +170,7 @@ def _measure(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int]
     payload = {k: v.to("meta") if on_meta and isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
     with torch.no_grad(), (buffers_on_meta(module) if on_meta else contextlib.nullcontext()):
         for index, shard in enumerate(shards):
+            seconds = _forward_seconds(shard, payload) if timed else None
             with FlopCounterMode(display=False) as counter:
                 payload = shard(payload)
             # Second-level names (transformer.h.3, layer1.0) say what a shard holds without listing every op.
@@ -167,7 +181,7 @@ def _measure(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int]
             reports.append(ShardReport(
                 modules=list(dict.fromkeys(scope)),
                 num_parameters=sum(p.numel() for p in {id(p): p for p in shard.parameters()}.values()),
-                forward_flops=int(counter.get_total_flops()), outputs=outputs))
+                forward_flops=int(counter.get_total_flops()), forward_seconds=seconds, outputs=outputs))
     # Measuring ran the model once in training mode; undo buffer updates (e.g. batch-norm statistics).
     with torch.no_grad():
         for name, buffer in module.named_buffers():
@@ -194,7 +208,10 @@ def _partition(options: ShardingOptions, reports: list[ShardReport], num_stages:
             raise part.PartitionError("partition_method=custom needs custom_partition (pp+1 shard boundaries)")
         return part.check_custom_boundaries(list(options.custom_partition), count, num_stages)
     if method == "autopipe":
-        forward = [float(r.forward_flops) for r in reports]
+        if options.autopipe_costs == "time":
+            forward = [float(r.forward_seconds) for r in reports]
+        else:
+            forward = [float(r.forward_flops) for r in reports]
         backward = [f * options.backward_flops_factor for f in forward]
         return autopipe_boundaries(forward, backward, num_stages, num_microbatches)
     raise part.PartitionError(f"partition_method={method!r} is unknown; choose one of "
@@ -219,7 +236,13 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
                        split_points=options.split_points, module_names=[n for n, _ in model.named_modules()])
     shards = shard_modules(units, cuts)
     inputs = {name: example_inputs[name] for name in captured.input_names}
-    reports = _measure(shards, units, cuts, inputs)
+    timed = options.partition_method == "autopipe" and options.autopipe_costs == "time"
+    if timed and any(p.device.type == "meta" for p in model.parameters()):
+        raise part.PartitionError("autopipe_costs=time needs real weights; a model on the meta device is "
+                                  "partitioned by FLOPs (autopipe_costs=flops)")
+    if options.autopipe_costs not in ("flops", "time"):
+        raise part.PartitionError(f"autopipe_costs={options.autopipe_costs!r}; choose flops or time")
+    reports = _measure(shards, units, cuts, inputs, timed=timed)
     boundaries = _partition(options, reports, num_stages, num_microbatches)
     logger.info("%d shards (%s, %s), stage boundaries %s (%s)", len(shards), captured.method,
                 options.split_method, boundaries, options.partition_method)

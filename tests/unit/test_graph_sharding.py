@@ -133,6 +133,11 @@ def test_autopipe_and_parameter_partitions_on_a_real_model():
     def last_size(p):
         return p.boundaries[-1] - p.boundaries[-2]
     assert last_size(auto) < last_size(uniform)
+    # Profiled time instead of FLOPs: every shard timed, a valid partition.
+    timed = plan_pipeline(model, _inputs(batch), num_stages=3, num_microbatches=4,
+                          options=ShardingOptions(partition_method="autopipe", autopipe_costs="time"))
+    assert all(r.forward_seconds > 0 for r in timed.reports)
+    assert len(timed.boundaries) == 4 and timed.boundaries[-1] == len(timed.shards)
 
 
 class Untraceable(nn.Module):
