@@ -66,7 +66,7 @@ def build_model(build: Callable[[], nn.Module], *, seed: int, init_device: str) 
             model = build()
         count = sum(p.numel() for p in model.parameters())
         if init_device == "meta" or count > META_THRESHOLD_PARAMS:
-            logger.info("built %s on the meta device (%.2f B parameters)", type(model).__name__, count / 1e9)
+            logger.info("built %s on the meta device (%s parameters)", type(model).__name__, f"{count:,}")
             return model, True
         del model
     torch.manual_seed(seed)
@@ -143,5 +143,5 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         owned = list({id(p): p for p in stages[stage_id].parameters()}.values())
         count = materialize(model, owned, seed=seed, device=device, init=init, also_in=stages)
         retarget_devices(stages[stage_id], torch.device(device))
-        logger.info("materialized stage %d: %.3f B parameters", stage_id, count / 1e9)
+        logger.info("materialized stage %d: %s parameters", stage_id, f"{count:,}")
     return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta)

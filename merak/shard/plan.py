@@ -125,6 +125,15 @@ def _bytes_of(description: str) -> int:
     return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
+def _display_name(scope: tuple[str, ...]) -> str:
+    """The name that says what a unit belongs to: its numbered block (transformer.h.3,
+    bert.encoder.layer.0) when it is in one, else its second-level module (transformer.wte)."""
+    numbered = [name for name in scope if name.rsplit(".", 1)[-1].isdigit()]
+    if numbered:
+        return numbered[-1] if numbered[-1].count(".") <= 3 else numbered[0]
+    return scope[min(1, len(scope) - 1)]
+
+
 def _compact(names: list[str]) -> list[str]:
     """Module names once each, in order."""
     return list(dict.fromkeys(names))
@@ -173,9 +182,7 @@ def _measure(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int]
             seconds = _forward_seconds(shard, payload) if timed else None
             with FlopCounterMode(display=False) as counter:
                 payload = shard(payload)
-            # Second-level names (transformer.h.3, layer1.0) say what a shard holds without listing every op.
-            scope = [u.scope[min(1, len(u.scope) - 1)] for u in units.units[bounds[index]:bounds[index + 1]]
-                     if u.scope]
+            scope = [_display_name(u.scope) for u in units.units[bounds[index]:bounds[index + 1]] if u.scope]
             outputs = {k: _describe(v) for k, v in payload.items()} if isinstance(payload, dict) and \
                 index < len(shards) - 1 else {}
             reports.append(ShardReport(

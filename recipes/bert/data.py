@@ -69,6 +69,10 @@ def markov_words(generator: torch.Generator, num_samples: int, length: int, firs
     return out + first
 
 
+def _column(rows: int, value: int) -> torch.Tensor:
+    return torch.full((rows, 1), value, dtype=torch.long)
+
+
 class SyntheticMLM:
     """Masked-LM samples ``{input_ids, labels}``, all of length ``seq_length``."""
 
@@ -80,9 +84,10 @@ class SyntheticMLM:
         # At least one masked word per sample, so no sample has an empty loss.
         forced = torch.randint(0, words.size(1), (num_samples,), generator=generator)
         masked[torch.arange(num_samples), forced] = True
-        column = lambda value: torch.full((num_samples, 1), value, dtype=torch.long)  # noqa: E731
-        self.input_ids = torch.cat([column(CLS), torch.where(masked, MASK, words), column(SEP)], dim=1)
-        self.labels = torch.cat([column(IGNORE), torch.where(masked, words, IGNORE), column(IGNORE)], dim=1)
+        self.input_ids = torch.cat([_column(num_samples, CLS), torch.where(masked, MASK, words),
+                                    _column(num_samples, SEP)], dim=1)
+        self.labels = torch.cat([_column(num_samples, IGNORE), torch.where(masked, words, IGNORE),
+                                 _column(num_samples, IGNORE)], dim=1)
 
     def __len__(self) -> int:
         return self.input_ids.size(0)
