@@ -131,18 +131,19 @@ def example_inputs(spec, settings: RunSettings, prepared: str) -> dict[str, torc
 
 
 def _assemble(spec, settings: RunSettings, prepared: str, *, stage_id: int, device, planning: bool = False):
-    """This worker's model and stages; ``planning``: on the meta device, nothing materialized."""
+    """This worker's model and stages; ``planning``: nothing materialized on meta (the model is built
+    as the workers build it, so the plan is theirs: export graphs can differ between meta and real)."""
     return assemble(
         build=functools.partial(spec.build_model, settings.model_cfg), seed=settings.trainer.seed,
-        init_device="meta" if planning else settings.trainer.init_device, options=sharding_options(spec, settings),
+        init_device=settings.trainer.init_device, options=sharding_options(spec, settings),
         num_stages=settings.grid.pp, num_microbatches=settings.num_microbatches, stage_id=stage_id,
         device=device, example_inputs=example_inputs(spec, settings, prepared), build_stages=spec.build_stages,
         materialize_stage=not planning)
 
 
 def plan_before_launch(spec, settings: RunSettings, prepared: str):
-    """Capture, shard and partition on the meta device in this process, so impossible splits fail
-    before any worker starts. Returns the assembled (weightless) model and plan."""
+    """Capture, shard and partition in this process, so impossible splits fail before any worker
+    starts (a giant model stays on the meta device). Returns the assembled model and plan."""
     try:
         return _assemble(spec, settings, prepared, stage_id=0, device=torch.device("cpu"), planning=True)
     except (TraceError, ShardingError, PartitionError) as error:

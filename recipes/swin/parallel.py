@@ -9,7 +9,11 @@ data fields the model's forward accepts, so no fixed ``input_names`` are needed.
 
 from __future__ import annotations
 
-from recipes.vision.data import example_inputs, image_model_problems, positive_int_problems  # noqa: F401
+from recipes.vision.data import (  # noqa: F401
+    example_inputs,
+    image_model_problems,
+    positive_int_problems,
+)
 
 # Swin blocks of the Hugging Face model (transformers v5 names); the timm model's are
 # ``layers.*.blocks.*``. conf/train.yaml takes the points of the chosen model from ``model.split_points``.

@@ -8,7 +8,11 @@ torchvision's ResNet takes the images as ``x``.
 
 from __future__ import annotations
 
-from recipes.vision.data import example_inputs, image_model_problems, positive_int_problems  # noqa: F401
+from recipes.vision.data import (  # noqa: F401
+    example_inputs,
+    image_model_problems,
+    positive_int_problems,
+)
 
 # Every Bottleneck block: layer1.0, layer1.1, ..., layer4.2.
 SPLIT_POINTS = ("layer?.*",)

@@ -239,6 +239,7 @@ def test_shipped_models_fit_their_layouts():
 def test_missing_image_folder_fails_before_workers_start(tmp_path, cache_dir):
     result = _train("vit", ["data=folder", "data.path=/nonexistent/images", f"hydra.run.dir={tmp_path}"],
                     cache_dir)
-    assert result.returncode != 0
-    assert "data folder not found: /nonexistent/images (data.path)" in result.stdout + result.stderr
+    printed = result.stdout + result.stderr
+    assert result.returncode != 0, printed[-3000:]
+    assert "data folder not found: /nonexistent/images (data.path)" in printed, printed[-3000:]
     assert not (tmp_path / "metrics.jsonl").exists()
