@@ -196,3 +196,25 @@ def test_layer_split_errors_name_the_problem():
         split_units(units, method="layer_split", shard_count=4, split_points=["blocks.*"], module_names=names)
     with pytest.raises(ShardingError, match="needs split points"):
         split_units(units, method="layer_split", shard_count=4, split_points=[], module_names=names)
+
+
+def test_dynamo_method_uses_export_even_where_fx_works():
+    model, batch, _ = _model("wide_resnet")
+    graph = capture(model, _inputs(batch), method="dynamo")
+    assert graph.method == "export" and not graph.notes
+    with pytest.raises(ValueError, match="trace_method='jit'"):
+        capture(model, _inputs(batch), method="jit")
+
+
+def test_no_tracing_runs_the_whole_model_as_one_stage():
+    from merak.assemble import assemble
+
+    _, batch, _ = _model("skip_net")
+    built = assemble(build=tiny_models.SkipNet, seed=3, init_device="cpu",
+                     options=ShardingOptions(trace_method=None), num_stages=1, num_microbatches=1, stage_id=0,
+                     device=torch.device("cpu"), example_inputs=batch)
+    assert built.plan is None and len(built.stages) == 1
+    torch.testing.assert_close(built.stages[0](batch), built.model(batch["features"]))
+    with pytest.raises(ValueError, match="needs build_stages"):
+        assemble(build=tiny_models.SkipNet, seed=3, init_device="cpu", options=ShardingOptions(trace_method=None),
+                 num_stages=2, num_microbatches=2, stage_id=0, device=torch.device("cpu"), example_inputs=batch)
