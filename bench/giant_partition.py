@@ -64,6 +64,7 @@ def _measure(tool: str, stages: int, micro_batch: int) -> dict:
         # Same stage starts as merak's layer_split + uniform: blocks cut evenly, first stage also embeds.
         shard_bounds = uniform_boundaries(cfg.num_layers + 1, stages)
         split_spec = {f"transformer.h.{b - 1}": SplitPoint.BEGINNING for b in shard_bounds[1:-1]}
+        model.config.use_cache = False  # a KV cache is no graph output (merak's capture does the same)
         pipe = pipeline(model, mb_args=(), mb_kwargs=inputs, split_spec=split_spec)
         result = {"stages": pipe.num_stages}
     result.update(tool=tool, num_stages=stages, seconds=time.perf_counter() - started,
