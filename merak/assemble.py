@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx, nn
 
 from merak.pipeline.stage import StageModule
 from merak.shard.plan import PipelinePlan, ShardingOptions, plan_pipeline
+from merak.trace.capture import forward_parameter_names
 from merak.trace.meta import InitFn, default_init, materialize, parameters_on_meta
 
 logger = logging.getLogger(__name__)
@@ -75,8 +76,6 @@ def build_model(build: Callable[[], nn.Module], *, seed: int, init_device: str) 
 
 def default_input_names(model: nn.Module, example: Mapping[str, torch.Tensor]) -> list[str]:
     """The microbatch fields the model's forward accepts, labels excluded (the loss is merak's)."""
-    from merak.trace.capture import forward_parameter_names
-
     accepted = set(forward_parameter_names(model))
     names = [k for k in example if k in accepted and k not in ("labels", "label")]
     if not names:
@@ -134,14 +133,11 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
             raise ValueError("trace_method=None needs build_stages for more than one pipeline stage")
     else:
         examples = {name: example_inputs[name] for name in input_names}
-        if on_meta:
-            examples = {k: v.to("meta") for k, v in examples.items()}
         plan = plan_pipeline(model, examples, num_stages=num_stages, num_microbatches=num_microbatches,
-                             options=ShardingOptions(**{**vars(options), "input_names": tuple(input_names)}))
+                             options=replace(options, input_names=tuple(input_names)))
         stages = plan.stages()
     if on_meta and materialize_stage:
-        owned = list({id(p): p for p in stages[stage_id].parameters()}.values())
-        count = materialize(model, owned, seed=seed, device=device, init=init, also_in=stages)
+        count = materialize(model, stages[stage_id].parameters(), seed=seed, device=device, init=init, also_in=stages)
         retarget_devices(stages[stage_id], torch.device(device))
         logger.info("materialized stage %d: %s parameters", stage_id, f"{count:,}")
     return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta)

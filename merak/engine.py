@@ -88,14 +88,13 @@ class PipelineEngine:
         # Every rank creates every tie's group, in the same order (group creation is collective).
         self._tied_groups = {t.stages: stage_set_group(state, t.stages) for t in all_tied}
         self.tied = [t for t in all_tied if self.stage_id in t.stages]
-        tied_names = {t.name for t in self.tied}
         by_name = dict(self._param_names)
         self.tied_params = [by_name[t.name] for t in self.tied]
         # Each parameter counts once in the global norm: tied copies only on their first owner.
         secondary = {t.name for t in self.tied if t.stages[0] != self.stage_id}
         self.norm_params = [p for n, p in self._param_names if n not in secondary]
         self.trainable = [p for _, p in self._param_names if p.requires_grad]
-        self._synchronize_initial_weights(tied_names)
+        self._synchronize_initial_weights()
         self.optimizer = build_optimizer(
             self._param_names, learning_rate=optimizer.learning_rate, weight_decay=optimizer.weight_decay,
             betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_epsilon)
@@ -119,7 +118,7 @@ class PipelineEngine:
 
     # -- set-up ------------------------------------------------------------------
 
-    def _synchronize_initial_weights(self, tied_names: set[str]) -> None:
+    def _synchronize_initial_weights(self) -> None:
         """Start every replica and every tied copy from identical values."""
         state = self.state
         with torch.no_grad():

@@ -87,7 +87,7 @@ def run(spec, cfg) -> dict:
     if cfg.get("dry_run"):
         return dry_run(spec, settings, prepared)
     if settings.trainer.trace_method is not None and settings.grid.pp > 1:
-        del plan_before_launch(spec, settings, prepared).model  # workers plan again, identically
+        plan_before_launch(spec, settings, prepared)  # only to fail early; workers plan again, identically
     grid = settings.grid
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
                 spec.name, settings.model_cfg.get("name", "?"), grid.dp, grid.tp, grid.pp, grid.world_size,

@@ -14,6 +14,7 @@ connections included, relayed through the shards in between).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -52,16 +53,9 @@ def _params_of_node(node: fx.Node, root: nn.Module) -> Iterable[nn.Parameter]:
         yield from root.get_submodule(str(node.target)).parameters()
     for arg in node.all_input_nodes:
         if arg.op == "get_attr":
-            value = _fetch_attr(root, str(arg.target))
+            value = operator.attrgetter(str(arg.target))(root)
             if isinstance(value, nn.Parameter):
                 yield value
-
-
-def _fetch_attr(root: nn.Module, target: str):
-    value = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 class GraphUnits:

@@ -25,7 +25,7 @@ from merak.shard.build import shard_modules
 from merak.shard.graph import GraphUnits
 from merak.shard.split import ShardingError, split_units
 from merak.trace.capture import capture
-from merak.trace.meta import buffers_on_meta
+from merak.trace.meta import buffers_on_meta, has_meta_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class ShardReport:
     num_parameters: int
     forward_flops: int
     outputs: dict[str, str]  # crossing value -> "float32[4, 128, 64]" (or a Python value's repr)
+    output_bytes: int = 0  # of the tensors in ``outputs``
     forward_seconds: float | None = None
 
 
@@ -97,10 +98,10 @@ class PipelinePlan:
         reports = self.reports[first:last]
         params = sum(p.numel() for p in self.stage_parameters(stage_id))
         outputs = reports[-1].outputs
-        activation = sum(_bytes_of(text) for text in outputs.values())
+        activation = reports[-1].output_bytes
         in_flight = self.num_stages - stage_id  # 1F1B keeps up to this many microbatches' boundaries alive
         modules = [name for r in reports for name in r.modules]
-        return {"stage": stage_id, "shards": [first, last], "modules": _compact(modules),
+        return {"stage": stage_id, "shards": [first, last], "modules": list(dict.fromkeys(modules)),
                 "num_parameters": params, "forward_flops": sum(r.forward_flops for r in reports),
                 "sends": outputs if stage_id < self.num_stages - 1 else {},
                 "estimated_memory_bytes": params * BYTES_PER_TRAINED_PARAM + activation * in_flight}
@@ -114,29 +115,11 @@ class PipelinePlan:
                 "shards": [vars(r) for r in self.reports]}
 
 
-def _bytes_of(description: str) -> int:
-    if "[" not in description:
-        return 0
-    dtype, shape = description.split("[", 1)
-    numel = 1
-    for dim in shape.rstrip("]").split(","):
-        if dim.strip():
-            numel *= int(dim)
-    return numel * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
 def _display_name(scope: tuple[str, ...]) -> str:
     """The name that says what a unit belongs to: its numbered block (transformer.h.3,
     bert.encoder.layer.0) when it is in one, else its second-level module (transformer.wte)."""
     numbered = [name for name in scope if name.rsplit(".", 1)[-1].isdigit()]
-    if numbered:
-        return numbered[-1] if numbered[-1].count(".") <= 3 else numbered[0]
-    return scope[min(1, len(scope) - 1)]
-
-
-def _compact(names: list[str]) -> list[str]:
-    """Module names once each, in order."""
-    return list(dict.fromkeys(names))
+    return numbered[0] if numbered else scope[min(1, len(scope) - 1)]
 
 
 def _describe(value) -> str:
@@ -172,23 +155,24 @@ def _measure(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int]
     A model with meta parameters runs entirely on meta tensors (nothing allocated).
     """
     module = units.captured.module
-    on_meta = any(p.device.type == "meta" for p in module.parameters())
+    on_meta = has_meta_parameters(module)
     buffers = {} if on_meta else {name: b.clone() for name, b in module.named_buffers()}
     bounds = [0, *cuts, len(units)]
     reports = []
-    payload = {k: v.to("meta") if on_meta and isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
+    payload = dict(example_inputs)
     with torch.no_grad(), (buffers_on_meta(module) if on_meta else contextlib.nullcontext()):
         for index, shard in enumerate(shards):
             seconds = _forward_seconds(shard, payload) if timed else None
             with FlopCounterMode(display=False) as counter:
                 payload = shard(payload)
             scope = [_display_name(u.scope) for u in units.units[bounds[index]:bounds[index + 1]] if u.scope]
-            outputs = {k: _describe(v) for k, v in payload.items()} if isinstance(payload, dict) and \
-                index < len(shards) - 1 else {}
+            sent = payload if isinstance(payload, dict) and index < len(shards) - 1 else {}
             reports.append(ShardReport(
                 modules=list(dict.fromkeys(scope)),
                 num_parameters=sum(p.numel() for p in {id(p): p for p in shard.parameters()}.values()),
-                forward_flops=int(counter.get_total_flops()), forward_seconds=seconds, outputs=outputs))
+                forward_flops=int(counter.get_total_flops()), forward_seconds=seconds,
+                outputs={k: _describe(v) for k, v in sent.items()},
+                output_bytes=sum(v.numel() * v.element_size() for v in sent.values() if isinstance(v, torch.Tensor))))
     # Measuring ran the model once in training mode; undo buffer updates (e.g. batch-norm statistics).
     with torch.no_grad():
         for name, buffer in module.named_buffers():
@@ -233,6 +217,8 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
         merak.trace.capture.TraceError: the model cannot be captured.
         merak.shard.split.ShardingError / merak.shard.partition.PartitionError: impossible splits.
     """
+    if has_meta_parameters(model):  # a weightless model is captured and measured on meta inputs
+        example_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
     captured = capture(model, example_inputs, method=options.trace_method, input_names=options.input_names,
                        leaf_modules=options.leaf_modules)
     units = GraphUnits(captured)
@@ -244,7 +230,7 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
     shards = shard_modules(units, cuts)
     inputs = {name: example_inputs[name] for name in captured.input_names}
     timed = options.partition_method == "autopipe" and options.autopipe_costs == "time"
-    if timed and any(p.device.type == "meta" for p in model.parameters()):
+    if timed and has_meta_parameters(model):
         raise part.PartitionError("autopipe_costs=time needs real weights; a model on the meta device is "
                                   "partitioned by FLOPs (autopipe_costs=flops)")
     if options.autopipe_costs not in ("flops", "time"):

@@ -83,10 +83,7 @@ def nearest_min_deps(units: GraphUnits, shard_count: int) -> list[int]:
         while horizon < n and ahead < budget:
             ahead += weights[horizon]
             horizon += 1
-        window = range(reach, min(horizon, n - 1) + 1) if horizon > reach else range(reach, reach + 1)
-        best = min(window, key=lambda k: (crossing[k], k))
-        if best >= n:
-            break
+        best = min(range(reach, min(horizon, n - 1) + 1), key=lambda k: (crossing[k], k))
         cuts.append(best)
         start = best
     return cuts

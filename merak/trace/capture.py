@@ -120,10 +120,10 @@ def _check_input_names(model: nn.Module, input_names: Sequence[str]) -> None:
 
 
 def _capture_fx(model: nn.Module, input_names: Sequence[str], leaf_modules: Sequence) -> fx.GraphModule:
-    signature = inspect.signature(model.forward)
-    concrete = {name: p.default for name, p in signature.parameters.items()
-                if name not in input_names and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-                and p.default is not inspect.Parameter.empty}
+    arguments = [p for p in inspect.signature(model.forward).parameters.values()
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    concrete = {p.name: p.default for p in arguments
+                if p.name not in input_names and p.default is not inspect.Parameter.empty}
     tracer = _ScopeTracer(leaf_modules)
     try:
         graph = tracer.trace(model, concrete_args=concrete)
@@ -132,14 +132,19 @@ def _capture_fx(model: nn.Module, input_names: Sequence[str], leaf_modules: Sequ
         location = f"in module '{where[0] or '<root>'}' ({where[1]})" if where else "at the top level"
         raise TraceError(f"torch.fx could not trace {type(model).__name__} {location}: "
                          f"{type(error).__name__}: {error}") from error
-    # Arguments outside input_names were fixed (concrete_args); fx still keeps placeholders for them,
-    # read only by its specialization checks. Put the fixed value in their place so the graph's
-    # inputs are exactly input_names.
-    for node in list(graph.nodes):
-        if node.op != "placeholder" or node.target in input_names:
+    # Arguments outside input_names were fixed (concrete_args); fx still keeps placeholders for them
+    # (one per argument, in signature order), read only by its specialization checks. Put the fixed
+    # value in their place so the graph's inputs are exactly input_names.
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(arguments):  # *args / **kwargs in the signature
+        raise TraceError(f"torch.fx made {len(placeholders)} inputs for {type(model).__name__}.forward's "
+                         f"{len(arguments)} named arguments; variadic arguments are not traced by fx")
+    for argument, node in zip(arguments, placeholders):
+        if argument.name in input_names:
             continue
-        name = str(node.target).rsplit("_", 1)[0] if str(node.target) not in concrete else str(node.target)
-        value = concrete.get(name)
+
+        value = concrete.get(argument.name)
+
         def fixed(arg: fx.Node, placeholder=node, constant=value):
             return constant if arg is placeholder else arg
 

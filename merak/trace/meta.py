@@ -16,6 +16,7 @@ the same path, whatever the number of stages.
 from __future__ import annotations
 
 import contextlib
+import math
 import zlib
 from collections.abc import Callable, Iterable
 
@@ -32,29 +33,22 @@ _FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torc
 LARGE_TENSOR_ELEMENTS = 1 << 20
 
 
-def _requested_numel(args) -> int:
-    shape = args[0] if args and isinstance(args[0], (tuple, list, torch.Size)) else \
-        [a for a in args if isinstance(a, int)]
-    numel = 1
-    for dim in shape:
-        numel *= int(dim)
-    return numel
+def _requested_numel(func, args, kwargs) -> int:
+    """Elements a factory call asks for: its size tuple, or the dimensions passed one by one."""
+    size = kwargs.get("size")
+    if size is None:
+        size = next((a for a in args if isinstance(a, (tuple, list, torch.Size))), None)
+    if size is None and func not in (torch.full, torch.randint):  # torch.zeros(3, 4)
+        size = [a for a in args if isinstance(a, int)]
+    return math.prod(size) if size else 0
 
 
 class _LargeTensorsOnMeta(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in _FACTORIES and kwargs.get("device") is None:
-            size_args = args[1:] if func in (torch.randint, torch.full) and len(args) > 1 and \
-                not isinstance(args[0], (tuple, list, torch.Size)) else args
-            if func is torch.full:
-                size_args = args[:1]
-            try:
-                large = _requested_numel(size_args) > LARGE_TENSOR_ELEMENTS
-            except (TypeError, ValueError):
-                large = False
-            if large:
-                kwargs["device"] = "meta"
+        if func in _FACTORIES and kwargs.get("device") is None and \
+                _requested_numel(func, args, kwargs) > LARGE_TENSOR_ELEMENTS:
+            kwargs["device"] = "meta"
         return func(*args, **kwargs)
 
 
