@@ -170,12 +170,11 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
                        output_dir=trainer.output_dir or _default_output_dir(), num_microbatches=num_microbatches)
 
 
-INIT_DEVICES = ("auto", "cpu", "meta")
-
-
 def _sharding_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
     """Checks of the pipeline-splitting settings that need no model."""
-    from merak.shard.plan import PARTITION_METHODS
+    from merak.shard.partition import custom_boundary_problem
+    from merak.shard.plan import AUTOPIPE_COSTS, PARTITION_METHODS
+    from merak.assemble import INIT_DEVICES
     from merak.shard.split import SPLIT_METHODS
     from merak.trace.capture import TRACE_METHODS
 
@@ -197,22 +196,16 @@ def _sharding_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) ->
         problems.append(f"trainer.partition_method={trainer.partition_method!r}; choose one of "
                         f"{', '.join(PARTITION_METHODS)}")
     elif trainer.partition_method == "custom":
-        bounds = trainer.custom_partition
-        if not bounds:
+        if not trainer.custom_partition:
             problems.append("trainer.partition_method=custom needs trainer.custom_partition: pp+1 shard "
                             "boundaries such as [0, 6, 12]")
-        elif grid and len(bounds) != grid.pp + 1:
-            problems.append(f"trainer.custom_partition must have pp+1 = {grid.pp + 1} entries, got {len(bounds)}")
-        else:
-            disorder = [i for i in range(1, len(bounds)) if bounds[i] <= bounds[i - 1]]
-            if bounds[0] != 0:
-                problems.append(f"trainer.custom_partition must start at 0, got {bounds[0]}")
-            if disorder:
-                i = disorder[0]
-                problems.append(f"trainer.custom_partition is not increasing at position {i}: "
-                                f"{bounds[i - 1]} then {bounds[i]}")
-    if trainer.autopipe_costs not in ("flops", "time"):
-        problems.append(f"trainer.autopipe_costs={trainer.autopipe_costs!r}; choose flops or time")
+        elif grid:
+            problem = custom_boundary_problem(trainer.custom_partition, grid.pp)
+            if problem:
+                problems.append(f"trainer.{problem}")
+    if trainer.autopipe_costs not in AUTOPIPE_COSTS:
+        problems.append(f"trainer.autopipe_costs={trainer.autopipe_costs!r}; choose one of "
+                        f"{', '.join(AUTOPIPE_COSTS)}")
     if trainer.init_device not in INIT_DEVICES:
         problems.append(f"trainer.init_device={trainer.init_device!r}; choose one of {', '.join(INIT_DEVICES)}")
     return problems

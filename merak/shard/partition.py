@@ -150,33 +150,38 @@ def parameter_boundaries(weights: Sequence[float], num_parts: int) -> list[int]:
     return [len(exact) - b for b in reversed(mirrored)]
 
 
-def check_custom_boundaries(boundaries: Sequence[int], num_items: int, num_parts: int) -> list[int]:
-    """Validate a user-given ``custom_partition`` and return it as a list of ints.
+def custom_boundary_problem(boundaries, num_parts: int, num_items: int | None = None) -> str | None:
+    """What is wrong with a user-given ``custom_partition``, or None.
 
-    It must have ``num_parts + 1`` integer entries, start at 0, end at
-    ``num_items`` and be strictly increasing (no empty stage). The error says
-    which rule is broken and where.
+    It must have ``num_parts + 1`` integer entries, start at 0, be strictly
+    increasing (no empty stage) and, when ``num_items`` is known, end there.
+    The message names the first broken rule and where.
+    """
+    if isinstance(boundaries, (str, bytes)) or not isinstance(boundaries, Sequence):
+        return f"custom_partition must be a list of integers, got {boundaries!r}"
+    if len(boundaries) != num_parts + 1:
+        return f"custom_partition must have pp+1 = {num_parts + 1} entries, got {len(boundaries)}"
+    for position, value in enumerate(boundaries):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            return f"custom_partition entry {position} must be an integer, got {value!r}"
+    if boundaries[0] != 0:
+        return f"custom_partition must start at 0, got {boundaries[0]}"
+    if num_items is not None and boundaries[-1] != num_items:
+        return f"custom_partition must end at the number of shards {num_items}, got {boundaries[-1]}"
+    for position in range(1, len(boundaries)):
+        if boundaries[position] <= boundaries[position - 1]:
+            return (f"custom_partition is not increasing at position {position}: "
+                    f"{boundaries[position - 1]} then {boundaries[position]}")
+    return None
+
+
+def check_custom_boundaries(boundaries: Sequence[int], num_items: int, num_parts: int) -> list[int]:
+    """Validate a user-given ``custom_partition`` against ``num_items`` shards and return it as ints.
+
+    Raises :class:`PartitionError` with :func:`custom_boundary_problem`'s message.
     """
     check_counts(num_items, num_parts)
-    if isinstance(boundaries, (str, bytes)) or not isinstance(boundaries, Sequence):
-        raise PartitionError(f"custom_partition must be a list of integers, got {boundaries!r}")
-    values = list(boundaries)
-    if len(values) != num_parts + 1:
-        raise PartitionError(
-            f"custom_partition must have pp+1 = {num_parts + 1} entries, got {len(values)}")
-    for position, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise PartitionError(
-                f"custom_partition entry {position} must be an integer, got {value!r}")
-    values = [int(value) for value in values]
-    if values[0] != 0:
-        raise PartitionError(f"custom_partition must start at 0, got {values[0]}")
-    if values[-1] != num_items:
-        raise PartitionError(
-            f"custom_partition must end at the number of shards {num_items}, got {values[-1]}")
-    for position in range(1, len(values)):
-        if values[position] <= values[position - 1]:
-            raise PartitionError(
-                f"custom_partition is not increasing at position {position}: "
-                f"{values[position - 1]} then {values[position]}")
-    return values
+    problem = custom_boundary_problem(boundaries, num_parts, num_items)
+    if problem:
+        raise PartitionError(problem)
+    return [int(value) for value in boundaries]

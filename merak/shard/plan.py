@@ -30,6 +30,7 @@ from merak.trace.meta import buffers_on_meta, has_meta_parameters
 logger = logging.getLogger(__name__)
 
 PARTITION_METHODS = ("uniform", "uniform_floor", "parameters", "custom", "autopipe")
+AUTOPIPE_COSTS = ("flops", "time")
 BYTES_PER_TRAINED_PARAM = 16  # fp32 weight + gradient + two Adam moments
 
 
@@ -233,8 +234,9 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
     if timed and has_meta_parameters(model):
         raise part.PartitionError("autopipe_costs=time needs real weights; a model on the meta device is "
                                   "partitioned by FLOPs (autopipe_costs=flops)")
-    if options.autopipe_costs not in ("flops", "time"):
-        raise part.PartitionError(f"autopipe_costs={options.autopipe_costs!r}; choose flops or time")
+    if options.autopipe_costs not in AUTOPIPE_COSTS:
+        raise part.PartitionError(f"autopipe_costs={options.autopipe_costs!r}; choose one of "
+                                  f"{', '.join(AUTOPIPE_COSTS)}")
     reports = _measure(shards, units, cuts, inputs, timed=timed)
     boundaries = _partition(options, reports, num_stages, num_microbatches)
     logger.info("%d shards (%s, %s), stage boundaries %s (%s)", len(shards), captured.method,
