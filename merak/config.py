@@ -172,9 +172,9 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
 
 def _sharding_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
     """Checks of the pipeline-splitting settings that need no model."""
+    from merak.assemble import INIT_DEVICES
     from merak.shard.partition import custom_boundary_problem
     from merak.shard.plan import AUTOPIPE_COSTS, PARTITION_METHODS
-    from merak.assemble import INIT_DEVICES
     from merak.shard.split import SPLIT_METHODS
     from merak.trace.capture import TRACE_METHODS
 
