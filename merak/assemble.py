@@ -23,6 +23,8 @@ from torch import fx, nn
 
 from merak.pipeline.stage import StageModule
 from merak.shard.plan import PipelinePlan, ShardingOptions, plan_pipeline
+from merak.tensor_parallel.options import TensorParallelOptions, split_model
+from merak.tensor_parallel.plan import ResolvedPlan
 from merak.trace.capture import forward_parameter_names
 from merak.trace.meta import InitFn, default_init, materialize, parameters_on_meta
 
@@ -42,6 +44,7 @@ class Assembled:
     stages: list[nn.Module]
     plan: PipelinePlan | None
     on_meta: bool
+    tp_plan: ResolvedPlan | None = None
 
 
 class CallModel(nn.Module):
@@ -108,7 +111,8 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
              num_stages: int, num_microbatches: int, stage_id: int, device: torch.device,
              example_inputs: Mapping[str, torch.Tensor],
              build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None,
-             init: InitFn = default_init, materialize_stage: bool = True) -> Assembled:
+             init: InitFn = default_init, materialize_stage: bool = True,
+             tensor_parallel: TensorParallelOptions = TensorParallelOptions()) -> Assembled:
     """The model and every stage for the worker running ``stage_id``.
 
     Args:
@@ -120,9 +124,12 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         build_stages: hand-made stages for ``trace_method=None`` and several stages.
         init: initializes one module of a meta-built model.
         materialize_stage: False only for planning (dry run): weights stay on meta.
+        tensor_parallel: this worker's tensor-parallel settings; the model is split
+            before capture, so graphs and stages have the rank-local shapes.
     """
     model, on_meta = build_model(build, seed=seed, init_device=init_device)
     model.train()
+    tp_plan = split_model(model, tensor_parallel)
     input_names = list(options.input_names or default_input_names(model, example_inputs))
     plan = None
     if options.trace_method is None:
@@ -141,4 +148,4 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         count = materialize(model, stages[stage_id].parameters(), seed=seed, device=device, init=init, also_in=stages)
         retarget_devices(stages[stage_id], torch.device(device))
         logger.info("materialized stage %d: %s parameters", stage_id, f"{count:,}")
-    return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta)
+    return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta, tp_plan=tp_plan)

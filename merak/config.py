@@ -56,6 +56,11 @@ class TrainerSettings:
     leaf_modules: list[str] | None = None
     init_device: str = "auto"
     autopipe_costs: str = "flops"
+    # Tensor parallelism (merak.tensor_parallel.options.TensorParallelOptions).
+    parallel_vocab: bool = False
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
+    tp_overlapping_level: int = 0
 
 
 @dataclass(frozen=True)
@@ -130,9 +135,6 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
         problems.append(
             f"parallel.dp*tp*pp = {grid.dp}*{grid.tp}*{grid.pp} = {grid.world_size} but the launcher "
             f"started {world_size} processes; make them equal (e.g. torchrun --nproc_per_node)")
-    if grid and grid.tp > 1:
-        problems.append(f"parallel.tp={grid.tp}: tensor parallelism is not available in this version; "
-                        "set parallel.tp=1 and use dp and pp")
     if trainer.train_schedule not in schedule_names():
         problems.append(f"trainer.train_schedule={trainer.train_schedule!r} is unknown; choose one of "
                         f"{', '.join(schedule_names())}")
@@ -161,6 +163,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
         else:
             num_microbatches = trainer.global_batch_size // per_step
     problems.extend(_sharding_problems(spec, trainer, grid))
+    problems.extend(_tensor_parallel_problems(spec, trainer, grid))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
     problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
     problems.extend(spec.check_data(cfg.data))
@@ -208,6 +211,25 @@ def _sharding_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) ->
                         f"{', '.join(AUTOPIPE_COSTS)}")
     if trainer.init_device not in INIT_DEVICES:
         problems.append(f"trainer.init_device={trainer.init_device!r}; choose one of {', '.join(INIT_DEVICES)}")
+    return problems
+
+
+def _tensor_parallel_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
+    """Checks of the tensor-parallel settings that need no model (the plan is checked on the model
+    before launch, see merak.runner.plan_before_launch)."""
+    from merak.tensor_parallel.options import TensorParallelOptions, option_problems
+
+    tp = grid.tp if grid else 1
+    options = TensorParallelOptions(plan=spec.tp_plan, size=tp, overlap_level=trainer.tp_overlapping_level)
+    problems = [f"trainer.{p}" if p.startswith("tp_") else p for p in option_problems(options)]
+    if tp == 1:
+        for flag in ("parallel_vocab", "sequence_parallel"):
+            if getattr(trainer, flag):
+                problems.append(f"trainer.{flag}=true needs parallel.tp > 1")
+    elif trainer.sequence_parallel and (not isinstance(trainer.sequence_dim, int) or trainer.sequence_dim < 0):
+        problems.append(f"trainer.sequence_dim={trainer.sequence_dim!r} must be a non-negative integer")
+    if tp > 1 and trainer.trace_method is None and grid and grid.pp > 1:
+        problems.append("tensor parallelism with pp > 1 needs a captured graph: use trace_method=fx or dynamo")
     return problems
 
 

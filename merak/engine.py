@@ -24,6 +24,8 @@ from merak.pipeline.executor import PipelineExecutor
 from merak.pipeline.hooks import PipelineHook
 from merak.pipeline.schedules import build_schedule
 from merak.pipeline.stage import find_tied_parameters, parameter_names
+from merak.tensor_parallel.sequence import sequence_partial
+from merak.tensor_parallel.slicing import sliced_parameter_ids
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +92,15 @@ class PipelineEngine:
         self.tied = [t for t in all_tied if self.stage_id in t.stages]
         by_name = dict(self._param_names)
         self.tied_params = [by_name[t.name] for t in self.tied]
-        # Each parameter counts once in the global norm: tied copies only on their first owner.
+        # Each parameter counts once in the global norm: tied copies only on their first owner,
+        # parameters replicated over the tensor-parallel group only on its first rank.
         secondary = {t.name for t in self.tied if t.stages[0] != self.stage_id}
-        self.norm_params = [p for n, p in self._param_names if n not in secondary]
+        sliced = sliced_parameter_ids(model)
+        self.norm_params = [p for n, p in self._param_names if n not in secondary
+                            and (coords.tp == 0 or id(p) in sliced)]
+        # With sequence parallelism, replicated parameters between the blocks saw only this
+        # rank's part of the sequence: their gradients are summed over the tp group.
+        self.sequence_partial = [p for _, p in self._param_names if p.requires_grad and sequence_partial(p)]
         self.trainable = [p for _, p in self._param_names if p.requires_grad]
         self._synchronize_initial_weights()
         self.optimizer = build_optimizer(
@@ -164,6 +172,9 @@ class PipelineEngine:
                                  average=False, bucket_bytes=self.bucket_bytes)
 
     def _reduce_grads(self) -> None:
+        if self.sequence_partial:
+            all_reduce_gradients(self.sequence_partial, group=self.state.tp_group, group_size=self.state.grid.tp,
+                                 average=False, bucket_bytes=self.bucket_bytes)
         all_reduce_gradients(self.trainable, group=self.state.dp_group, group_size=self.state.grid.dp,
                              average=True, bucket_bytes=self.bucket_bytes)
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from merak.tensor_parallel.plan import TPPlan
+
 
 def no_problems(*_args) -> list[str]:
     """Default check: nothing to report."""
@@ -48,6 +50,7 @@ class RecipeSpec:
         split_points: default ``layer_split`` points, module-name globs (``transformer.h.*``).
         build_stages: ``(model, num_stages) -> list[nn.Module]``: hand-made stages, used
             only with ``trace_method=None`` (default: automatic capture and sharding).
+        tp_plan: how the model splits for tensor parallelism (None: tp must be 1).
     """
 
     name: str
@@ -64,4 +67,5 @@ class RecipeSpec:
     leaf_modules: tuple = ()
     split_points: tuple[str, ...] = ()
     build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None
+    tp_plan: TPPlan | None = None
 

@@ -42,6 +42,8 @@ from merak.report import (
 from merak.shard.partition import PartitionError
 from merak.shard.plan import ShardingOptions
 from merak.shard.split import ShardingError
+from merak.tensor_parallel.options import TensorParallelOptions
+from merak.tensor_parallel.plan import TPPlanError
 from merak.trace.capture import TraceError
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ def run(spec, cfg) -> dict:
     os.makedirs(settings.output_dir, exist_ok=True)
     if cfg.get("dry_run"):
         return dry_run(spec, settings, prepared)
-    if settings.trainer.trace_method is not None and settings.grid.pp > 1:
+    if (settings.trainer.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1:
         plan_before_launch(spec, settings, prepared)  # only to fail early; workers plan again, identically
     grid = settings.grid
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
@@ -130,7 +132,17 @@ def example_inputs(spec, settings: RunSettings, prepared: str) -> dict[str, torc
     return stack_samples([dataset[i] for i in range(min(size, len(dataset)))])
 
 
-def _assemble(spec, settings: RunSettings, prepared: str, *, stage_id: int, device, planning: bool = False):
+def tensor_parallel_options(spec, settings: RunSettings, tp_rank: int) -> TensorParallelOptions:
+    """The tensor-parallel settings of the worker at ``tp_rank``."""
+    trainer = settings.trainer
+    return TensorParallelOptions(
+        plan=spec.tp_plan, size=settings.grid.tp, rank=tp_rank, parallel_vocab=trainer.parallel_vocab,
+        sequence_parallel=trainer.sequence_parallel, sequence_dim=trainer.sequence_dim,
+        overlap_level=trainer.tp_overlapping_level)
+
+
+def _assemble(spec, settings: RunSettings, prepared: str, *, stage_id: int, device, tp_rank: int = 0,
+              planning: bool = False):
     """This worker's model and stages; ``planning``: nothing materialized on meta (the model is built
     as the workers build it, so the plan is theirs: export graphs can differ between meta and real)."""
     return assemble(
@@ -138,7 +150,7 @@ def _assemble(spec, settings: RunSettings, prepared: str, *, stage_id: int, devi
         init_device=settings.trainer.init_device, options=sharding_options(spec, settings),
         num_stages=settings.grid.pp, num_microbatches=settings.num_microbatches, stage_id=stage_id,
         device=device, example_inputs=example_inputs(spec, settings, prepared), build_stages=spec.build_stages,
-        materialize_stage=not planning)
+        materialize_stage=not planning, tensor_parallel=tensor_parallel_options(spec, settings, tp_rank))
 
 
 def plan_before_launch(spec, settings: RunSettings, prepared: str):
@@ -146,7 +158,7 @@ def plan_before_launch(spec, settings: RunSettings, prepared: str):
     starts (a giant model stays on the meta device). Returns the assembled model and plan."""
     try:
         return _assemble(spec, settings, prepared, stage_id=0, device=torch.device("cpu"), planning=True)
-    except (TraceError, ShardingError, PartitionError) as error:
+    except (TraceError, ShardingError, PartitionError, TPPlanError) as error:
         raise ConfigError(f"invalid configuration:\n  - {error}") from error
 
 
@@ -182,13 +194,16 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> dict
     _configure_worker_logging(rank)
     try:
         started = time.perf_counter()
-        built = _assemble(spec, settings, prepared, stage_id=state.coordinates.pp, device=state.device)
+        built = _assemble(spec, settings, prepared, stage_id=state.coordinates.pp, device=state.device,
+                          tp_rank=state.coordinates.tp)
         engine = PipelineEngine(
             model=built.model, stages=built.stages, loss_fn=spec.loss_fn, state=state,
             schedule=trainer.train_schedule, num_microbatches=settings.num_microbatches, total_steps=steps,
             optimizer=_optimizer_options(settings, steps))
         del built  # the engine keeps this rank's stage only
-        torch.manual_seed(trainer.seed + rank)  # dropout masks differ between ranks
+        # Dropout masks differ between replicas and stages, but not within a tensor-parallel group,
+        # whose ranks hold the same replicated activations.
+        torch.manual_seed(trainer.seed + grid.rank_of(pp=state.coordinates.pp, dp=state.coordinates.dp, tp=0))
         loader = None
         if state.is_first_stage or state.is_last_stage:  # only they consume data
             dataset = spec.load_dataset(prepared, settings.model_cfg)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from merak.distributed.topology import Coordinates, RankGrid
+from merak.tensor_parallel import comm
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, *, backend: str | None = None,
         state.dp_group = _new_groups(grid.axis_groups("dp"), rank)
         state.tp_group = _new_groups(grid.axis_groups("tp"), rank)
         state.model_parallel_group = _new_groups(grid.model_parallel_groups(), rank)
+    comm.register_group("tp", state.tp_group, rank=state.coordinates.tp, size=grid.tp)
     _STATE = state
     logger.debug("rank %d at %s (backend %s)", rank, state.coordinates, chosen)
     return state
@@ -173,6 +175,7 @@ def shutdown() -> None:
     """Forget the parallel state and destroy the default process group."""
     global _STATE
     _STATE = None
+    comm.unregister_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -25,6 +25,7 @@ from merak.shard.build import shard_modules
 from merak.shard.graph import GraphUnits
 from merak.shard.split import ShardingError, split_units
 from merak.trace.capture import capture
+from merak.tensor_parallel.comm import simulated_groups
 from merak.trace.meta import buffers_on_meta, has_meta_parameters
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,8 @@ def _measure(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int]
     bounds = [0, *cuts, len(units)]
     reports = []
     payload = dict(example_inputs)
-    with torch.no_grad(), (buffers_on_meta(module) if on_meta else contextlib.nullcontext()):
+    # Tensor-parallel collectives only keep their shapes here: ranks measure independently.
+    with torch.no_grad(), simulated_groups(), (buffers_on_meta(module) if on_meta else contextlib.nullcontext()):
         for index, shard in enumerate(shards):
             seconds = _forward_seconds(shard, payload) if timed else None
             with FlopCounterMode(display=False) as counter:

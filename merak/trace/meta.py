@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from merak.tensor_parallel.slicing import TensorSlice, slices_of
+
 InitFn = Callable[[nn.Module, nn.Module], None]  # (model, module) -> None, initializes module's parameters
 
 
@@ -140,8 +142,10 @@ def materialize(model: nn.Module, parameters: Iterable[nn.Parameter], *, seed: i
     The new parameters replace the meta ones in ``model`` and in every module of
     ``also_in`` (e.g. the stages cut from it), so tied references stay one
     object. The owning modules and their ancestors are initialized in
-    post-order, each under its own seed (see the module docstring). Returns the
-    number of elements made real.
+    post-order, each under its own seed (see the module docstring). A
+    tensor-parallel slice is initialized at its full single-device size and then
+    cut, so every tp degree starts from the same weights. Returns the number of
+    elements made real.
     """
     wanted = {id(p) for p in parameters}
     owners: set[str] = set()
@@ -156,11 +160,59 @@ def materialize(model: nn.Module, parameters: Iterable[nn.Parameter], *, seed: i
                     fresh[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
                                                     requires_grad=param.requires_grad)
     _replace_parameters([model, *also_in], fresh)
+    full_size = _FullSizeSlices(model, device)
     with torch.no_grad():
         ancestors = {name.rsplit(".", k)[0] for name in owners for k in range(name.count(".") + 1)} | {""}
         for name, module in _post_order(model):
             if name in owners or name in ancestors:
-                with torch.random.fork_rng(devices=[]):
+                with torch.random.fork_rng(devices=[]), full_size.swapped_in(module):
                     torch.manual_seed(module_seed(seed, name))
                     init(model, module)
+        full_size.cut()
     return sum(p.numel() for p in fresh.values())
+
+
+class _FullSizeSlices:
+    """Full-size stand-ins for tensor-parallel parameter slices while a model is initialized.
+
+    Initialization functions (``reset_parameters``, Hugging Face's
+    ``_init_weights``, which may also reach into children) see the full
+    tensors; :meth:`cut` then copies each rank's slice into the real parameter.
+    Meta slices get meta stand-ins (nothing allocated).
+    """
+
+    def __init__(self, model: nn.Module, device) -> None:
+        self.full: dict[int, torch.Tensor] = {}
+        self.sliced: list[tuple[nn.Module, str, TensorSlice]] = []
+        for module in model.modules():
+            for name, spec in slices_of(module).items():
+                param = module._parameters.get(name)
+                if param is None:
+                    continue  # a sliced buffer: buffers are real, sliced when the plan was applied
+                self.sliced.append((module, name, spec))
+                if id(param) not in self.full:
+                    where = "meta" if param.device.type == "meta" else device
+                    self.full[id(param)] = torch.empty(spec.full_shape, dtype=param.dtype, device=where)
+
+    @contextlib.contextmanager
+    def swapped_in(self, root: nn.Module):
+        inside = {id(m) for m in root.modules()} if self.sliced else set()
+        saved = []
+        for module, name, _ in self.sliced:
+            if id(module) in inside:
+                param = module._parameters[name]
+                saved.append((module, name, param))
+                module._parameters[name] = nn.Parameter(self.full[id(param)], requires_grad=param.requires_grad)
+        try:
+            yield
+        finally:
+            for module, name, param in saved:
+                module._parameters[name] = param
+
+    def cut(self) -> None:
+        done = set()
+        for module, name, spec in self.sliced:
+            param = module._parameters[name]
+            if param.device.type != "meta" and id(param) not in done:
+                param.copy_(spec.take(self.full[id(param)]))
+                done.add(id(param))

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
+
+from merak.tensor_parallel.cross_entropy import cross_entropy
 
 
 def build_model(model_cfg) -> GPT2LMHeadModel:
@@ -32,9 +33,10 @@ def tokens_per_sample(model_cfg) -> int:
 def causal_lm_loss(output, batch) -> torch.Tensor:
     """Mean next-token cross-entropy: position t predicts token t + 1.
 
-    ``output`` is the model's output (a ModelOutput with ``logits``) or the logits.
+    ``output`` is the model's output (a ModelOutput with ``logits``) or the logits; with
+    ``parallel_vocab`` they are this rank's vocabulary slice and the loss is vocabulary-parallel.
     """
     logits = output if isinstance(output, torch.Tensor) else output["logits"]
     labels = batch["labels"]
     shifted_logits = logits[:, :-1, :].reshape(-1, logits.size(-1))
-    return F.cross_entropy(shifted_logits.float(), labels[:, 1:].reshape(-1), ignore_index=-100)
+    return cross_entropy(shifted_logits, labels[:, 1:].reshape(-1), ignore_index=-100)

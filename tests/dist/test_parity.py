@@ -14,12 +14,12 @@ import torch
 
 import functools
 
+from gpt_reference import relative_error, train_reference
 from merak.assemble import assemble
-from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
+from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
-from merak.optim.schedule import build_lr_scheduler, build_optimizer
 from merak.shard.plan import ShardingOptions
 from recipes.gpt import data, model, parallel
 
@@ -74,39 +74,10 @@ def _train_layout(out_dir: str, dp: int, pp: int, num_microbatches: int, model_c
         groups.shutdown()
 
 
-def _reference(model_cfg, tokens: str) -> list[dict]:
-    torch.manual_seed(SEED)
-    full = model.build_model(model_cfg)
-    dataset = data.load(tokens, model_cfg)
-    plan = BatchPlan(num_samples=len(dataset), micro_batch_size=GLOBAL_BATCH, num_microbatches=1, seed=SEED)
-    optimizer = build_optimizer(full.named_parameters(), learning_rate=OPTIONS.learning_rate,
-                                weight_decay=OPTIONS.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-    scheduler = build_lr_scheduler(optimizer, kind=OPTIONS.lr_scheduler_type, warmup_steps=OPTIONS.warmup_steps,
-                                   total_steps=STEPS)
-    records = []
-    for step in range(STEPS):
-        batch = stack_samples([dataset[i] for i in plan.global_batch(step).tolist()])
-        optimizer.zero_grad(set_to_none=True)
-        loss = model.causal_lm_loss(full(input_ids=batch["input_ids"]).logits, batch)
-        loss.backward()
-        # The exact norm (float64 sums): torch's fp32 norm of a 1.6M-element embedding
-        # is itself ~2e-6 off, more than the parity tolerance.
-        norm = torch.stack([p.grad.double().pow(2).sum() for p in full.parameters()]).sum().sqrt()
-        torch.nn.utils.clip_grads_with_norm_(full.parameters(), OPTIONS.max_grad_norm, norm.float())
-        records.append({"loss": loss.item(), "grad_norm": float(norm),
-                        "grads": {n: p.grad.detach().clone() for n, p in full.named_parameters()}})
-        optimizer.step()
-        scheduler.step()
-    return records
-
-
 @pytest.fixture(scope="module")
 def reference(toy_model_cfg, toy_tokens):
-    return _reference(toy_model_cfg, toy_tokens)
-
-
-def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+    return train_reference(toy_model_cfg, toy_tokens, options=OPTIONS, steps=STEPS, global_batch=GLOBAL_BATCH,
+                           seed=SEED)
 
 
 @pytest.mark.timeout(300)
@@ -127,7 +98,7 @@ def test_layout_matches_single_process(dp, pp, tmp_path, reference, toy_model_cf
                 assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), where
                 assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=LOSS_RTOL), where
                 for name, grad in got["grads"].items():
-                    error = _relative_error(grad, want["grads"][name])
+                    error = relative_error(grad, want["grads"][name])
                     assert error < GRAD_RTOL, f"{where}: gradient of {name} off by {error:.2e}"
                     seen.add(name)
         # Between them, the ranks hold every parameter of the model.

@@ -1,0 +1,14 @@
+"""Tensor parallelism for unmodified models: plans, parallel layers, collectives, sequence parallel.
+
+Typical use (merak.assemble does this for every worker)::
+
+    resolved = resolve_plan(model, plan, tp=2)       # exact changes, or TPPlanError
+    apply_plan(model, resolved, ParallelContext(rank=tp_rank, size=2))
+"""
+
+from merak.tensor_parallel.layers import ParallelContext
+from merak.tensor_parallel.plan import Change, ResolvedPlan, TPPlan, TPPlanError, apply_plan, resolve_plan
+from merak.tensor_parallel.sequence import SequenceParallelPlan
+
+__all__ = ["Change", "ParallelContext", "ResolvedPlan", "SequenceParallelPlan", "TPPlan", "TPPlanError",
+           "apply_plan", "resolve_plan"]

@@ -1,0 +1,239 @@
+"""Autograd-aware collectives of the tensor-parallel group, as torch custom operators.
+
+They are custom operators (``torch.ops.merak.*``) rather than autograd
+Functions so that graph capture keeps them as single opaque nodes: torch.fx
+records the call, and torch.export keeps the operator with its registered
+backward instead of inlining a forward whose backward would be lost. During
+capture only their shape functions run, so planning needs no process group.
+
+Groups are named (``"tp"``, and the second group of the sub-pipelined
+overlap, ``"tp_overlap"``) because an operator takes plain arguments; each
+worker registers its groups with :func:`register_group` (``merak.init`` does).
+
+The pairs follow Megatron-LM (sums in the forward pass are identity in the
+backward pass and vice versa):
+
+==========================  ======================  ===========================
+operator                    forward                 backward
+==========================  ======================  ===========================
+``copy_to_tp``              identity                all-reduce
+``reduce_from_tp``          all-reduce              identity
+``scatter_to_sequence``     keep own chunk          all-gather
+``gather_from_sequence``    all-gather              reduce-scatter
+``gather_to_replicated``    all-gather              keep own chunk
+``reduce_scatter_sequence`` reduce-scatter          all-gather
+==========================  ======================  ===========================
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """A registered tensor-parallel group and this rank's place in it.
+
+    ``group`` None with ``size`` > 1 is a *simulated* group: the collectives
+    keep shapes but do not communicate (graph capture and cost measurement
+    before launch, where no process group exists).
+    """
+
+    group: object
+    rank: int
+    size: int
+
+    @property
+    def simulated(self) -> bool:
+        return self.group is None and self.size > 1
+
+
+_GROUPS: dict[str, TPGroup] = {}
+
+
+def register_group(name: str, group, *, rank: int, size: int) -> None:
+    """Make ``group`` known to the operators under ``name`` (``group`` None: simulated, see TPGroup)."""
+    _GROUPS[name] = TPGroup(group=group, rank=rank, size=size)
+
+
+def unregister_groups() -> None:
+    """Forget every registered group (on shutdown)."""
+    _GROUPS.clear()
+
+
+def get_group(name: str) -> TPGroup:
+    """The group registered under ``name``; a clear error when the worker never registered it."""
+    try:
+        return _GROUPS[name]
+    except KeyError:
+        raise RuntimeError(f"tensor-parallel group {name!r} is not registered: call merak.init(dp, tp, pp) "
+                           "before running a tensor-parallel model") from None
+
+
+def group_size(name: str) -> int:
+    """Size of group ``name`` (1 when none is registered)."""
+    entry = _GROUPS.get(name)
+    return entry.size if entry is not None else 1
+
+
+@contextlib.contextmanager
+def simulated_groups():
+    """Within this block every registered group is simulated: shapes as usual, no messages.
+
+    Used to run a tensor-parallel model once for its FLOPs and boundary shapes
+    without every rank having to take part.
+    """
+    saved = dict(_GROUPS)
+    _GROUPS.update({name: TPGroup(group=None, rank=e.rank, size=e.size) for name, e in saved.items()})
+    try:
+        yield
+    finally:
+        _GROUPS.clear()
+        _GROUPS.update(saved)
+
+
+# -- raw collectives (no autograd) ---------------------------------------------------------------
+
+def all_reduce(x: Tensor, name: str) -> Tensor:
+    """Sum of ``x`` over the group, as a new tensor."""
+    entry = get_group(name)
+    out = x.contiguous().clone()
+    if entry.size > 1 and not entry.simulated:
+        dist.all_reduce(out, group=entry.group)
+    return out
+
+
+def all_gather(x: Tensor, name: str, dim: int) -> Tensor:
+    """Chunks of every rank concatenated along ``dim`` in rank order."""
+    entry = get_group(name)
+    if entry.size == 1:
+        return x.clone()
+    if entry.simulated:
+        return torch.cat([x] * entry.size, dim=dim)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] * entry.size, *moved.shape[1:]))
+    dist.all_gather_into_tensor(out, moved, group=entry.group)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(x: Tensor, name: str, dim: int) -> Tensor:
+    """This rank's chunk along ``dim`` of the sum over the group."""
+    entry = get_group(name)
+    if entry.size == 1 or entry.simulated:
+        return own_chunk(x, name, dim)
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // entry.size, *moved.shape[1:]))
+    dist.reduce_scatter_tensor(out, moved, group=entry.group)
+    return out.movedim(0, dim).contiguous()
+
+
+def own_chunk(x: Tensor, name: str, dim: int) -> Tensor:
+    """This rank's chunk of ``x`` along ``dim`` (a copy)."""
+    entry = get_group(name)
+    return x.chunk(entry.size, dim=dim)[entry.rank].contiguous()
+
+
+def _resize(x: Tensor, dim: int, factor: float) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = int(shape[dim] * factor)
+    return shape
+
+
+# -- operators --------------------------------------------------------------------------------------
+
+@torch.library.custom_op("merak::copy_to_tp", mutates_args=())
+def copy_to_tp(x: Tensor, name: str) -> Tensor:
+    """Identity forward, all-reduce of the gradient backward (enters a tensor-parallel region)."""
+    return x.clone()
+
+
+@copy_to_tp.register_fake
+def _(x, name):
+    return torch.empty_like(x)
+
+
+copy_to_tp.register_autograd(lambda ctx, grad: (all_reduce(grad, ctx.name), None),
+                             setup_context=lambda ctx, inputs, output: setattr(ctx, "name", inputs[1]))
+
+
+@torch.library.custom_op("merak::reduce_from_tp", mutates_args=())
+def reduce_from_tp(x: Tensor, name: str) -> Tensor:
+    """All-reduce forward, identity backward (leaves a tensor-parallel region)."""
+    return all_reduce(x, name)
+
+
+@reduce_from_tp.register_fake
+def _(x, name):
+    return torch.empty_like(x)
+
+
+reduce_from_tp.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+
+
+def _save_name_dim(ctx, inputs, output):
+    ctx.name, ctx.dim = inputs[1], inputs[2]
+
+
+@torch.library.custom_op("merak::scatter_to_sequence", mutates_args=())
+def scatter_to_sequence(x: Tensor, name: str, dim: int) -> Tensor:
+    """Keep this rank's chunk along ``dim`` (enter the sequence-parallel region)."""
+    return own_chunk(x, name, dim)
+
+
+@scatter_to_sequence.register_fake
+def _(x, name, dim):
+    return x.new_empty(_resize(x, dim, 1 / group_size(name)))
+
+
+scatter_to_sequence.register_autograd(lambda ctx, grad: (all_gather(grad, ctx.name, ctx.dim), None, None),
+                                      setup_context=_save_name_dim)
+
+
+@torch.library.custom_op("merak::gather_from_sequence", mutates_args=())
+def gather_from_sequence(x: Tensor, name: str, dim: int) -> Tensor:
+    """All-gather along ``dim``; the backward reduce-scatters (the gathered value feeds a split layer)."""
+    return all_gather(x, name, dim)
+
+
+@gather_from_sequence.register_fake
+def _(x, name, dim):
+    return x.new_empty(_resize(x, dim, group_size(name)))
+
+
+gather_from_sequence.register_autograd(lambda ctx, grad: (reduce_scatter(grad, ctx.name, ctx.dim), None, None),
+                                       setup_context=_save_name_dim)
+
+
+@torch.library.custom_op("merak::gather_to_replicated", mutates_args=())
+def gather_to_replicated(x: Tensor, name: str, dim: int) -> Tensor:
+    """All-gather along ``dim``; the backward keeps the own chunk (the value feeds replicated layers)."""
+    return all_gather(x, name, dim)
+
+
+@gather_to_replicated.register_fake
+def _(x, name, dim):
+    return x.new_empty(_resize(x, dim, group_size(name)))
+
+
+gather_to_replicated.register_autograd(lambda ctx, grad: (own_chunk(grad, ctx.name, ctx.dim), None, None),
+                                       setup_context=_save_name_dim)
+
+
+@torch.library.custom_op("merak::reduce_scatter_sequence", mutates_args=())
+def reduce_scatter_sequence(x: Tensor, name: str, dim: int) -> Tensor:
+    """Reduce-scatter along ``dim`` (leave a tensor-parallel region into the sequence-parallel one)."""
+    return reduce_scatter(x, name, dim)
+
+
+@reduce_scatter_sequence.register_fake
+def _(x, name, dim):
+    return x.new_empty(_resize(x, dim, 1 / group_size(name)))
+
+
+reduce_scatter_sequence.register_autograd(lambda ctx, grad: (all_gather(grad, ctx.name, ctx.dim), None, None),
+                                          setup_context=_save_name_dim)

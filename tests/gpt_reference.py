@@ -1,0 +1,42 @@
+"""The single-process GPT-2 run every parallel layout is compared against."""
+
+from __future__ import annotations
+
+import torch
+
+from merak.data.batching import BatchPlan, stack_samples
+from merak.engine import OptimizerOptions
+from merak.optim.schedule import build_lr_scheduler, build_optimizer
+from recipes.gpt import data, model
+
+
+def train_reference(model_cfg, tokens: str, *, options: OptimizerOptions, steps: int, global_batch: int,
+                    seed: int) -> list[dict]:
+    """Loss, exact gradient norm and clipped gradients of each step of the plain Hugging Face model."""
+    torch.manual_seed(seed)
+    full = model.build_model(model_cfg)
+    dataset = data.load(tokens, model_cfg)
+    plan = BatchPlan(num_samples=len(dataset), micro_batch_size=global_batch, num_microbatches=1, seed=seed)
+    optimizer = build_optimizer(full.named_parameters(), learning_rate=options.learning_rate,
+                                weight_decay=options.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    scheduler = build_lr_scheduler(optimizer, kind=options.lr_scheduler_type, warmup_steps=options.warmup_steps,
+                                   total_steps=steps)
+    records = []
+    for step in range(steps):
+        batch = stack_samples([dataset[i] for i in plan.global_batch(step).tolist()])
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.causal_lm_loss(full(input_ids=batch["input_ids"]).logits, batch)
+        loss.backward()
+        # The exact norm (float64 sums): torch's fp32 norm of a 1.6M-element embedding
+        # is itself ~2e-6 off, more than the parity tolerance.
+        norm = torch.stack([p.grad.double().pow(2).sum() for p in full.parameters()]).sum().sqrt()
+        torch.nn.utils.clip_grads_with_norm_(full.parameters(), options.max_grad_norm, norm.float())
+        records.append({"loss": loss.item(), "grad_norm": float(norm),
+                        "grads": {n: p.grad.detach().clone() for n, p in full.named_parameters()}})
+        optimizer.step()
+        scheduler.step()
+    return records
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
