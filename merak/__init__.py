@@ -24,6 +24,8 @@ from merak.distributed import (
     init,
 )
 
+from merak.tensor_parallel.seed_api import set_tp_layer_lists
+
 __version__ = "0.1.0"
 
 
@@ -49,4 +51,5 @@ __all__ = [
     "get_tp_size",
     "init",
     "run",
+    "set_tp_layer_lists",
 ]

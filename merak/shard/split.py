@@ -90,10 +90,14 @@ def nearest_min_deps(units: GraphUnits, shard_count: int) -> list[int]:
 
 
 def module_pattern(pattern: str) -> re.Pattern:
-    """Compile a module-name glob: ``*`` matches within one dotted part, ``**`` across parts."""
+    """Compile a module-name glob: ``*`` matches within one dotted part, ``**`` across parts;
+    a leading ``**.`` also matches no prefix (``**.query`` matches ``query`` and ``a.b.query``)."""
+    prefix = ""
+    if pattern.startswith("**."):
+        prefix, pattern = r"(?:.*\.)?", pattern[3:]
     parts = re.split(r"(\*\*|\*|\?)", pattern)
     table = {"**": ".*", "*": "[^.]*", "?": "[^.]"}
-    return re.compile("".join(table.get(part, re.escape(part)) for part in parts))
+    return re.compile(prefix + "".join(table.get(part, re.escape(part)) for part in parts))
 
 
 def layer_split(units: GraphUnits, split_points: Sequence[str], module_names: Sequence[str]) -> list[int]:

@@ -8,7 +8,8 @@ Typical use (merak.assemble does this for every worker)::
 
 from merak.tensor_parallel.layers import ParallelContext
 from merak.tensor_parallel.plan import Change, ResolvedPlan, TPPlan, TPPlanError, apply_plan, resolve_plan
+from merak.tensor_parallel.seed_api import set_tp_layer_lists, user_plan
 from merak.tensor_parallel.sequence import SequenceParallelPlan
 
 __all__ = ["Change", "ParallelContext", "ResolvedPlan", "SequenceParallelPlan", "TPPlan", "TPPlanError",
-           "apply_plan", "resolve_plan"]
+           "apply_plan", "resolve_plan", "set_tp_layer_lists", "user_plan"]

@@ -41,6 +41,9 @@ class TPPlan:
             a row convolution); a parameter path (``...relative_position_bias_table``)
             just that tensor (per-head tables).
         attributes: module glob -> attribute names divided by tp (``num_heads``).
+        any_attributes: attribute names divided by tp on every module that has them.
+        ratios: ``(in, out, style)``: linear layers whose input:output features are in
+            this ratio get ``style`` (``col`` or ``row``), for models known only by shape.
         sequence: where the sequence-parallel region starts, gathers and ends (None:
             this model has no sequence-parallel plan).
         blocks: transformer-block globs for ``tp_overlapping_level=2`` (empty: not supported).
@@ -51,6 +54,8 @@ class TPPlan:
     vocab: Mapping[str, str] = field(default_factory=dict)
     sliced: Mapping[str, int] = field(default_factory=dict)
     attributes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    any_attributes: tuple[str, ...] = ()
+    ratios: tuple[tuple[int, int, str], ...] = ()
     sequence: SequenceParallelPlan | None = None
     blocks: tuple[str, ...] = ()
 
@@ -154,6 +159,10 @@ def resolve_plan(model: nn.Module, plan: TPPlan, *, tp: int, parallel_vocab: boo
                 continue
             layers[name] = (style, parts)
             problems.extend(_layer_problems(name, modules[name], style, parts, tp))
+    for name, style in _ratio_matches(modules, plan.ratios, problems).items():
+        if name not in layers:
+            layers[name] = (style, 1)
+            problems.extend(_layer_problems(name, modules[name], style, 1, tp))
     tensors: dict[tuple[str, str], int] = {}
     for pattern, dim in plan.sliced.items():
         found = _sliced_tensors(model, modules, pattern, dim)
@@ -179,6 +188,13 @@ def resolve_plan(model: nn.Module, plan: TPPlan, *, tp: int, parallel_vocab: boo
                 else:
                     _check_divisible(f"{name}.{attr}", value, tp, problems)
             attributes[name] = tuple(attrs)
+    for attr in plan.any_attributes:
+        owners = [n for n in names if isinstance(getattr(modules[n], attr, None), int)]
+        if not owners:
+            problems.append(f"no module has an integer attribute {attr!r} to divide by tp")
+        for name in owners:
+            _check_divisible(f"{name}.{attr}", getattr(modules[name], attr), tp, problems)
+            attributes[name] = tuple(dict.fromkeys((*attributes.get(name, ()), attr)))
     sequence = plan.sequence if sequence_parallel else None
     if sequence_parallel:
         if plan.sequence is None:
@@ -195,6 +211,30 @@ def resolve_plan(model: nn.Module, plan: TPPlan, *, tp: int, parallel_vocab: boo
     changes.sort(key=lambda c: order.get(c.name, order.get(c.name.rsplit(".", 1)[0], len(order))))
     return ResolvedPlan(tp=tp, layers=layers, tensors=tensors, attributes=attributes, sequence=sequence,
                         changes=changes)
+
+
+def _ratio_matches(modules: dict[str, nn.Module], ratios, problems: list[str]) -> dict[str, str]:
+    """Linear layers whose input:output feature ratio is one of ``ratios`` -> column or row."""
+    styles = {"col": "column", "column": "column", "row": "row"}
+    found: dict[str, str] = {}
+    for ratio_in, ratio_out, style in ratios:
+        if style not in styles:
+            problems.append(f"input_output_mapping style {style!r}; use 'col' or 'row'")
+            continue
+        matched = []
+        for name, module in modules.items():
+            try:
+                in_out = weight_in_out(module)
+            except TypeError:
+                continue
+            rows, cols = module.weight.shape
+            features_in, features_out = (rows, cols) if in_out else (cols, rows)
+            if features_in * ratio_out == features_out * ratio_in:
+                matched.append(name)
+                found[name] = styles[style]
+        if not matched:
+            problems.append(f"input_output_mapping ({ratio_in}, {ratio_out}, {style!r}) matches no linear layer")
+    return found
 
 
 def _sliced_tensors(model: nn.Module, modules: dict[str, nn.Module], pattern: str, dim: int) -> dict:

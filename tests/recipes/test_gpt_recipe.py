@@ -61,16 +61,19 @@ def test_train_writes_metrics_and_summary(tmp_path, cache_dir):
 
 @pytest.mark.timeout(300)
 def test_same_losses_single_process_and_pipeline(tmp_path, cache_dir):
-    """Through train.py, one process and dp2 x pp2 print the same loss curve."""
+    """Through train.py, one process, dp2 x pp2 and dp2 x tp2 x pp2 print the same loss curve."""
     runs = {}
     for name, layout in (("single", ["parallel=single", "trainer.gradient_accumulation_steps=8",
                                      "trainer.per_device_train_batch_size=2"]),
-                         ("dp2_pp2", ["parallel=dp2_pp2"])):
+                         ("dp2_pp2", ["parallel=dp2_pp2"]),
+                         ("dp2_tp2_pp2", ["parallel=dp2_tp2_pp2", "trainer.sequence_parallel=true",
+                                          "trainer.tp_overlapping_level=1"])):
         run_dir = tmp_path / name
         result = _train([*TOY, *layout, "trainer.max_steps=3", f"hydra.run.dir={run_dir}"], cache_dir)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = [m["loss"] for m in _metrics(run_dir)]
     assert runs["single"] == pytest.approx(runs["dp2_pp2"], rel=1e-6)
+    assert runs["single"] == pytest.approx(runs["dp2_tp2_pp2"], rel=1e-6)
 
 
 @pytest.mark.timeout(300)
@@ -101,6 +104,11 @@ def test_multirun_sweep_launches_each_job(tmp_path, cache_dir):
     (["model.num_heads=3"], "not divisible by model.num_heads=3"),
     (["data=files", "data.files=[/nonexistent/train_context.csv]"], "/nonexistent/train_context.csv"),
     (["model=gpt-unknown"], "Could not find 'model/gpt-unknown'"),
+    (["parallel=tp2", "trainer.parallel_vocab=true"],
+     "transformer.wte vocabulary size = 50257 is not divisible by tp=2 (pad the vocabulary, e.g. to 50432"),
+    (["parallel=tp2", "parallel.tp=3"], "model.num_heads=4 is not divisible by parallel.tp=3"),
+    (["parallel=tp2", "trainer.tp_overlapping_level=3"], "trainer.tp_overlapping_level=3; supported levels"),
+    (["trainer.sequence_parallel=true"], "trainer.sequence_parallel=true needs parallel.tp > 1"),
 ])
 def test_bad_config_fails_before_workers_start(overrides, expected, tmp_path, cache_dir):
     started = time.perf_counter()
