@@ -24,6 +24,7 @@ from torch import fx, nn
 from merak.pipeline.stage import StageModule
 from merak.shard.plan import PipelinePlan, ShardingOptions, plan_pipeline
 from merak.tensor_parallel.options import TensorParallelOptions, split_model
+from merak.tensor_parallel.overlap import SubPipelinedStage, batch_size, halve
 from merak.tensor_parallel.plan import ResolvedPlan
 from merak.trace.capture import forward_parameter_names
 from merak.trace.meta import InitFn, default_init, materialize, parameters_on_meta
@@ -130,6 +131,9 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
     model, on_meta = build_model(build, seed=seed, init_device=init_device)
     model.train()
     tp_plan = split_model(model, tensor_parallel)
+    sub_pipelined = tensor_parallel.size > 1 and tensor_parallel.overlap_level == 2
+    if sub_pipelined:  # stages run on half microbatches (merak.tensor_parallel.overlap)
+        example_inputs = halve(dict(example_inputs), batch_size(example_inputs))[0]
     input_names = list(options.input_names or default_input_names(model, example_inputs))
     plan = None
     if options.trace_method is None:
@@ -144,6 +148,8 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         plan = plan_pipeline(model, examples, num_stages=num_stages, num_microbatches=num_microbatches,
                              options=replace(options, input_names=tuple(input_names)))
         stages = plan.stages()
+    if sub_pipelined:
+        stages = [SubPipelinedStage(stage) for stage in stages]
     if on_meta and materialize_stage:
         count = materialize(model, stages[stage_id].parameters(), seed=seed, device=device, init=init, also_in=stages)
         retarget_devices(stages[stage_id], torch.device(device))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from merak.distributed.topology import Coordinates, RankGrid
 from merak.tensor_parallel import comm
+from merak.tensor_parallel.overlap import OVERLAP_GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,9 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, *, backend: str | None = None,
         state.tp_group = _new_groups(grid.axis_groups("tp"), rank)
         state.model_parallel_group = _new_groups(grid.model_parallel_groups(), rank)
     comm.register_group("tp", state.tp_group, rank=state.coordinates.tp, size=grid.tp)
+    if dist.is_initialized() and grid.tp > 1:  # a second copy for tp_overlapping_level=2
+        comm.register_group(OVERLAP_GROUP, _new_groups(grid.axis_groups("tp"), rank),
+                            rank=state.coordinates.tp, size=grid.tp)
     _STATE = state
     logger.debug("rank %d at %s (backend %s)", rank, state.coordinates, chosen)
     return state

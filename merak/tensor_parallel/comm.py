@@ -28,6 +28,7 @@ operator                    forward                 backward
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +67,33 @@ def unregister_groups() -> None:
     _GROUPS.clear()
 
 
+_THREAD = threading.local()
+
+
+def resolve_name(name: str) -> str:
+    """The group this thread uses for ``name`` (see :func:`groups_renamed`)."""
+    return getattr(_THREAD, "renames", {}).get(name, name)
+
+
+@contextlib.contextmanager
+def groups_renamed(renames: dict[str, str]):
+    """Within this block, on this thread only, operators naming group ``a`` use group ``renames[a]``.
+
+    The sub-pipelined overlap runs the second half of a microbatch on another
+    thread with its own copy of the tensor-parallel group, so the two halves'
+    collectives can never be matched with each other across ranks.
+    """
+    previous = getattr(_THREAD, "renames", {})
+    _THREAD.renames = {**previous, **renames}
+    try:
+        yield
+    finally:
+        _THREAD.renames = previous
+
+
 def get_group(name: str) -> TPGroup:
     """The group registered under ``name``; a clear error when the worker never registered it."""
+    name = resolve_name(name)
     try:
         return _GROUPS[name]
     except KeyError:
@@ -158,7 +184,7 @@ def _(x, name):
 
 
 copy_to_tp.register_autograd(lambda ctx, grad: (all_reduce(grad, ctx.name), None),
-                             setup_context=lambda ctx, inputs, output: setattr(ctx, "name", inputs[1]))
+                             setup_context=lambda ctx, inputs, output: setattr(ctx, "name", resolve_name(inputs[1])))
 
 
 @torch.library.custom_op("merak::reduce_from_tp", mutates_args=())
@@ -176,7 +202,8 @@ reduce_from_tp.register_autograd(lambda ctx, grad: (grad, None), setup_context=l
 
 
 def _save_name_dim(ctx, inputs, output):
-    ctx.name, ctx.dim = inputs[1], inputs[2]
+    # The group is resolved now: backward runs on the autograd thread, which has no renames.
+    ctx.name, ctx.dim = resolve_name(inputs[1]), inputs[2]
 
 
 @torch.library.custom_op("merak::scatter_to_sequence", mutates_args=())

@@ -103,7 +103,7 @@ def _column_setup(ctx, inputs, output):
     # A gathered input is kept as the local chunk only and gathered again in backward.
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
-    ctx.name, ctx.weight_in_out, ctx.input_comm = name, weight_in_out, input_comm
+    ctx.name, ctx.weight_in_out, ctx.input_comm = comm.resolve_name(name), weight_in_out, input_comm
     ctx.sequence_dim, ctx.overlap = sequence_dim, overlap
 
 
@@ -158,7 +158,7 @@ def _row_setup(ctx, inputs, output):
     x, weight, bias, name, weight_in_out, sequence_dim, overlap = inputs
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
-    ctx.name, ctx.weight_in_out, ctx.sequence_dim = name, weight_in_out, sequence_dim
+    ctx.name, ctx.weight_in_out, ctx.sequence_dim = comm.resolve_name(name), weight_in_out, sequence_dim
 
 
 def _row_backward(ctx, grad):

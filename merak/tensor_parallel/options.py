@@ -10,11 +10,12 @@ from torch import nn
 from merak.tensor_parallel import comm
 from merak.tensor_parallel.cross_entropy import set_vocab_parallel
 from merak.tensor_parallel.layers import ParallelContext
+from merak.tensor_parallel.overlap import refuse_dropout
 from merak.tensor_parallel.plan import ResolvedPlan, TPPlan, TPPlanError, apply_plan, resolve_plan
 
 logger = logging.getLogger(__name__)
 
-OVERLAP_LEVELS = (0, 1, 2)
+OVERLAP_LEVELS = (0, 1, 2)  # the original's level 3 (across blocks) rewrote the model; not offered
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,8 @@ class TensorParallelOptions:
         size: the tp degree; rank: this worker's place in its tp group.
         parallel_vocab: split the embedding and the output layer by vocabulary.
         sequence_parallel: split activations between the blocks along ``sequence_dim``.
-        overlap_level: ``tp_overlapping_level`` (0 none, 1 inside each linear pair).
+        overlap_level: ``tp_overlapping_level``: 0 none, 1 inside each linear pair,
+            2 across whole blocks (merak.tensor_parallel.overlap).
     """
 
     plan: TPPlan | None = None
@@ -78,7 +80,23 @@ def split_model(model: nn.Module, options: TensorParallelOptions) -> ResolvedPla
                           sequence_dim=options.sequence_dim if options.sequence_parallel else -1,
                           overlap=options.overlap_level >= 1)
     apply_plan(model, resolved, ctx)
+    if options.overlap_level == 2:
+        _check_block_overlap(model, options.plan)
     logger.info("tensor-parallel rank %d of %d: the plan changes %d modules or tensors", options.rank,
                 options.size, len(resolved.changes))
     logger.debug("tensor-parallel changes:\n%s", resolved.describe())
     return resolved
+
+
+def _check_block_overlap(model: nn.Module, plan: TPPlan) -> None:
+    from merak.shard.split import module_pattern
+
+    problems = [f"tp_overlapping_level=2: block {p!r} matches no module" for p in plan.blocks
+                if not any(module_pattern(p).fullmatch(n) for n, _ in model.named_modules())]
+    dropout = refuse_dropout(model)
+    if dropout:
+        problems.append(f"tp_overlapping_level=2 runs the two halves of a microbatch on two threads, which "
+                        f"cannot reproduce dropout masks; set the model's dropout to 0 (e.g. {dropout[0]}) or "
+                        "use level 1")
+    if problems:
+        raise TPPlanError("invalid tensor-parallel settings:\n  - " + "\n  - ".join(problems))

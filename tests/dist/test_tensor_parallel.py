@@ -39,6 +39,7 @@ LAYOUTS = {
     "tp2-vocab-sequence": (1, 2, 1, True, True, 0),
     "tp2-overlap1": (1, 2, 1, False, False, 1),
     "tp2-pp2-vocab": (1, 2, 2, True, False, 0),
+    "tp2-pp2-overlap2": (1, 2, 2, False, True, 2),
     "dp2-tp2-pp2": (2, 2, 2, True, True, 1),
 }
 
@@ -78,7 +79,8 @@ def _train(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
             result = engine.train_step(loader.load_step(step) if loader else None)
             grads = {name: p.grad.detach().clone() for name, p in engine.named_parameters()}
             records.append({"loss": result.loss, "grad_norm": result.grad_norm, "grads": grads})
-        torch.save({"records": records, "slices": slices}, Path(out_dir) / f"rank{state.rank}.pt")
+        torch.save({"records": records, "slices": slices, "stage": type(engine.stage).__name__},
+                   Path(out_dir) / f"rank{state.rank}.pt")
     finally:
         groups.shutdown()
 
@@ -102,6 +104,8 @@ def test_layout_matches_single_process(layout, tmp_path, reference, padded_cfg, 
     seen = set()
     for rank in range(dp * tp * pp):
         saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        # Level 2 runs the two halves of each microbatch through the sub-pipelined stage.
+        assert (saved["stage"] == "SubPipelinedStage") == (LAYOUTS[layout][5] == 2)
         for step, (got, want) in enumerate(zip(saved["records"], reference, strict=True)):
             where = f"{layout} rank {rank} step {step}"
             assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), where
