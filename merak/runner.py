@@ -172,6 +172,9 @@ def dry_run(spec, settings: RunSettings, prepared: str) -> dict:
               "layout": {"dp": settings.grid.dp, "tp": settings.grid.tp, "pp": settings.grid.pp},
               "built_on_meta": built.on_meta, **built.plan.to_json(),
               "seconds": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak_rss_bytes()}
+    if built.tp_plan is not None:
+        report["tensor_parallel"] = {"tp": built.tp_plan.tp, "changes": [str(c) for c in built.tp_plan.changes]}
+        logger.info("tensor-parallel plan (tp=%d), what changes:\n%s", built.tp_plan.tp, built.tp_plan.describe())
     path = os.path.join(settings.output_dir, "partition.json")
     write_json_atomic(path, report)
     logger.info("\n%s\nwrote %s", format_partition(report), path)

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
 
 from merak.tensor_parallel import comm
 
@@ -172,3 +173,25 @@ def _row_backward(ctx, grad):
 
 
 row_linear.register_autograd(_row_backward, setup_context=_row_setup)
+
+
+# -- FLOP counts (torch.utils.flop_counter), so that autopipe weighs tensor-parallel shards right --
+
+def _linear_flops(x_shape, w_shape, *_args, weight_in_out: bool, out_shape, **_kwargs) -> int:
+    in_features = w_shape[0] if weight_in_out else w_shape[1]
+    tokens = 1
+    for size in out_shape[:-1]:
+        tokens *= size
+    return 2 * tokens * in_features * out_shape[-1]
+
+
+@register_flop_formula(torch.ops.merak.column_linear)
+def _column_flops(x_shape, w_shape, bias_shape, name, weight_in_out, *args, out_shape=None, **kwargs) -> int:
+    return _linear_flops(x_shape, w_shape, weight_in_out=weight_in_out, out_shape=out_shape)
+
+
+@register_flop_formula(torch.ops.merak.row_linear)
+def _row_flops(x_shape, w_shape, bias_shape, name, weight_in_out, *args, out_shape=None, **kwargs) -> int:
+    # The product covers every token of the input (with sequence parallelism the output keeps 1/tp).
+    out_features = w_shape[1] if weight_in_out else w_shape[0]
+    return _linear_flops(x_shape, w_shape, weight_in_out=weight_in_out, out_shape=(*x_shape[:-1], out_features))

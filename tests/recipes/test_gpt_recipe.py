@@ -140,12 +140,14 @@ def test_torchrun_two_nodes_on_localhost(tmp_path, cache_dir):
 @pytest.mark.timeout(300)
 def test_dry_run_prints_and_writes_the_plan(tmp_path, cache_dir):
     run_dir = tmp_path / "plan"
-    result = _train([*TOY, "parallel=pp4", "dry_run=true", "trainer.partition_method=autopipe",
+    result = _train([*TOY, "parallel=pp4", "parallel.tp=2", "dry_run=true", "trainer.partition_method=autopipe",
                      f"hydra.run.dir={run_dir}"], cache_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((run_dir / "partition.json").read_text())
     assert not (run_dir / "metrics.jsonl").exists()  # nothing trained
     assert report["trace_method"] == "export" and report["partition_method"] == "autopipe"
+    # The plan is made for tp rank 0's shard: every change of the TP plan is listed.
+    assert "transformer.h.3.attn.c_attn: column (3 fused blocks)" in report["tensor_parallel"]["changes"]
     bounds = report["boundaries"]
     assert len(bounds) == 5 and bounds[0] == 0 and bounds[-1] == report["num_shards"]
     assert all(a < b for a, b in zip(bounds, bounds[1:]))
