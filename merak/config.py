@@ -163,7 +163,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
         else:
             num_microbatches = trainer.global_batch_size // per_step
     problems.extend(_sharding_problems(spec, trainer, grid))
-    problems.extend(_tensor_parallel_problems(spec, trainer, grid))
+    problems.extend(_tensor_parallel_problems(spec.tensor_parallel_plan(cfg.model), trainer, grid))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
     problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
     problems.extend(spec.check_data(cfg.data))
@@ -214,13 +214,13 @@ def _sharding_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) ->
     return problems
 
 
-def _tensor_parallel_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
+def _tensor_parallel_problems(plan, trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
     """Checks of the tensor-parallel settings that need no model (the plan is checked on the model
     before launch, see merak.runner.plan_before_launch)."""
     from merak.tensor_parallel.options import TensorParallelOptions, option_problems
 
     tp = grid.tp if grid else 1
-    options = TensorParallelOptions(plan=spec.tp_plan, size=tp, overlap_level=trainer.tp_overlapping_level)
+    options = TensorParallelOptions(plan=plan, size=tp, overlap_level=trainer.tp_overlapping_level)
     problems = [f"trainer.{p}" if p.startswith("tp_") else p for p in option_problems(options)]
     if tp == 1:
         for flag in ("parallel_vocab", "sequence_parallel"):

@@ -50,7 +50,8 @@ class RecipeSpec:
         split_points: default ``layer_split`` points, module-name globs (``transformer.h.*``).
         build_stages: ``(model, num_stages) -> list[nn.Module]``: hand-made stages, used
             only with ``trace_method=None`` (default: automatic capture and sharding).
-        tp_plan: how the model splits for tensor parallelism (None: tp must be 1).
+        tp_plan: how the model splits for tensor parallelism: a TPPlan, or
+            ``(model_cfg) -> TPPlan`` when it depends on the model option (None: tp must be 1).
     """
 
     name: str
@@ -67,5 +68,9 @@ class RecipeSpec:
     leaf_modules: tuple = ()
     split_points: tuple[str, ...] = ()
     build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None
-    tp_plan: TPPlan | None = None
+    tp_plan: TPPlan | Callable[[Any], TPPlan] | None = None
+
+    def tensor_parallel_plan(self, model_cfg) -> TPPlan | None:
+        """The TP plan for ``model_cfg`` (see ``tp_plan``)."""
+        return self.tp_plan(model_cfg) if callable(self.tp_plan) else self.tp_plan
 

@@ -136,7 +136,7 @@ def tensor_parallel_options(spec, settings: RunSettings, tp_rank: int) -> Tensor
     """The tensor-parallel settings of the worker at ``tp_rank``."""
     trainer = settings.trainer
     return TensorParallelOptions(
-        plan=spec.tp_plan, size=settings.grid.tp, rank=tp_rank, parallel_vocab=trainer.parallel_vocab,
+        plan=spec.tensor_parallel_plan(settings.model_cfg), size=settings.grid.tp, rank=tp_rank, parallel_vocab=trainer.parallel_vocab,
         sequence_parallel=trainer.sequence_parallel, sequence_dim=trainer.sequence_dim,
         overlap_level=trainer.tp_overlapping_level)
 

@@ -42,23 +42,23 @@ def gpt2():
     return GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}, token_loss
 
 
-def bert():
+def bert(vocab_size: int = 101):
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(num_hidden_layers=3, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                        vocab_size=101, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                        vocab_size=vocab_size, max_position_embeddings=32, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
-    ids = torch.randint(0, 101, (BATCH, 16))
+    ids = torch.randint(0, vocab_size, (BATCH, 16))
     return BertForMaskedLM(config), {"input_ids": ids, "labels": ids}, token_loss
 
 
-def t5():
+def t5(vocab_size: int = 103):
     from transformers import T5Config, T5ForConditionalGeneration
 
-    config = T5Config(vocab_size=103, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+    config = T5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
                       num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
-    source = torch.randint(1, 103, (BATCH, 12))
-    labels = torch.randint(1, 103, (BATCH, 8))
+    source = torch.randint(1, vocab_size, (BATCH, 12))
+    labels = torch.randint(1, vocab_size, (BATCH, 8))
     decoder_input_ids = torch.cat([torch.zeros(BATCH, 1, dtype=torch.long), labels[:, :-1]], dim=1)
     return (T5ForConditionalGeneration(config),
             {"input_ids": source, "decoder_input_ids": decoder_input_ids, "labels": labels}, token_loss)

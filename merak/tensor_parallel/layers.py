@@ -104,7 +104,7 @@ class _ConvRow:
         return out if self.bias is None else out + self.bias.view(1, -1, *([1] * (out.dim() - 2)))
 
 
-def parallelize(module: nn.Module, style: str, ctx: ParallelContext, memo: dict[int, nn.Parameter], *,
+def parallelize(module: nn.Module, style: str, ctx: ParallelContext, memo: dict, *,
                 parts: int = 1, input_comm: str = "copy") -> None:
     """Turn ``module`` into its ``style`` shard for ``ctx.rank`` (see the module docstring).
 

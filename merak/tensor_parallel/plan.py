@@ -19,7 +19,7 @@ from torch import nn
 from merak.shard.split import module_pattern
 from merak.tensor_parallel.layers import STYLES, ParallelContext, parallelize, weight_in_out
 from merak.tensor_parallel.sequence import SequenceParallelPlan, install_sequence_parallel
-from merak.tensor_parallel.slicing import TensorSlice, slice_tensor_
+from merak.tensor_parallel.slicing import TensorSlice, record_slice, slice_tensor_
 
 
 class TPPlanError(ValueError):
@@ -272,9 +272,21 @@ def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ParallelContext) -
         parallelize(modules[name], style, layer_ctx, memo, parts=parts, input_comm=input_comm)
     for (module_name, tensor_name), dim in resolved.tensors.items():
         slice_tensor_(modules[module_name], tensor_name, TensorSlice(dim=dim, rank=ctx.rank, size=ctx.size), memo)
+    _retie(model, memo)
     for name, attrs in resolved.attributes.items():
         for attr in attrs:
             setattr(modules[name], attr, getattr(modules[name], attr) // ctx.size)
     if resolved.sequence is not None:
         column_layers = {n for n, (style, _) in resolved.layers.items() if style == "column"}
         install_sequence_parallel(model, resolved.sequence, ctx, gathers_itself=column_layers)
+
+
+def _retie(model: nn.Module, memo: dict) -> None:
+    """Point every other holder of a sliced parameter at its piece (BERT's ``cls.predictions.bias``
+    is ``cls.predictions.decoder.bias``), with the same recorded slice."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) in memo:
+                piece, spec, _ = memo[id(param)]
+                module._parameters[name] = piece
+                record_slice(module, name, spec)

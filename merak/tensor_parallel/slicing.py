@@ -64,26 +64,33 @@ def record_slice(module: nn.Module, name: str, spec: TensorSlice) -> None:
     getattr(module, SLICES_ATTR)[name] = spec
 
 
-def slice_tensor_(module: nn.Module, name: str, spec: TensorSlice, memo: dict[int, nn.Parameter]) -> None:
+def slice_tensor_(module: nn.Module, name: str, spec: TensorSlice,
+                  memo: dict[int, tuple[nn.Parameter, TensorSlice, torch.Tensor]]) -> None:
     """Replace parameter or buffer ``name`` of ``module`` by this rank's piece and record how.
 
     A meta tensor gets a meta piece of the local shape (materialized later
-    from a full-size initialization). ``memo`` maps parameters already sliced to
-    their pieces, so a tied weight (an embedding and its output layer) stays one
+    from a full-size initialization). ``memo`` maps (the ids of) parameters
+    already sliced to their pieces and slices (and the originals, which keeps the
+    ids valid), so a tied weight (an embedding and its output layer) stays one
     parameter.
     """
     tensor = getattr(module, name)
     spec = TensorSlice(spec.dim, spec.rank, spec.size, spec.parts, tuple(tensor.shape))
     record_slice(module, name, spec)
     if id(tensor) in memo:
-        module._parameters[name] = memo[id(tensor)]
+        piece, first, _ = memo[id(tensor)]
+        if first != spec:
+            raise ValueError(f"{name} of {type(module).__name__} is shared with another layer the plan splits "
+                             f"differently ({first} vs {spec})")
+        module._parameters[name] = piece
         return
     if tensor.device.type == "meta":
         piece = torch.empty(spec.local_shape(tensor.shape), dtype=tensor.dtype, device="meta")
     else:
         piece = spec.take(tensor.detach())
     if isinstance(tensor, nn.Parameter):
-        memo[id(tensor)] = module._parameters[name] = nn.Parameter(piece, requires_grad=tensor.requires_grad)
+        module._parameters[name] = nn.Parameter(piece, requires_grad=tensor.requires_grad)
+        memo[id(tensor)] = (module._parameters[name], spec, tensor)
     else:
         module._buffers[name] = piece
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from merak.tensor_parallel.cross_entropy import cross_entropy
 from transformers import BertConfig, BertForMaskedLM
 
 
@@ -33,8 +33,9 @@ def tokens_per_sample(model_cfg) -> int:
 def masked_lm_loss(output, batch) -> torch.Tensor:
     """Mean cross-entropy over the masked positions (labels of -100 elsewhere are ignored).
 
-    ``output`` is the model's output (a ModelOutput with ``logits``) or the logits.
+    ``output`` is the model's output (a ModelOutput with ``logits``) or the logits; with
+    ``parallel_vocab`` they are this rank's vocabulary slice and the loss is vocabulary-parallel.
     """
     logits = output if isinstance(output, torch.Tensor) else output["logits"]
     labels = batch["labels"]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100)
+    return cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)

@@ -15,4 +15,5 @@ SPEC = RecipeSpec(
     example_inputs=parallel.example_inputs,
     input_names=parallel.INPUT_NAMES,
     split_points=parallel.SPLIT_POINTS,
+    tp_plan=parallel.TP_PLAN,
 )

@@ -14,4 +14,5 @@ SPEC = RecipeSpec(
     check_data=data.check_data,
     example_inputs=parallel.example_inputs,
     split_points=parallel.SPLIT_POINTS,
+    tp_plan=parallel.tp_plan,
 )

@@ -4,8 +4,9 @@ no download)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import T5Config, T5ForConditionalGeneration
+
+from merak.tensor_parallel.cross_entropy import cross_entropy
 
 
 def build_model(model_cfg) -> T5ForConditionalGeneration:
@@ -43,8 +44,9 @@ def seq2seq_loss(output, batch) -> torch.Tensor:
     """Mean cross-entropy of the decoder's predictions against ``labels`` (-100 is ignored).
 
     No shift here: ``decoder_input_ids`` are already the labels shifted right. ``output`` is
-    the model's output (a ModelOutput with ``logits``) or the logits.
+    the model's output (a ModelOutput with ``logits``) or the logits; with ``parallel_vocab``
+    they are this rank's vocabulary slice and the loss is vocabulary-parallel.
     """
     logits = output if isinstance(output, torch.Tensor) else output["logits"]
     labels = batch["labels"]
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1), ignore_index=-100)
+    return cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)

@@ -9,6 +9,7 @@ data fields the model's forward accepts, so no fixed ``input_names`` are needed.
 
 from __future__ import annotations
 
+from merak.tensor_parallel import TPPlan
 from recipes.vision.data import (  # noqa: F401
     example_inputs,
     image_model_problems,
@@ -18,6 +19,32 @@ from recipes.vision.data import (  # noqa: F401
 # Encoder blocks of the Hugging Face model (transformers v5 names); the timm model's are
 # ``blocks.*``. conf/train.yaml takes the points of the chosen model from ``model.split_points``.
 SPLIT_POINTS = ("vit.layers.*",)
+
+# Megatron's split of an encoder block: the query/key/value projections and the first MLP
+# layer by output features (each rank keeps num_heads / tp heads), the attention output and
+# the second MLP layer by input features. The patch embedding, the layer norms and the
+# classifier stay replicated. The Hugging Face and timm models name their modules
+# differently, and a rule that matches nothing is an error, so each source has its plan
+# (tp_plan, the recipe's plan, picks it from model.source).
+HF_TP_PLAN = TPPlan(
+    styles={"vit.layers.*.attention.q_proj": "column", "vit.layers.*.attention.k_proj": "column",
+            "vit.layers.*.attention.v_proj": "column", "vit.layers.*.attention.o_proj": "row",
+            "vit.layers.*.mlp.fc1": "column", "vit.layers.*.mlp.fc2": "row"},
+    attributes={"vit.layers.*.attention": ("num_attention_heads",)},
+)
+# timm's Attention stacks query, key and value in one ``qkv`` layer (3 fused blocks).
+TIMM_TP_PLAN = TPPlan(
+    styles={"blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row",
+            "blocks.*.mlp.fc1": "column", "blocks.*.mlp.fc2": "row"},
+    fused={"blocks.*.attn.qkv": 3},
+    attributes={"blocks.*.attn": ("num_heads", "attn_dim")},
+)
+TP_PLAN = HF_TP_PLAN
+
+
+def tp_plan(model_cfg) -> TPPlan:
+    """The TP plan of the model ``model_cfg`` builds (its ``source``)."""
+    return TIMM_TP_PLAN if model_cfg.source == "timm" else HF_TP_PLAN
 
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:

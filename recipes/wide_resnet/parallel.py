@@ -8,6 +8,7 @@ torchvision's ResNet takes the images as ``x``.
 
 from __future__ import annotations
 
+from merak.tensor_parallel import TPPlan
 from recipes.vision.data import (  # noqa: F401
     example_inputs,
     image_model_problems,
@@ -17,6 +18,16 @@ from recipes.vision.data import (  # noqa: F401
 # Every Bottleneck block: layer1.0, layer1.1, ..., layer4.2.
 SPLIT_POINTS = ("layer?.*",)
 MIN_IMAGE_SIZE = 32  # the stem and three strided stages divide the image by 32
+STAGE_PLANES = (64, 128, 256, 512)  # torchvision's Bottleneck planes per stage
+
+# Megatron's MLP split applied to every Bottleneck: the 1x1 conv1 by output channels, its batch
+# norm bn1 on this rank's channels (per-channel statistics, so exact), the 3x3 conv2 by input
+# channels (its output summed over the tp group). conv3, bn2, bn3, the downsample branch, the
+# stem and the classifier stay replicated.
+TP_PLAN = TPPlan(
+    styles={"layer?.*.conv1": "conv_column", "layer?.*.conv2": "conv_row"},
+    sliced={"layer?.*.bn1": 0},
+)
 
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
@@ -37,4 +48,12 @@ def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in layers)):
         problems.append(f"model.layers={model_cfg.get('layers')!r} must be 4 positive block counts, "
                         "e.g. [3, 4, 6, 3]")
+    if not problems:
+        # tensor parallelism splits each Bottleneck's inner width (conv1's output channels)
+        for stage, planes in enumerate(STAGE_PLANES, start=1):
+            width = int(planes * (model_cfg.width_per_group / 64.0))
+            if width % tp:
+                problems.append(f"layer{stage}: the Bottleneck width {width} (planes {planes} x "
+                                f"model.width_per_group={model_cfg.width_per_group} / 64) is not divisible by "
+                                f"parallel.tp={tp}")
     return problems

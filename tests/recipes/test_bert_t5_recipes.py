@@ -91,23 +91,24 @@ def test_t5_data_is_shifted_seq2seq_and_deterministic():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_train_pp2_and_pp3_same_decreasing_losses(recipe, tmp_path, cache_dir):
-    """The real train.py at pp=2 and pp=3: finite, decreasing, and the same losses at both layouts."""
+def test_train_pp2_pp3_and_tp2_same_decreasing_losses(recipe, tmp_path, cache_dir):
+    """The real train.py at pp=2, pp=3 and tp=2 x pp=2: finite, decreasing, the same losses."""
     losses = {}
-    for pp in (2, 3):
-        run_dir = tmp_path / f"pp{pp}"
-        result = _train(recipe, ["parallel=pp2", f"parallel.pp={pp}", "trainer.max_steps=8",
+    for name, tp, pp in (("pp2", 1, 2), ("pp3", 1, 3), ("tp2_pp2", 2, 2)):
+        run_dir = tmp_path / name
+        result = _train(recipe, ["parallel=pp2", f"parallel.pp={pp}", f"parallel.tp={tp}", "trainer.max_steps=8",
                                  f"hydra.run.dir={run_dir}"], cache_dir)
         assert result.returncode == 0, result.stderr[-3000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["recipe"] == recipe and summary["model"] == "toy"
-        assert summary["layout"] == {"dp": 1, "tp": 1, "pp": pp}
+        assert summary["layout"] == {"dp": 1, "tp": tp, "pp": pp}
         assert [s["stage"] for s in summary["stages"]] == list(range(pp))
-        losses[pp] = _losses(run_dir)
-        assert len(losses[pp]) == 8 and all(math.isfinite(loss) for loss in losses[pp])
-        assert summary["final_loss"] == pytest.approx(losses[pp][-1])
-    assert losses[2][-1] < losses[2][0] - 0.2, losses[2]
-    assert losses[3] == pytest.approx(losses[2], rel=1e-5)
+        losses[name] = _losses(run_dir)
+        assert len(losses[name]) == 8 and all(math.isfinite(loss) for loss in losses[name])
+        assert summary["final_loss"] == pytest.approx(losses[name][-1])
+    assert losses["pp2"][-1] < losses["pp2"][0] - 0.2, losses["pp2"]
+    assert losses["pp3"] == pytest.approx(losses["pp2"], rel=1e-5)
+    assert losses["tp2_pp2"] == pytest.approx(losses["pp2"], rel=1e-5)
 
 
 def _dry_run(recipe: str, args, run_dir: Path, cache_dir) -> dict:

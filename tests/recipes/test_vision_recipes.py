@@ -43,20 +43,20 @@ def _spec(recipe: str):
     return importlib.import_module(f"recipes.{recipe}.spec").SPEC
 
 
-# --- real train.py runs: every toy model trains under pp=2 ---------------------------------------------
+# --- real train.py runs: every toy model trains under tp=2 x pp=2 ---------------------------------------------
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe,model", [
     ("vit", "toy"), ("vit", "timm-toy"), ("swin", "toy"), ("swin", "timm-toy"), ("wide_resnet", "toy"),
 ])
-def test_toy_trains_with_two_stages(recipe, model, tmp_path, cache_dir):
+def test_toy_trains_with_two_stages_and_its_tp_plan(recipe, model, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    result = _train(recipe, [f"model={model}", "parallel=pp2", *SMALL, "trainer.max_steps=3",
+    result = _train(recipe, [f"model={model}", "parallel=tp2_pp2", *SMALL, "trainer.max_steps=3",
                              f"hydra.run.dir={run_dir}"], cache_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["recipe"] == recipe and summary["model"] == model
-    assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 2}
+    assert summary["layout"] == {"dp": 1, "tp": 2, "pp": 2}
     assert summary["steps"] == 3 and summary["global_batch_size"] == 4
     assert [s["stage"] for s in summary["stages"]] == [0, 1]
     assert all(s["num_parameters"] > 0 for s in summary["stages"])

@@ -1,0 +1,187 @@
+"""Every recipe's TP plan trains its tiny model on gloo tp=2 to the single-process losses and gradients.
+
+Each case splits a tiny model (tests/tiny_models.py) with its recipe's TP plan
+through the whole automatic path (split, capture, shard, partition) and trains
+it with the pipeline engine; the reference trains the unsplit model in one
+process on the same microbatches with the same optimizer. A worker's gradient
+of a sliced parameter is its slice of the reference gradient
+(merak.tensor_parallel.slicing records which slice).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny_models
+from merak.assemble import assemble
+from merak.distributed import groups
+from merak.distributed.launch import spawn_workers
+from merak.engine import OptimizerOptions, PipelineEngine
+from merak.optim.clip import clip_gradients
+from merak.optim.schedule import build_lr_scheduler, build_optimizer
+from merak.shard.plan import ShardingOptions
+from merak.tensor_parallel.options import TensorParallelOptions
+from merak.tensor_parallel.slicing import parameter_slices
+from recipes.bert import model as bert_model
+from recipes.bert import parallel as bert_parallel
+from recipes.swin import parallel as swin_parallel
+from recipes.t5 import model as t5_model
+from recipes.t5 import parallel as t5_parallel
+from recipes.vit import parallel as vit_parallel
+from recipes.wide_resnet import parallel as wide_resnet_parallel
+
+pytestmark = pytest.mark.dist
+
+SEED = 11
+STEPS = 2
+MICROBATCHES = 4
+TP = 2
+OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0,
+                           lr_scheduler_type="constant")
+LOSS_RTOL = 1e-6
+GRAD_RTOL = 5e-6
+# Tiny models: tests/tiny_models.py, plus T5 with a vocabulary divisible by tp for parallel_vocab.
+MODELS = {**tiny_models.ALL, "t5-vocab104": functools.partial(tiny_models.t5, vocab_size=104),
+          "bert-vocab102": functools.partial(tiny_models.bert, vocab_size=102)}
+# case -> (tiny model, TP plan, pp, layer_split points, parallel_vocab)
+CASES = {
+    "bert": ("bert", bert_parallel.TP_PLAN, 1, bert_parallel.SPLIT_POINTS, False),
+    "bert-pp2": ("bert", bert_parallel.TP_PLAN, 2, bert_parallel.SPLIT_POINTS, False),
+    "bert-pp2-vocab": ("bert-vocab102", bert_parallel.TP_PLAN, 2, bert_parallel.SPLIT_POINTS, True),
+    "t5": ("t5", t5_parallel.TP_PLAN, 1, t5_parallel.SPLIT_POINTS, False),
+    "t5-vocab": ("t5-vocab104", t5_parallel.TP_PLAN, 1, t5_parallel.SPLIT_POINTS, True),
+    "t5-pp2-vocab": ("t5-vocab104", t5_parallel.TP_PLAN, 2, t5_parallel.SPLIT_POINTS, True),
+    "vit": ("vit", vit_parallel.HF_TP_PLAN, 1, vit_parallel.SPLIT_POINTS, False),
+    "timm_vit": ("timm_vit", vit_parallel.TIMM_TP_PLAN, 1, ("blocks.*",), False),
+    "swin": ("swin", swin_parallel.HF_TP_PLAN, 1, swin_parallel.SPLIT_POINTS, False),
+    "timm_swin": ("timm_swin", swin_parallel.TIMM_TP_PLAN, 1, ("layers.*.blocks.*",), False),
+    "wide_resnet": ("wide_resnet", wide_resnet_parallel.TP_PLAN, 1, wide_resnet_parallel.SPLIT_POINTS, False),
+}
+# The tiny ResNet's last batch norms see 2 values per channel (batch 2, 1x1 pixels): in float32
+# the mere reordering of conv2's sum (tp=2) moves the loss by ~3e-6 and gradients by ~1e-3
+# (float32 vs float64 of the single-process model differ as much), so it trains in float64.
+FLOAT64 = {"wide_resnet"}
+
+
+def _build(name: str):
+    model = MODELS[name]()[0]
+    return model.double() if name in FLOAT64 else model
+
+
+def _loss_fn(name: str):
+    """The recipe's loss for T5 and BERT (vocabulary-parallel when the logits are split), else the tiny model's."""
+    if name.startswith("t5"):
+        return t5_model.seq2seq_loss
+    return bert_model.masked_lm_loss if name.startswith("bert") else MODELS[name]()[2]
+
+
+def _microbatches(name: str) -> list[dict]:
+    batches = []
+    for index in range(STEPS * MICROBATCHES):
+        torch.manual_seed(1000 + index)
+        batch = MODELS[name]()[1]
+        if name in FLOAT64:
+            batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+        batches.append(batch)
+    return batches
+
+
+def _train(out_dir: str, case: str) -> None:
+    name, plan, pp, points, vocab = CASES[case]
+    torch.set_num_threads(1)
+    state = groups.init(tp=TP, pp=pp, timeout_s=120)
+    try:
+        example = {k: v for k, v in _microbatches(name)[0].items() if k != "labels"}
+        built = assemble(
+            build=functools.partial(_build, name), seed=SEED, init_device="cpu",
+            options=ShardingOptions(split_method="layer_split", split_points=points), num_stages=pp,
+            num_microbatches=MICROBATCHES, stage_id=state.coordinates.pp, device=torch.device("cpu"),
+            example_inputs=example,
+            tensor_parallel=TensorParallelOptions(plan=plan, size=TP, rank=state.coordinates.tp,
+                                                  parallel_vocab=vocab))
+        slices = parameter_slices(built.model)
+        engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=_loss_fn(name), state=state,
+                                schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS)
+        data = _microbatches(name)
+        records = []
+        for step in range(STEPS):
+            result = engine.train_step(data[step * MICROBATCHES:(step + 1) * MICROBATCHES])
+            grads = {n: p.grad.detach().clone() for n, p in engine.named_parameters() if p.grad is not None}
+            records.append({"loss": result.loss, "grads": grads})
+        torch.save({"records": records, "slices": slices, "changes": len(built.tp_plan.changes)},
+                   Path(out_dir) / f"rank{state.rank}.pt")
+    finally:
+        groups.shutdown()
+
+
+def _reference(name: str) -> list[dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: conv kernels sum in a thread-dependent order
+    try:
+        return _train_reference(name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_reference(name: str) -> list[dict]:
+    torch.manual_seed(SEED)
+    model = _build(name)
+    model.train()
+    loss_fn = _loss_fn(name)
+    params = list({id(p): p for p in model.parameters()}.values())
+    optimizer = build_optimizer(model.named_parameters(), learning_rate=OPTIONS.learning_rate,
+                                weight_decay=OPTIONS.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    scheduler = build_lr_scheduler(optimizer, kind="constant", warmup_steps=0, total_steps=STEPS)
+    data = _microbatches(name)
+    records = []
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for batch in data[step * MICROBATCHES:(step + 1) * MICROBATCHES]:
+            inputs = {k: v for k, v in batch.items() if k != "labels"}
+            loss = loss_fn(model(**inputs), batch) / MICROBATCHES
+            loss.backward()
+            total += loss.item()
+        norm = torch.stack([p.grad.double().pow(2).sum() for p in params if p.grad is not None]).sum().sqrt()
+        clip_gradients([p for p in params if p.grad is not None], max_norm=OPTIONS.max_grad_norm,
+                       total_norm=norm.float())
+        # The engine's gradients are read after its step, so clipped: compare clipped with clipped.
+        records.append({"loss": total, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                                 if p.grad is not None}})
+        optimizer.step()
+        scheduler.step()
+    return records
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tp2_matches_single_process(case, tmp_path):
+    name, _, pp, _, vocab = CASES[case]
+    spawn_workers(_train, world_size=TP * pp, args=(str(tmp_path), case))
+    reference = _reference(name)
+    seen, sliced = set(), set()
+    for rank in range(TP * pp):
+        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert saved["changes"] > 0, case
+        for step, (got, want) in enumerate(zip(saved["records"], reference, strict=True)):
+            where = f"{case} rank {rank} step {step}"
+            assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), where
+            for param_name, grad in got["grads"].items():
+                expected = want["grads"][param_name]
+                if param_name in saved["slices"]:
+                    expected = saved["slices"][param_name].take(expected)
+                    sliced.add(param_name)
+                assert grad.shape == expected.shape, f"{where}: gradient of {param_name}"
+                # Relative to the gradient, with a floor: attention key biases get ~1e-11 gradients.
+                error = float((grad - expected).norm() / expected.norm().clamp_min(1e-4))
+                assert error < GRAD_RTOL, f"{where}: gradient of {param_name} off by {error:.2e}"
+                seen.add(param_name)
+    assert seen == set(reference[0]["grads"]), case
+    assert sliced, f"{case}: no parameter was split"
+    if vocab:
+        embedding = "shared.weight" if name.startswith("t5") else "bert.embeddings.word_embeddings.weight"
+        assert embedding in sliced, f"{case}: the embedding was not split by vocabulary"
