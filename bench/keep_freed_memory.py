@@ -1,6 +1,6 @@
 """The demo recipe with and without merak's glibc malloc thresholds (launcher.keep_freed_memory).
 
-Runs recipes/gpt/train.py (defaults: dp=2 x pp=2, 4 processes) alternately with the
+Runs recipes/gpt/train.py (the demo model at dp=2 x pp=2, 4 processes) alternately with the
 setting on and off, and reports the median step time and the process CPU time split
 into user and kernel (sys) time of each run.
 """
@@ -24,8 +24,8 @@ logger = logging.getLogger("bench.keep_freed_memory")
 def run_once(keep: bool, steps: int, extra: list[str]) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as run_dir:
-        subprocess.run([sys.executable, str(REPO / "recipes/gpt/train.py"), f"trainer.max_steps={steps}",
-                        f"launcher.keep_freed_memory={str(keep).lower()}", f"hydra.run.dir={run_dir}", *extra],
+        subprocess.run([sys.executable, str(REPO / "recipes/gpt/train.py"), "parallel=dp2_pp2",
+                        f"trainer.max_steps={steps}", f"launcher.keep_freed_memory={str(keep).lower()}", f"hydra.run.dir={run_dir}", *extra],
                        check=True, capture_output=True, text=True)
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

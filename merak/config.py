@@ -222,11 +222,9 @@ def _tensor_parallel_problems(plan, trainer: TrainerSettings, grid: RankGrid | N
     tp = grid.tp if grid else 1
     options = TensorParallelOptions(plan=plan, size=tp, overlap_level=trainer.tp_overlapping_level)
     problems = [f"trainer.{p}" if p.startswith("tp_") else p for p in option_problems(options)]
-    if tp == 1:
-        for flag in ("parallel_vocab", "sequence_parallel"):
-            if getattr(trainer, flag):
-                problems.append(f"trainer.{flag}=true needs parallel.tp > 1")
-    elif trainer.sequence_parallel and (not isinstance(trainer.sequence_dim, int) or trainer.sequence_dim < 0):
+    # parallel_vocab and sequence_parallel apply "when tp > 1" (MerakArguments): with tp=1 there is
+    # nothing to split, so one config serves every layout.
+    if tp > 1 and trainer.sequence_parallel and (not isinstance(trainer.sequence_dim, int) or trainer.sequence_dim < 0):
         problems.append(f"trainer.sequence_dim={trainer.sequence_dim!r} must be a non-negative integer")
     if tp > 1 and trainer.trace_method is None and grid and grid.pp > 1:
         problems.append("tensor parallelism with pp > 1 needs a captured graph: use trace_method=fx or dynamo")

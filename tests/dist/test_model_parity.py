@@ -12,15 +12,14 @@ import functools
 from pathlib import Path
 
 import pytest
-import torch
-
 import tiny_models
+import torch
+from microbatch_reference import train_microbatches
+
 from merak.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
-from merak.optim.clip import clip_gradients
-from merak.optim.schedule import build_lr_scheduler, build_optimizer
 from merak.shard.plan import ShardingOptions
 
 pytestmark = pytest.mark.dist
@@ -86,41 +85,10 @@ def _train_pipeline(out_dir: str, case: str) -> None:
 
 
 def _reference(case: str) -> list[dict]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers: conv kernels sum in a thread-dependent order
-    try:
-        return _train_reference(case)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train_reference(case: str) -> list[dict]:
     name = CASES[case][0]
     built = _assemble(case, 1, 0)  # same construction path (meta + materialize for gpt2-meta), one stage
-    model, loss_fn = built.model, tiny_models.ALL[name]()[2]
-    params = list({id(p): p for p in model.parameters()}.values())
-    optimizer = build_optimizer(model.named_parameters(), learning_rate=OPTIONS.learning_rate,
-                                weight_decay=OPTIONS.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-    scheduler = build_lr_scheduler(optimizer, kind="constant", warmup_steps=0, total_steps=STEPS)
-    data = _microbatches(name)
-    records = []
-    for step in range(STEPS):
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for batch in data[step * MICROBATCHES:(step + 1) * MICROBATCHES]:
-            inputs = {k: v for k, v in batch.items() if k != "labels"}
-            loss = loss_fn(model(**inputs), batch) / MICROBATCHES
-            loss.backward()
-            total += loss.item()
-        norm = torch.stack([p.grad.double().pow(2).sum() for p in params if p.grad is not None]).sum().sqrt()
-        clip_gradients([p for p in params if p.grad is not None], max_norm=OPTIONS.max_grad_norm,
-                       total_norm=norm.float())
-        # The engine's gradients are read after its step, so clipped: compare clipped with clipped.
-        records.append({"loss": total, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                                 if p.grad is not None}})
-        optimizer.step()
-        scheduler.step()
-    return records
+    return train_microbatches(built.model, tiny_models.ALL[name]()[2], _microbatches(name), steps=STEPS,
+                              microbatches=MICROBATCHES, options=OPTIONS)
 
 
 @pytest.mark.timeout(300)

@@ -108,7 +108,7 @@ def test_multirun_sweep_launches_each_job(tmp_path, cache_dir):
      "transformer.wte vocabulary size = 50257 is not divisible by tp=2 (pad the vocabulary, e.g. to 50432"),
     (["parallel=tp2", "parallel.tp=3"], "model.num_heads=4 is not divisible by parallel.tp=3"),
     (["parallel=tp2", "trainer.tp_overlapping_level=3"], "trainer.tp_overlapping_level=3; supported levels"),
-    (["trainer.sequence_parallel=true"], "trainer.sequence_parallel=true needs parallel.tp > 1"),
+    (["parallel=tp2", "trainer.sequence_dim=-1"], "trainer.sequence_dim=-1 must be a non-negative integer"),
 ])
 def test_bad_config_fails_before_workers_start(overrides, expected, tmp_path, cache_dir):
     started = time.perf_counter()
