@@ -79,7 +79,10 @@ def split_model(model: nn.Module, options: TensorParallelOptions) -> ResolvedPla
     ctx = ParallelContext(rank=options.rank, size=options.size, group="tp",
                           sequence_dim=options.sequence_dim if options.sequence_parallel else -1,
                           overlap=options.overlap_level >= 1)
-    apply_plan(model, resolved, ctx)
+    try:
+        apply_plan(model, resolved, ctx)
+    except (TypeError, ValueError) as error:  # e.g. a tied weight the plan splits two ways
+        raise TPPlanError(f"the tensor-parallel plan cannot be applied to {type(model).__name__}: {error}") from error
     if options.overlap_level == 2:
         _check_block_overlap(model, options.plan)
     logger.info("tensor-parallel rank %d of %d: the plan changes %d modules or tensors", options.rank,
