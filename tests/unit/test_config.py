@@ -33,7 +33,8 @@ def problems_of(*overrides: str, world_size: int | None = None) -> list[str]:
 
 def test_defaults_resolve():
     settings = resolve_settings(SPEC, compose())
-    assert settings.grid == RankGrid(dp=2, tp=1, pp=2)
+    assert settings.grid == RankGrid(dp=2, tp=2, pp=2)
+    assert settings.trainer.sequence_parallel and not settings.trainer.parallel_vocab
     assert settings.num_microbatches == 4
     assert settings.trainer.per_device_train_batch_size == 4
     assert settings.global_batch_size == 4 * 4 * 2
@@ -47,8 +48,8 @@ def test_defaults_resolve():
     assert settings.data_cfg.source == "python_docs"
 
 
-def test_defaults_match_world_size_four():
-    assert resolve_settings(SPEC, compose(), world_size=4).grid.world_size == 4
+def test_defaults_match_world_size_eight():
+    assert resolve_settings(SPEC, compose(), world_size=8).grid.world_size == 8
 
 
 def test_output_dir_passed_through(tmp_path):
@@ -68,11 +69,19 @@ def test_dp_zero():
     assert problems == ["parallel.dp=0 must be a positive integer"]
 
 
-def test_tp_not_available():
-    problems = problems_of("parallel.tp=2")
-    assert len(problems) == 1
-    assert problems[0].startswith("parallel.tp=2: tensor parallelism is not available")
-    assert "set parallel.tp=1" in problems[0]
+def test_tensor_parallel_settings_are_checked():
+    problems = problems_of("trainer.tp_overlapping_level=3", "trainer.sequence_dim=-1")
+    assert problems == ["trainer.tp_overlapping_level=3; supported levels are 0, 1 and 2",
+                        "trainer.sequence_dim=-1 must be a non-negative integer"]
+    # With tp=1 there is nothing to split: the tensor-parallel switches are simply unused.
+    settings = resolve_settings(SPEC, compose("parallel=dp2_pp2", "trainer.parallel_vocab=true"))
+    assert settings.grid.tp == 1
+
+
+def test_tp_plan_checked_on_the_model_before_launch():
+    settings = resolve_settings(SPEC, compose("model=toy", "parallel=tp2", "trainer.parallel_vocab=true"))
+    with pytest.raises(ConfigError, match="vocabulary size = 50257 is not divisible by tp=2"):
+        plan_before_launch(SPEC, settings, prepared="")
 
 
 def test_more_stages_than_shards_fails_before_launch():
@@ -101,12 +110,14 @@ def test_sharding_settings_are_checked():
     assert problems == ["trainer.custom_partition is not increasing at position 2: 4 then 4"]
     problems = problems_of("trainer.trace_method=null")
     assert problems == ["trainer.trace_method=null with parallel.pp=2: without tracing the recipe must supply "
-                        "stages (RecipeSpec.build_stages); use trace_method=fx"]
+                        "stages (RecipeSpec.build_stages); use trace_method=fx",
+                        "tensor parallelism with pp > 1 needs a captured graph: use trace_method=fx or dynamo"]
 
 
 def test_heads_not_dividing_hidden_size():
     problems = problems_of("model.num_heads=3")
-    assert problems == ["model.hidden_size=128 is not divisible by model.num_heads=3"]
+    assert problems == ["model.hidden_size=128 is not divisible by model.num_heads=3",
+                        "model.num_heads=3 is not divisible by parallel.tp=2"]
 
 
 def test_unknown_train_schedule_lists_valid_names():
@@ -166,18 +177,18 @@ def test_existing_data_file_is_fine(tmp_path):
 def test_world_size_mismatch():
     problems = problems_of(world_size=3)
     assert len(problems) == 1
-    assert "parallel.dp*tp*pp = 2*1*2 = 4" in problems[0]
+    assert "parallel.dp*tp*pp = 2*2*2 = 8" in problems[0]
     assert "started 3 processes" in problems[0]
 
 
 def test_several_problems_all_listed(tmp_path):
     missing = tmp_path / "absent.csv"
-    problems = problems_of("parallel.tp=2", "model.num_heads=3", "trainer.train_schedule=zigzag",
+    problems = problems_of("model.num_heads=3", "trainer.train_schedule=zigzag", "trainer.tp_overlapping_level=5",
                            "+trainer.lerning_rate=1", "trainer.global_batch_size=30",
                            "data=files", f"data.files=[{missing}]", world_size=3)
     joined = "\n".join(problems)
     assert len(problems) == 8, joined
-    for needle in ("trainer.lerning_rate", "parallel.dp*tp*pp = 2*2*2 = 8", "parallel.tp=2: tensor parallelism",
+    for needle in ("trainer.lerning_rate", "parallel.dp*tp*pp = 2*2*2 = 8", "trainer.tp_overlapping_level=5",
                    "trainer.train_schedule='zigzag'", "trainer.global_batch_size=30",
                    "model.hidden_size=128 is not divisible by model.num_heads=3",
                    "model.num_heads=3 is not divisible by parallel.tp=2", f"data file not found: {missing}"):
