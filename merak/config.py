@@ -221,7 +221,7 @@ def _tensor_parallel_problems(plan, trainer: TrainerSettings, grid: RankGrid | N
 
     tp = grid.tp if grid else 1
     options = TensorParallelOptions(plan=plan, size=tp, overlap_level=trainer.tp_overlapping_level)
-    problems = [f"trainer.{p}" if p.startswith("tp_") else p for p in option_problems(options)]
+    problems = option_problems(options, prefix="trainer.")
     # parallel_vocab and sequence_parallel apply "when tp > 1" (MerakArguments): with tp=1 there is
     # nothing to split, so one config serves every layout.
     if tp > 1 and trainer.sequence_parallel and (not isinstance(trainer.sequence_dim, int) or trainer.sequence_dim < 0):

@@ -125,12 +125,12 @@ def simulated_groups():
 
 # -- raw collectives (no autograd) ---------------------------------------------------------------
 
-def all_reduce(x: Tensor, name: str) -> Tensor:
-    """Sum of ``x`` over the group, as a new tensor."""
+def all_reduce(x: Tensor, name: str, op=dist.ReduceOp.SUM) -> Tensor:
+    """Sum (or ``op``) of ``x`` over the group, as a new tensor."""
     entry = get_group(name)
     out = x.contiguous().clone()
     if entry.size > 1 and not entry.simulated:
-        dist.all_reduce(out, group=entry.group)
+        dist.all_reduce(out, op=op, group=entry.group)
     return out
 
 

@@ -30,13 +30,6 @@ def vocab_is_parallel() -> bool:
     return _STATE["group"] is not None
 
 
-def _all_reduce(tensor: torch.Tensor, name: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    entry = comm.get_group(name)
-    if entry.size > 1 and not entry.simulated:
-        dist.all_reduce(tensor, op=op, group=entry.group)
-    return tensor
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, name: str, ignore_index: int):
@@ -44,15 +37,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         vocab_local = logits.shape[-1]
         start = entry.rank * vocab_local
         logits = logits.float()
-        peak = _all_reduce(logits.max(dim=-1).values, name, dist.ReduceOp.MAX)
+        peak = comm.all_reduce(logits.max(dim=-1).values, name, dist.ReduceOp.MAX)
         shifted = logits - peak.unsqueeze(-1)
         exp = shifted.exp()
-        sum_exp = _all_reduce(exp.sum(dim=-1), name)
+        sum_exp = comm.all_reduce(exp.sum(dim=-1), name)
         valid = labels != ignore_index
         local = (labels >= start) & (labels < start + vocab_local) & valid
         index = torch.where(local, labels - start, 0)
         target = torch.where(local, shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1), 0.0)
-        target = _all_reduce(target, name)
+        target = comm.all_reduce(target, name)
         count = valid.sum().clamp_min(1)
         losses = torch.where(valid, sum_exp.log() - target, 0.0)
         ctx.save_for_backward(exp, sum_exp, index, local, valid)

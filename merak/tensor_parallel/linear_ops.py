@@ -135,7 +135,7 @@ def row_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], name: str, wei
     The bias is added once, after the reduction, as in the single-device layer.
     """
     kind = "reduce_scatter" if sequence_dim >= 0 else "all_reduce"
-    if overlap and x.dim() > 1 and x.shape[0] > 1 and (sequence_dim != 0):
+    if overlap and x.dim() > 1 and x.shape[0] > 1 and sequence_dim != 0:
         # Sub-pipelined: reduce the first half of the batch while the second is computed.
         halves = x.chunk(2, dim=0)
         pending = []

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from merak.shard.split import module_pattern
 from merak.tensor_parallel import comm
 from merak.tensor_parallel.cross_entropy import set_vocab_parallel
 from merak.tensor_parallel.layers import ParallelContext
-from merak.tensor_parallel.overlap import refuse_dropout
+from merak.tensor_parallel.overlap import dropout_modules
 from merak.tensor_parallel.plan import ResolvedPlan, TPPlan, TPPlanError, apply_plan, resolve_plan
 
 logger = logging.getLogger(__name__)
@@ -40,11 +41,14 @@ class TensorParallelOptions:
     overlap_level: int = 0
 
 
-def option_problems(options: TensorParallelOptions) -> list[str]:
-    """What is wrong with ``options`` regardless of the model (empty when nothing)."""
+def option_problems(options: TensorParallelOptions, *, prefix: str = "") -> list[str]:
+    """What is wrong with ``options`` regardless of the model (empty when nothing).
+
+    ``prefix`` goes before setting names (``"trainer."`` for a run config).
+    """
     problems = []
     if options.overlap_level not in OVERLAP_LEVELS:
-        problems.append(f"tp_overlapping_level={options.overlap_level}; supported levels are "
+        problems.append(f"{prefix}tp_overlapping_level={options.overlap_level}; supported levels are "
                         f"{', '.join(map(str, OVERLAP_LEVELS[:-1]))} and {OVERLAP_LEVELS[-1]}")
     if options.size == 1:
         return problems
@@ -52,7 +56,7 @@ def option_problems(options: TensorParallelOptions) -> list[str]:
         problems.append(f"tp={options.size} needs a TP plan: this model has none (pass one, or describe it "
                         "with merak.set_tp_layer_lists)")
     if options.overlap_level == 2 and options.plan is not None and not options.plan.blocks:
-        problems.append("tp_overlapping_level=2 overlaps inside whole transformer blocks and this model's TP plan "
+        problems.append(f"{prefix}tp_overlapping_level=2 overlaps inside whole transformer blocks and this model's TP plan "
                         "names none; use level 1")
     return problems
 
@@ -92,11 +96,9 @@ def split_model(model: nn.Module, options: TensorParallelOptions) -> ResolvedPla
 
 
 def _check_block_overlap(model: nn.Module, plan: TPPlan) -> None:
-    from merak.shard.split import module_pattern
-
     problems = [f"tp_overlapping_level=2: block {p!r} matches no module" for p in plan.blocks
                 if not any(module_pattern(p).fullmatch(n) for n, _ in model.named_modules())]
-    dropout = refuse_dropout(model)
+    dropout = dropout_modules(model)
     if dropout:
         problems.append(f"tp_overlapping_level=2 runs the two halves of a microbatch on two threads, which "
                         f"cannot reproduce dropout masks; set the model's dropout to 0 (e.g. {dropout[0]}) or "

@@ -82,6 +82,6 @@ class SubPipelinedStage(nn.Module):
         return join(out_first, pending.result(), batch // 2)
 
 
-def refuse_dropout(model: nn.Module) -> list[str]:
+def dropout_modules(model: nn.Module) -> list[str]:
     """Dropout modules with a positive rate (level 2 cannot reproduce their masks)."""
     return [name for name, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0]
