@@ -90,17 +90,17 @@ class _Vocab:
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         # Always a full sum: models add position embeddings to the result before the
         # sequence-parallel region starts.
-        return torch.ops.merak.reduce_from_tp(out, ctx.group)
+        return comm.reduce_from_tp(out, ctx.group)
 
 
 class _ConvColumn:
     def forward(self, x):
-        return self._conv_forward(torch.ops.merak.copy_to_tp(x, self._merak_tp.group), self.weight, self.bias)
+        return self._conv_forward(comm.copy_to_tp(x, self._merak_tp.group), self.weight, self.bias)
 
 
 class _ConvRow:
     def forward(self, x):
-        out = torch.ops.merak.reduce_from_tp(self._conv_forward(x, self.weight, None), self._merak_tp.group)
+        out = comm.reduce_from_tp(self._conv_forward(x, self.weight, None), self._merak_tp.group)
         return out if self.bias is None else out + self.bias.view(1, -1, *([1] * (out.dim() - 2)))
 
 

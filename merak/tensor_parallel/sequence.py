@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from merak.shard.split import module_pattern
+from merak.tensor_parallel import comm
 from merak.tensor_parallel.slicing import slices_of
 
 SEQUENCE_PARTIAL_ATTR = "_merak_sequence_partial"
@@ -85,16 +86,15 @@ def install_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, ctx,
     """Register the region hooks on ``model`` and mark the parameters whose gradients are partial."""
     names = [n for n, _ in model.named_modules()]
     modules = dict(model.named_modules())
-    ops = torch.ops.merak
     for name in plan._matches(plan.enter, names):
         modules[name].register_forward_hook(
             lambda module, args, output: _first_tensor(
-                output, lambda t: ops.scatter_to_sequence(t, ctx.group, ctx.sequence_dim)))
+                output, lambda t: comm.scatter_to_sequence(t, ctx.group, ctx.sequence_dim)))
     for name in plan.region_modules(names):
-        modules[name].register_forward_pre_hook(_input_hook(ops.gather_from_sequence, ctx.group, ctx.sequence_dim),
+        modules[name].register_forward_pre_hook(_input_hook(comm.gather_from_sequence, ctx.group, ctx.sequence_dim),
                                                 with_kwargs=True)
     for name in plan.exit_modules(names) - gathers_itself:
-        modules[name].register_forward_pre_hook(_input_hook(ops.gather_to_replicated, ctx.group, ctx.sequence_dim),
+        modules[name].register_forward_pre_hook(_input_hook(comm.gather_to_replicated, ctx.group, ctx.sequence_dim),
                                                 with_kwargs=True)
     sliced = {id(p) for m in model.modules() for p in _sliced_parameters(m)}
     for name in plan._matches(plan.sharded, names):
