@@ -22,8 +22,9 @@ from merak.optim.schedule import build_lr_scheduler, build_optimizer
 from merak.pipeline import instructions as ins
 from merak.pipeline.executor import PipelineExecutor
 from merak.pipeline.hooks import PipelineHook
-from merak.pipeline.schedules import build_schedule
-from merak.pipeline.stage import find_tied_parameters, parameter_names
+from merak.pipeline.recompute import CheckpointOptions, checkpointed_parts, part_seed, stage_checkpoint_ratios
+from merak.pipeline.schedules import build_schedule, schedule_info
+from merak.pipeline.stage import TiedParameter, find_tied_parameters, parameter_names
 from merak.tensor_parallel.sequence import sequence_partial
 from merak.tensor_parallel.slicing import sliced_parameter_ids
 
@@ -42,6 +43,22 @@ class OptimizerOptions:
     max_grad_norm: float = 1.0
     lr_scheduler_type: str = "linear"
     warmup_steps: int = 0
+
+
+@dataclass(frozen=True)
+class RecomputeOptions:
+    """Activation checkpointing (names as in MerakArguments).
+
+    Attributes:
+        activation_checkpointing: Checkpoint stage parts; the backward recomputes them.
+        checkpoint_num_layers: Parts per checkpointed chunk.
+        activation_checkpoint_ratio: None: every part; a float: the first
+            stage's ratio, the others stage-aware; a list: one per (virtual) stage.
+    """
+
+    activation_checkpointing: bool = False
+    checkpoint_num_layers: int = 1
+    activation_checkpoint_ratio: float | tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -68,25 +85,37 @@ class PipelineEngine:
         optimizer: optimizer settings.
         hooks: pipeline listeners (timers, profiler, energy plans).
         bucket_bytes: size of the data-parallel gradient buckets.
+        recompute: activation checkpointing settings.
+        num_chunks: model chunks per rank (interleaved schedules); ``stages`` then holds
+            ``pp * num_chunks`` pieces and rank ``s`` runs pieces ``s, s + pp, ...``.
+        dropout_seed: when set, dropout masks are drawn from seeds of (this seed, dp rank,
+            step, microbatch, part), identical in every layout and in recomputation.
+        dealloc_pipeoutput: release sent activations (keeping what backward reads).
+        record_timeline: record every instruction's start and end (``wall_clock_breakdown``).
     """
 
     def __init__(self, *, model: nn.Module, stages: Sequence[nn.Module],
                  loss_fn: Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor],
                  state: ParallelState, schedule: str, num_microbatches: int, total_steps: int,
                  optimizer: OptimizerOptions = OptimizerOptions(), hooks: Sequence[PipelineHook] = (),
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, recompute: RecomputeOptions = RecomputeOptions(),
+                 num_chunks: int = 1, dropout_seed: int | None = None, dealloc_pipeoutput: bool = False,
+                 record_timeline: bool = False) -> None:
         grid, coords = state.grid, state.coordinates
-        if len(stages) != grid.pp:
-            raise ValueError(f"got {len(stages)} stages for pp={grid.pp}")
+        if len(stages) != grid.pp * num_chunks:
+            raise ValueError(f"got {len(stages)} stages for pp={grid.pp} x {num_chunks} chunks")
         self.state = state
         self.stage_id = coords.pp
         self.num_stages = grid.pp
-        self.stage = stages[self.stage_id].to(state.device)
+        self.num_chunks = num_chunks
+        self.chunks = {c: stages[c * grid.pp + self.stage_id].to(state.device) for c in range(num_chunks)}
+        self.stage = self.chunks[0]
         self.options = optimizer
         self.bucket_bytes = bucket_bytes
         names = parameter_names(model)
-        self._param_names = [(names[id(p)], p) for p in self.stage.parameters()]
-        all_tied = find_tied_parameters(model, stages)
+        local = {id(p): p for chunk in self.chunks.values() for p in chunk.parameters()}
+        self._param_names = [(names[key], p) for key, p in local.items()]
+        all_tied = self._tied_across_ranks(find_tied_parameters(model, stages))
         # Every rank creates every tie's group, in the same order (group creation is collective).
         self._tied_groups = {t.stages: stage_set_group(state, t.stages) for t in all_tied}
         self.tied = [t for t in all_tied if self.stage_id in t.stages]
@@ -110,19 +139,52 @@ class PipelineEngine:
             self.optimizer, kind=optimizer.lr_scheduler_type, warmup_steps=optimizer.warmup_steps,
             total_steps=total_steps)
         self.instructions = build_schedule(name=schedule, stage_id=self.stage_id, num_stages=self.num_stages,
-                                           num_microbatches=num_microbatches)
+                                           num_microbatches=num_microbatches, num_chunks=num_chunks)
         self.num_microbatches = num_microbatches
-        prev_rank = grid.stage_rank(state.rank, self.stage_id - 1) if self.stage_id > 0 else None
-        next_rank = grid.stage_rank(state.rank, self.stage_id + 1) if self.stage_id < grid.pp - 1 else None
+        self._configure_checkpointing(recompute, schedule_info(schedule).last_stage_checkpoints)
+        wraps = num_chunks > 1  # the chain runs around the ranks: the last rank's next is the first
+        prev_rank = grid.stage_rank(state.rank, (self.stage_id - 1) % grid.pp) \
+            if self.stage_id > 0 or wraps else None
+        next_rank = grid.stage_rank(state.rank, (self.stage_id + 1) % grid.pp) \
+            if self.stage_id < grid.pp - 1 or wraps else None
+        dp_rank = coords.dp
+        seed_of = (lambda step, microbatch: part_seed(dropout_seed, dp_rank, step, microbatch)) \
+            if dropout_seed is not None else None
         self.executor = PipelineExecutor(
-            stage=self.stage, stage_id=self.stage_id, num_stages=self.num_stages,
+            stages=self.chunks, stage_id=self.stage_id, num_stages=self.num_stages, num_chunks=num_chunks,
             prev_rank=prev_rank, next_rank=next_rank,
             p2p=PointToPoint(state.device) if grid.pp > 1 else None, loss_fn=loss_fn,
             step_handlers={ins.ReduceTiedGrads: self._reduce_tied_grads,
                            ins.ReduceGrads: self._reduce_grads,
                            ins.OptimizerStep: self._optimizer_step},
-            hooks=hooks)
+            hooks=hooks, dropout_seed=seed_of, free_sent_outputs=dealloc_pipeoutput,
+            record_timeline=record_timeline)
         self._last_norm = torch.zeros(())
+        self._steps_done = 0
+
+    def _tied_across_ranks(self, tied: Sequence[TiedParameter]) -> list[TiedParameter]:
+        """Ties between pieces, as ties between ranks (pieces on one rank share the object)."""
+        ranks = [TiedParameter(name=t.name, stages=tuple(sorted({v % self.num_stages for v in t.stages})))
+                 for t in tied]
+        return [t for t in ranks if len(t.stages) > 1]
+
+    def _configure_checkpointing(self, options: RecomputeOptions, last_stage_checkpoints: bool) -> None:
+        """Give each local chunk its share of checkpointed parts (stage-aware ratios)."""
+        if not options.activation_checkpointing:
+            for module in self.chunks.values():
+                if hasattr(module, "configure_checkpointing"):
+                    module.configure_checkpointing(CheckpointOptions())
+            return
+        pieces = self.num_stages * self.num_chunks
+        ratios = stage_checkpoint_ratios(options.activation_checkpoint_ratio, pieces,
+                                         last_stage_checkpoints=last_stage_checkpoints)
+        for chunk, module in self.chunks.items():
+            if not hasattr(module, "configure_checkpointing"):
+                raise ValueError(f"activation checkpointing needs stages made of parts (StageModule); "
+                                 f"stage {self.stage_id} is a {type(module).__name__}")
+            ratio = ratios[chunk * self.num_stages + self.stage_id]
+            module.configure_checkpointing(CheckpointOptions(
+                parts=checkpointed_parts(ratio, len(module.parts)), num_layers=options.checkpoint_num_layers))
 
     # -- set-up ------------------------------------------------------------------
 
@@ -146,10 +208,12 @@ class PipelineEngine:
         Args:
             microbatches: this rank's microbatches on the first and last stage; None elsewhere.
         """
-        self.stage.train()
+        for chunk in self.chunks.values():
+            chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         learning_rate = self.optimizer.param_groups[0]["lr"]
-        local_loss = self.executor.run(self.instructions, microbatches)
+        local_loss = self.executor.run(self.instructions, microbatches, step=self._steps_done)
+        self._steps_done += 1
         return StepResult(loss=self._global_loss(local_loss), grad_norm=float(self._last_norm),
                           learning_rate=learning_rate)
 
@@ -200,4 +264,5 @@ class PipelineEngine:
         states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         return {"parameter_bytes": nbytes(params),
                 "gradient_bytes": nbytes([p.grad for p in params if p.grad is not None]),
-                "optimizer_state_bytes": nbytes(states)}
+                "optimizer_state_bytes": nbytes(states),
+                "peak_activation_bytes": self.executor.meter.peak_bytes}

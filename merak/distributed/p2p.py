@@ -72,20 +72,20 @@ class PointToPoint:
     def __init__(self, device: torch.device, group=None) -> None:
         self.device = device
         self.group = group
-        self._send_channels: dict[int, Channel] = {}
-        self._recv_channels: dict[int, Channel] = {}
+        self._send_channels: dict[tuple[int, int], Channel] = {}
+        self._recv_channels: dict[tuple[int, int], Channel] = {}
 
-    def _channel(self, table: dict[int, Channel], peer: int) -> Channel:
-        if peer not in table:
-            table[peer] = Channel()
-        return table[peer]
+    def _channel(self, table: dict[tuple[int, int], Channel], peer: int, tag: int) -> Channel:
+        return table.setdefault((peer, tag), Channel())
 
-    def post_send(self, payload, peer: int) -> list:
+    def post_send(self, payload, peer: int, tag: int = 0) -> list:
         """Start sending ``payload`` to global rank ``peer``; return the works to wait on.
 
+        Transfers with different tags are separate channels (gloo matches by tag;
+        NCCL ignores tags, so there the order of posts must agree on both sides).
         The caller must keep ``payload`` unchanged until the works complete.
         """
-        channel = self._channel(self._send_channels, peer)
+        channel = self._channel(self._send_channels, peer, tag)
         description, tensors = _describe(payload)
         changed = description != channel.last_description
         encoded = description.encode() if changed else b""
@@ -96,18 +96,18 @@ class PointToPoint:
             channel.last_description = description
         messages.extend(_wire_tensor(t) for t in tensors)
         # Header and description travel on the CPU for gloo; NCCL needs device tensors.
-        return [dist.isend(m.to(self.device) if m.device != self.device else m, peer, group=self.group)
+        return [dist.isend(m.to(self.device) if m.device != self.device else m, peer, group=self.group, tag=tag)
                 for m in messages]
 
-    def recv(self, peer: int):
-        """Receive the next pytree from global rank ``peer`` (blocking)."""
-        channel = self._channel(self._recv_channels, peer)
+    def recv(self, peer: int, tag: int = 0):
+        """Receive the next pytree with ``tag`` from global rank ``peer`` (blocking)."""
+        channel = self._channel(self._recv_channels, peer, tag)
         header = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.recv(header, peer, group=self.group)
+        dist.recv(header, peer, group=self.group, tag=tag)
         changed, length = (int(v) for v in header.tolist())
         if changed:
             encoded = torch.empty(length, dtype=torch.uint8, device=self.device)
-            dist.recv(encoded, peer, group=self.group)
+            dist.recv(encoded, peer, group=self.group, tag=tag)
             description = json.loads(bytes(encoded.cpu().tolist()).decode())
             channel.layout = {
                 "spec": pytree.treespec_loads(description["spec"]),
@@ -125,7 +125,7 @@ class PointToPoint:
             dtype = _DTYPES[dtype_name]
             wire_dtype = torch.uint8 if dtype == torch.bool else dtype
             buffer = torch.empty(shape, dtype=wire_dtype, device=self.device)
-            pending.append(dist.irecv(buffer, peer, group=self.group))
+            pending.append(dist.irecv(buffer, peer, group=self.group, tag=tag))
             leaves.append(buffer.view(torch.bool) if dtype == torch.bool else buffer)
         for work in pending:
             work.wait()

@@ -5,21 +5,30 @@ outputs kept for backward, losses) and maps each instruction to tensor work
 or point-to-point transfers. Gradient reduction and the optimizer step are
 delegated to handlers supplied by the engine, so this file knows nothing
 about data parallelism or optimizers.
+
+A rank may run several model chunks (interleaved schedules); state is keyed
+by (chunk, microbatch).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
 
 from merak.distributed.p2p import PointToPoint
 from merak.pipeline import instructions as ins
 from merak.pipeline.hooks import HookList, PipelineHook
+from merak.pipeline.memory import ActivationMeter, active_meter
+from merak.pipeline.recompute import checkpointing, microbatch_seed
 
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
+Key = tuple[int, int]  # (chunk, microbatch)
 
 
 def _grad_pairs(outputs, grads) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -43,62 +52,106 @@ def _input_grads(inputs):
     return pytree.tree_map(grad_of, inputs)
 
 
+def _tensor_leaves(payload) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(payload) if isinstance(leaf, torch.Tensor)]
+
+
 class PipelineExecutor:
     """Executes instruction lists for one pipeline stage.
 
     Args:
-        stage: this rank's stage module.
-        stage_id: index of the stage.
+        stage: this rank's stage module (one chunk); or give ``stages``.
+        stages: this rank's modules by chunk (interleaved schedules).
+        stage_id: index of the stage (rank position in the pipeline).
         num_stages: number of pipeline stages.
-        prev_rank: global rank of the previous stage (None on the first stage).
-        next_rank: global rank of the next stage (None on the last stage).
+        num_chunks: model chunks per stage.
+        prev_rank: global rank of the previous stage (None on the first stage without chunks).
+        next_rank: global rank of the next stage (None on the last stage without chunks).
         p2p: transport for pytrees between stages.
-        loss_fn: ``loss_fn(stage_output, microbatch) -> scalar`` (last stage only).
+        loss_fn: ``loss_fn(stage_output, microbatch) -> scalar`` (last virtual stage only).
         step_handlers: callables for ReduceTiedGrads, ReduceGrads and OptimizerStep.
         hooks: listeners called around the step and each compute instruction.
+        dropout_seed: ``dropout_seed(step, microbatch)`` -> the seed parts reseed from (None: no reseeding).
+        free_sent_outputs: release an activation's storage once it has been sent, keeping
+            whatever backward needs (``dealloc_pipeoutput``).
+        record_timeline: keep (instruction, start, end) of every instruction of the last step.
     """
 
-    def __init__(self, *, stage: nn.Module, stage_id: int, num_stages: int,
+    def __init__(self, *, stage: nn.Module | None = None, stages: Mapping[int, nn.Module] | None = None,
+                 stage_id: int, num_stages: int, num_chunks: int = 1,
                  prev_rank: int | None, next_rank: int | None, p2p: PointToPoint | None,
                  loss_fn: LossFn, step_handlers: Mapping[type, Callable[[], None]],
-                 hooks: Sequence[PipelineHook] = ()) -> None:
-        self.stage = stage
+                 hooks: Sequence[PipelineHook] = (), dropout_seed: Callable[[int, int], int] | None = None,
+                 free_sent_outputs: bool = False, record_timeline: bool = False) -> None:
+        if (stage is None) == (stages is None):
+            raise ValueError("give either stage or stages")
+        self.stages = dict(stages) if stages is not None else {0: stage}
+        self.stage = self.stages[0]
         self.stage_id = stage_id
         self.num_stages = num_stages
+        self.num_chunks = num_chunks
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.p2p = p2p
         self.loss_fn = loss_fn
         self.step_handlers = dict(step_handlers)
         self.hooks = HookList(hooks)
-        self.is_first = stage_id == 0
-        self.is_last = stage_id == num_stages - 1
+        self.dropout_seed = dropout_seed
+        self.free_sent_outputs = free_sent_outputs
+        self.record_timeline = record_timeline
+        self.timeline: list[tuple[ins.Instruction, float, float]] = []
+        params = {id(p): p for module in self.stages.values() for p in module.parameters()}
+        self.meter = ActivationMeter(params.values())
+        self._step_index = 0
+        # Kept for compatibility with single-chunk callers.
+        self.is_first = self._is_first(0)
+        self.is_last = self._is_last(0)
+
+    def _virtual(self, chunk: int) -> int:
+        return ins.virtual_stage(self.stage_id, chunk, self.num_stages)
+
+    def _is_first(self, chunk: int) -> bool:
+        return self._virtual(chunk) == 0
+
+    def _is_last(self, chunk: int) -> bool:
+        return self._virtual(chunk) == self.num_chunks * self.num_stages - 1
 
     def run(self, instructions: Sequence[ins.Instruction],
-            microbatches: Sequence[Mapping[str, torch.Tensor]] | None) -> float | None:
+            microbatches: Sequence[Mapping[str, torch.Tensor]] | None, step: int | None = None) -> float | None:
         """Run one step.
 
         Args:
             instructions: this stage's list from a schedule.
-            microbatches: the step's microbatches (dicts of tensors) on the first and
-                last stage; None elsewhere.
+            microbatches: the step's microbatches (dicts of tensors) on the ranks holding the
+                first or last virtual stage; None elsewhere.
+            step: the step number (dropout seeds); default: counts the calls.
 
         Returns:
-            On the last stage, the mean of the microbatch losses; None elsewhere.
+            On the rank holding the last virtual stage, the sum of the (scaled) microbatch
+            losses; None elsewhere.
         """
-        num_microbatches = sum(isinstance(i, ins.Forward) for i in instructions)
-        self._step = _StepState(num_microbatches)
+        forwards = sum(isinstance(i, ins.FORWARD_TYPES) for i in instructions)
+        self._step = _StepState(forwards // self.num_chunks)
         self._microbatches = microbatches
+        self._step_index = self._step_index if step is None else step
+        self.timeline = []
+        clock = time.perf_counter
         self.hooks.on_step_begin()
         try:
-            for instruction in instructions:
-                self._dispatch(instruction)
+            with active_meter(self.meter):
+                for instruction in instructions:
+                    start = clock()
+                    self._dispatch(instruction)
+                    if self.record_timeline:
+                        self.timeline.append((instruction, start, clock()))
+                    self._prune_sends()
             self._wait_sends()
         finally:
             self.hooks.on_step_end()
         losses = self._step.losses
         self._step = None
-        if not self.is_last:
+        self._step_index += 1
+        if not self._is_last(self.num_chunks - 1):
             return None
         return float(sum(loss.item() for loss in losses.values()))
 
@@ -106,12 +159,14 @@ class PipelineExecutor:
 
     def _dispatch(self, instruction: ins.Instruction) -> None:
         kind = type(instruction)
-        if kind is ins.Forward:
-            self._forward(instruction.microbatch)
-        elif kind is ins.Backward:
-            self._backward(instruction.microbatch)
+        if kind in ins.FORWARD_TYPES or kind is ins.RecomputeForward:
+            self._forward(instruction)
+        elif kind in (ins.Backward, ins.BackwardInput):
+            self._backward(instruction)
+        elif kind is ins.BackwardWeight:
+            self._backward_weight(instruction)
         elif kind is ins.LoadMicrobatch:
-            self._load(instruction.microbatch)
+            self._load(instruction)
         elif kind is ins.Exchange:
             self._exchange(instruction.ops)
         elif kind in ins.P2P_TYPES:
@@ -121,65 +176,152 @@ class PipelineExecutor:
         else:
             raise TypeError(f"stage {self.stage_id} cannot run instruction {instruction!r}")
 
-    def _load(self, microbatch: int) -> None:
+    def _load(self, instruction: ins.LoadMicrobatch) -> None:
         if self._microbatches is None:
             raise RuntimeError(f"stage {self.stage_id} was asked to load data but was given none")
-        batch = self._microbatches[microbatch]
-        self._step.batches[microbatch] = batch
-        if self.is_first:
-            self._step.inputs[microbatch] = batch
+        key = (instruction.chunk, instruction.microbatch)
+        batch = self._microbatches[instruction.microbatch]
+        self._step.batches[key] = batch
+        if self._is_first(instruction.chunk):
+            self._step.inputs[key] = batch
 
-    def _forward(self, microbatch: int) -> None:
-        step = self._step
-        inputs = step.inputs[microbatch]
-        self.hooks.on_instruction_begin("forward")
-        outputs = self.stage(inputs)
-        if self.is_last:
-            loss = self.loss_fn(outputs, step.batches.pop(microbatch))
-            step.losses[microbatch] = loss / step.num_microbatches
-        else:
-            step.outputs[microbatch] = outputs
-        self.hooks.on_instruction_end("forward")
-        if self.is_first:
+    def _forward(self, instruction) -> None:
+        step, chunk, m = self._step, instruction.chunk, instruction.microbatch
+        key = (chunk, m)
+        stage, inputs = self.stages[chunk], step.inputs[key]
+        kind = type(instruction)
+        seed = self.dropout_seed(self._step_index, m) if self.dropout_seed is not None else None
+        self.hooks.on_instruction_begin(ins.INSTRUCTION_NAMES[kind])
+        if kind is ins.RecomputeForward:
+            self.meter.release(key)  # the pre-checkpointed run kept only the inputs, filed again below
+        with microbatch_seed(seed), self.meter.saving(key):
+            if not self._is_first(chunk):
+                self.meter.keep(key, inputs)
+            if kind is ins.PreCheckpointForward:
+                # Only the inputs are kept; the outputs still carry a graph, so the next stage
+                # learns which of them need gradients.
+                with checkpointing("none"):
+                    outputs = checkpoint(stage, inputs, use_reentrant=False)
+            elif kind is ins.RecomputeForward:
+                with checkpointing("none"):
+                    outputs = stage(inputs)
+            else:
+                outputs = stage(inputs)
+            if self._is_last(chunk):
+                batch = step.batches[key] if kind is ins.PreCheckpointForward else step.batches.pop(key)
+                step.losses[key] = self.loss_fn(outputs, batch) / step.num_microbatches
+            else:
+                step.outputs[key] = outputs
+        self.hooks.on_instruction_end(ins.INSTRUCTION_NAMES[kind])
+        if self._is_first(chunk) and kind is not ins.PreCheckpointForward:
             # The first stage's inputs are data, not activations: nothing to send back.
-            step.inputs.pop(microbatch)
+            step.inputs.pop(key)
 
-    def _backward(self, microbatch: int) -> None:
-        step = self._step
-        self.hooks.on_instruction_begin("backward")
-        if self.is_last:
-            step.losses[microbatch].backward()
-            step.losses[microbatch] = step.losses[microbatch].detach()
+    def _backward(self, instruction) -> None:
+        step, chunk = self._step, instruction.chunk
+        key = (chunk, instruction.microbatch)
+        whole = type(instruction) is ins.Backward
+        self.hooks.on_instruction_begin("backward" if whole else "backward_input")
+        if self._is_last(chunk):
+            loss = step.losses[key]
+            tensors, grads = [loss], [torch.ones_like(loss)]
+            step.losses[key] = loss.detach()
         else:
-            tensors, grads = _grad_pairs(step.outputs.pop(microbatch), step.grads.pop(microbatch))
+            tensors, grads = _grad_pairs(step.outputs.pop(key), step.grads.pop(key))
+        inputs = step.inputs.pop(key, None)
+        if whole or self._is_first(chunk):
+            # The first stage has no input gradient to hurry: its BackwardInput does the whole backward.
             if tensors:
                 torch.autograd.backward(tensors, grads)
-        if not self.is_first:
-            step.input_grads[microbatch] = _input_grads(step.inputs.pop(microbatch))
-        self.hooks.on_instruction_end("backward")
+            if not whole:
+                step.split_done.add(key)
+            input_grads = None if self._is_first(chunk) else _input_grads(inputs)
+        else:
+            leaves = [leaf for leaf in _tensor_leaves(inputs) if leaf.requires_grad]
+            weights = [p for p in self.stages[chunk].parameters() if p.requires_grad]
+            grads_in, param_groups = stage_backward_input(tensors, grads, leaves, iter(weights))
+            step.param_groups[key] = (weights, param_groups)
+            by_id = {id(leaf): grad for leaf, grad in zip(leaves, grads_in)}
+            input_grads = pytree.tree_map(
+                lambda leaf: by_id.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None, inputs)
+        if not self._is_first(chunk):
+            step.input_grads[key] = input_grads
+        if whole:
+            self.meter.release(key)
+        self.hooks.on_instruction_end("backward" if whole else "backward_input")
+
+    def _backward_weight(self, instruction: ins.BackwardWeight) -> None:
+        key = (instruction.chunk, instruction.microbatch)
+        self.hooks.on_instruction_begin("backward_weight")
+        if key in self._step.split_done:
+            self._step.split_done.discard(key)
+        else:
+            weights, param_groups = self._step.param_groups.pop(key)
+            stage_backward_weight(iter(weights), param_groups)
+        self.meter.release(key)
+        self.hooks.on_instruction_end("backward_weight")
 
     # -- communication -----------------------------------------------------------
+
+    def _peer(self, op: ins.P2POp) -> int:
+        rank = self.next_rank if ins.peer_offset(op) > 0 else self.prev_rank
+        if rank is None:
+            raise RuntimeError(f"stage {self.stage_id} has no neighbour for {op!r}")
+        return rank
+
+    def _tag(self, op: ins.P2POp) -> int:
+        """One tag per chain boundary and direction, so interleaved transfers cannot cross.
+
+        Boundary ``b`` joins virtual stages ``b`` and ``b + 1``; activations over it use tag
+        ``2b`` and gradients ``2b + 1``.
+        """
+        boundary = self._virtual(op.chunk) + (0 if ins.peer_offset(op) > 0 else -1)
+        return 2 * boundary + (0 if isinstance(op, (ins.SendActivation, ins.RecvActivation)) else 1)
 
     def _exchange(self, ops: Sequence[ins.P2POp]) -> None:
         # Post every send first, then block on receives: a peer that runs the
         # matching operations one at a time can then never wait on us.
+        step = self._step
         for op in ops:
+            key = (op.chunk, op.microbatch)
             if isinstance(op, ins.SendActivation):
                 # post_send detaches what it transmits; the requires_grad flags it
                 # announces tell the next stage which inputs need gradients back.
-                self._post(self._step.outputs[op.microbatch], self.next_rank)
+                outputs = step.outputs[key]
+                self._post(outputs, op)
+                if self.free_sent_outputs:
+                    self._release_outputs(key, outputs)
             elif isinstance(op, ins.SendGrad):
-                self._post(self._step.input_grads.pop(op.microbatch), self.prev_rank)
+                self._post(step.input_grads.pop(key), op)
         for op in ops:
+            key = (op.chunk, op.microbatch)
             if isinstance(op, ins.RecvActivation):
-                self._step.inputs[op.microbatch] = self.p2p.recv(self.prev_rank)
+                step.inputs[key] = self.p2p.recv(self._peer(op), tag=self._tag(op))
             elif isinstance(op, ins.RecvGrad):
-                self._step.grads[op.microbatch] = self.p2p.recv(self.next_rank)
+                step.grads[key] = self.p2p.recv(self._peer(op), tag=self._tag(op))
 
-    def _post(self, payload, peer: int | None) -> None:
-        if peer is None:
-            raise RuntimeError(f"stage {self.stage_id} has no neighbour to send to")
-        self._step.pending.append((payload, self.p2p.post_send(payload, peer)))
+    def _release_outputs(self, key: Key, outputs) -> None:
+        """Point sent output tensors at a one-element placeholder; the transfer keeps its own
+        reference until it completes. Tensors the backward reads (saved by autograd, kept by a
+        checkpoint, or stage inputs passed through) are left alone."""
+        needed = self.meter.kept_storages(key)
+        for leaf in _tensor_leaves(outputs):
+            if leaf.grad_fn is None or leaf.device.type == "meta":
+                continue
+            if leaf.untyped_storage().data_ptr() in needed:
+                continue
+            placeholder = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
+            leaf.data = placeholder
+
+    def _post(self, payload, op: ins.P2POp) -> None:
+        self._step.pending.append((payload, self.p2p.post_send(payload, self._peer(op), tag=self._tag(op))))
+
+    def _prune_sends(self) -> None:
+        """Drop finished sends, so their buffers can be freed before the step ends."""
+        pending = self._step.pending
+        if pending:
+            pending[:] = [(payload, works) for payload, works in pending
+                          if not all(work.is_completed() for work in works)]
 
     def _wait_sends(self) -> None:
         for _, works in self._step.pending:
@@ -189,14 +331,16 @@ class PipelineExecutor:
 
 
 class _StepState:
-    """Per-step, per-microbatch buffers; dropped when the step ends."""
+    """Per-step, per-(chunk, microbatch) buffers; dropped when the step ends."""
 
     def __init__(self, num_microbatches: int) -> None:
         self.num_microbatches = num_microbatches
-        self.batches: dict[int, Mapping[str, torch.Tensor]] = {}
-        self.inputs: dict[int, object] = {}
-        self.outputs: dict[int, object] = {}
-        self.grads: dict[int, object] = {}
-        self.input_grads: dict[int, object] = {}
-        self.losses: dict[int, torch.Tensor] = {}
+        self.batches: dict[Key, Mapping[str, torch.Tensor]] = {}
+        self.inputs: dict[Key, object] = {}
+        self.outputs: dict[Key, object] = {}
+        self.grads: dict[Key, object] = {}
+        self.input_grads: dict[Key, object] = {}
+        self.losses: dict[Key, torch.Tensor] = {}
+        self.param_groups: dict[Key, tuple] = {}
+        self.split_done: set[Key] = set()
         self.pending: list = []

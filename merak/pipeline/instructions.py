@@ -5,11 +5,26 @@ lists of them (pure Python, no torch); the simulator checks the lists of all
 stages together; the executor is the only code that turns them into tensor
 operations and communication.
 
-Point-to-point instructions name the *peer direction*, not a rank: activations
-always travel from stage ``s`` to ``s + 1`` and gradients from ``s + 1`` to
-``s``. An :class:`Exchange` groups several point-to-point operations with the
-same neighbour that are posted together and completed together (one batched
-``batch_isend_irecv``).
+A rank may hold several *chunks* of the model (interleaved schedules): chunk
+``c`` of stage (rank) ``s`` is the virtual stage ``c * S + s`` of ``V * S``.
+Activations always travel from virtual stage ``v`` to ``v + 1`` and gradients
+from ``v + 1`` to ``v``; with one chunk per rank that is simply stage ``s`` to
+``s + 1``. Point-to-point instructions name the direction, not a rank.
+
+Sends are posted and complete in the background (the executor waits for them
+when the step ends); receives block until the payload has arrived. An
+:class:`Exchange` groups point-to-point operations with the same neighbour that
+are posted together and completed together (one batched ``batch_isend_irecv``).
+
+Forward kinds, as in Merak's schedules:
+
+- :class:`Forward` runs under the stage's activation-checkpointing settings
+  (any recomputation then happens inside the backward);
+- :class:`PreCheckpointForward` (PF) keeps only the stage inputs;
+  :class:`RecomputeForward` (RrG) later recomputes that microbatch with full
+  activations, before the stage blocks on its gradient, so the backward that
+  follows has nothing to recompute. Each is one instruction with its own mode,
+  so no global checkpoint setting is flipped and none needs restoring.
 """
 
 from __future__ import annotations
@@ -19,52 +34,59 @@ from typing import Union
 
 
 @dataclass(frozen=True)
-class LoadMicrobatch:
-    """Fetch the inputs (first stage) and/or labels (last stage) of a microbatch."""
+class _MicrobatchInstruction:
+    """Base of instructions about one microbatch of one chunk; ``chunk`` is shown only when not 0."""
 
     microbatch: int
+    chunk: int = 0
+
+    def __repr__(self) -> str:
+        chunk = f", chunk={self.chunk}" if self.chunk else ""
+        return f"{type(self).__name__}({self.microbatch}{chunk})"
 
 
-@dataclass(frozen=True)
-class Forward:
-    """Run the stage forward on a microbatch, keeping what backward needs."""
-
-    microbatch: int
+class LoadMicrobatch(_MicrobatchInstruction):
+    """Fetch the inputs (first virtual stage) and/or labels (last virtual stage) of a microbatch."""
 
 
-@dataclass(frozen=True)
-class Backward:
-    """Run the stage backward of a microbatch (loss on the last stage, else the received gradient)."""
-
-    microbatch: int
+class Forward(_MicrobatchInstruction):
+    """Run the forward of a microbatch under the stage's checkpointing settings."""
 
 
-@dataclass(frozen=True)
-class SendActivation:
-    """Send a microbatch's stage output to the next stage."""
-
-    microbatch: int
+class PreCheckpointForward(_MicrobatchInstruction):
+    """Run the forward keeping only the stage inputs (PF); a RecomputeForward must follow."""
 
 
-@dataclass(frozen=True)
-class RecvActivation:
-    """Receive a microbatch's stage input from the previous stage."""
-
-    microbatch: int
+class RecomputeForward(_MicrobatchInstruction):
+    """Recompute a pre-checkpointed microbatch with full activations (RrG), before its backward."""
 
 
-@dataclass(frozen=True)
-class SendGrad:
-    """Send the gradient of a microbatch's stage input to the previous stage."""
-
-    microbatch: int
+class Backward(_MicrobatchInstruction):
+    """Run the whole backward of a microbatch (loss on the last stage, else the received gradient)."""
 
 
-@dataclass(frozen=True)
-class RecvGrad:
-    """Receive the gradient of a microbatch's stage output from the next stage."""
+class BackwardInput(_MicrobatchInstruction):
+    """The input-gradient half of a backward (zero-bubble schedules); sends can follow it."""
 
-    microbatch: int
+
+class BackwardWeight(_MicrobatchInstruction):
+    """The weight-gradient half of a backward, after its BackwardInput."""
+
+
+class SendActivation(_MicrobatchInstruction):
+    """Send a microbatch's stage output to the next virtual stage."""
+
+
+class RecvActivation(_MicrobatchInstruction):
+    """Receive a microbatch's stage input from the previous virtual stage."""
+
+
+class SendGrad(_MicrobatchInstruction):
+    """Send the gradient of a microbatch's stage input to the previous virtual stage."""
+
+
+class RecvGrad(_MicrobatchInstruction):
+    """Receive the gradient of a microbatch's stage output from the next virtual stage."""
 
 
 P2POp = Union[SendActivation, RecvActivation, SendGrad, RecvGrad]
@@ -93,28 +115,28 @@ class OptimizerStep:
 
 
 Instruction = Union[
-    LoadMicrobatch,
-    Forward,
-    Backward,
-    SendActivation,
-    RecvActivation,
-    SendGrad,
-    RecvGrad,
-    Exchange,
-    ReduceTiedGrads,
-    ReduceGrads,
-    OptimizerStep,
+    LoadMicrobatch, Forward, PreCheckpointForward, RecomputeForward, Backward, BackwardInput,
+    BackwardWeight, SendActivation, RecvActivation, SendGrad, RecvGrad, Exchange, ReduceTiedGrads,
+    ReduceGrads, OptimizerStep,
 ]
 
-COMPUTE_TYPES = (Forward, Backward)
+FORWARD_TYPES = (Forward, PreCheckpointForward)
+BACKWARD_TYPES = (Backward, BackwardInput, BackwardWeight)
+COMPUTE_TYPES = FORWARD_TYPES + (RecomputeForward,) + BACKWARD_TYPES
 P2P_TYPES = (SendActivation, RecvActivation, SendGrad, RecvGrad)
-MICROBATCH_TYPES = (LoadMicrobatch, Forward, Backward) + P2P_TYPES
+MICROBATCH_TYPES = (LoadMicrobatch,) + COMPUTE_TYPES + P2P_TYPES
 STEP_END_TYPES = (ReduceTiedGrads, ReduceGrads, OptimizerStep)
 INSTRUCTION_TYPES = MICROBATCH_TYPES + (Exchange,) + STEP_END_TYPES
 
+# The names listeners receive (zeus's PipelineFrequencyOptimizer knows "forward" and "backward").
+INSTRUCTION_NAMES = {
+    Forward: "forward", PreCheckpointForward: "forward", RecomputeForward: "recompute",
+    Backward: "backward", BackwardInput: "backward_input", BackwardWeight: "backward_weight",
+}
+
 
 def peer_offset(op: P2POp) -> int:
-    """Return +1 when ``op`` talks to the next stage, -1 for the previous stage."""
+    """Return +1 when ``op`` talks to the next virtual stage, -1 for the previous one."""
     if isinstance(op, (SendActivation, RecvGrad)):
         return 1
     if isinstance(op, (RecvActivation, SendGrad)):
@@ -127,7 +149,18 @@ def is_send(op: P2POp) -> bool:
     return isinstance(op, (SendActivation, SendGrad))
 
 
-def matching_op(op: P2POp) -> P2POp:
+def virtual_stage(stage_id: int, chunk: int, num_stages: int) -> int:
+    """The position of chunk ``chunk`` of stage ``stage_id`` in the model's chain of virtual stages."""
+    return chunk * num_stages + stage_id
+
+
+def peer_of(op: P2POp, stage_id: int, num_stages: int) -> tuple[int, int]:
+    """``(stage, chunk)`` of the partner of ``op`` run on ``stage_id``."""
+    peer = virtual_stage(stage_id, op.chunk, num_stages) + peer_offset(op)
+    return peer % num_stages, peer // num_stages
+
+
+def matching_op(op: P2POp, stage_id: int = 0, num_stages: int = 1) -> P2POp:
     """The instruction the peer stage must run to complete ``op``."""
     pairs = {
         SendActivation: RecvActivation,
@@ -135,7 +168,10 @@ def matching_op(op: P2POp) -> P2POp:
         SendGrad: RecvGrad,
         RecvGrad: SendGrad,
     }
-    return pairs[type(op)](op.microbatch)
+    _, chunk = peer_of(op, stage_id, num_stages)
+    if op.chunk == 0 and chunk < 0:
+        chunk = 0  # an op aimed outside the chain; validation reports it
+    return pairs[type(op)](op.microbatch, chunk)
 
 
 def p2p_ops(instruction: Instruction) -> tuple[P2POp, ...]:

@@ -1,18 +1,19 @@
-"""Simulate and validate the instruction lists of all pipeline stages together.
+"""Simulate the instruction lists of all pipeline stages together.
 
 The simulator is an event model of one training (or inference) step. Each
 stage runs its list in order. Compute and other instructions occupy the stage
-for their cost. A point-to-point instruction (a bare op or an
-:class:`~merak.pipeline.instructions.Exchange`) posts all its ops when the
-stage reaches it and blocks the stage until every op has met its partner on
-the neighbouring stage. Partners are paired first-in first-out per channel
-(sender stage, receiver stage, activation or gradient), which is what NCCL and
-gloo do for tagless point-to-point traffic, so a schedule that passes here
-cannot pair the wrong tensors at run time.
+for their cost. Sends are posted and complete in the background, as the
+executor's are (it waits for them when the step ends); a receive blocks the
+stage until its partner send has been posted, plus the transfer cost. An
+:class:`~merak.pipeline.instructions.Exchange` blocks until all of its
+receives have arrived. Partners are paired first-in first-out per channel
+(sending virtual stage, receiving virtual stage, activation or gradient), as
+tagged point-to-point traffic is, so a schedule that passes here cannot pair
+the wrong tensors at run time.
 
-Bare ops are modelled as rendezvous (a send waits for the receive), the most
-conservative reading of a blocking send: a schedule that is deadlock-free here
-is deadlock-free whatever buffering the backend provides.
+``sends="rendezvous"`` is the stricter model of a blocking send (a send waits
+for its receive, and an Exchange for all its ops): a schedule that is
+deadlock-free under it is deadlock-free whatever buffering the backend has.
 """
 
 from __future__ import annotations
@@ -23,34 +24,41 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from merak.pipeline.instructions import (
+    BACKWARD_TYPES,
     COMPUTE_TYPES,
-    INSTRUCTION_TYPES,
     MICROBATCH_TYPES,
     P2P_TYPES,
     Backward,
+    BackwardInput,
+    BackwardWeight,
     Exchange,
     Forward,
     Instruction,
-    LoadMicrobatch,
     OptimizerStep,
-    RecvActivation,
-    RecvGrad,
+    PreCheckpointForward,
+    RecomputeForward,
     SendActivation,
-    SendGrad,
+    RecvActivation,
     is_send,
     matching_op,
     p2p_ops,
     peer_offset,
+    virtual_stage,
 )
-from merak.pipeline.schedules.common import check_pipeline_args
+from merak.pipeline.validate import ScheduleError, validate_stage_list
 
+__all__ = ["CostModel", "Costs", "ScheduleError", "SimulationResult", "TimelineEvent", "render_text_timeline",
+           "simulate", "validate_stage_list"]
 
-class ScheduleError(ValueError):
-    """A schedule is malformed, pairs the wrong microbatches, or deadlocks."""
+SEND_MODES = ("eager", "rendezvous")
 
 
 class CostModel(Protocol):
-    """Anything that prices an instruction of a stage (e.g. measured per-stage costs)."""
+    """Anything that prices an instruction of a stage (e.g. measured per-stage costs).
+
+    A model may also define ``backward_recompute(stage_id) -> float``: the time a
+    backward spends recomputing checkpointed layers after a plain Forward.
+    """
 
     def of(self, stage_id: int, instruction: Instruction) -> float:
         """Return the duration of ``instruction`` on stage ``stage_id``."""
@@ -62,16 +70,25 @@ class Costs:
     """Uniform instruction costs, the same on every stage.
 
     Attributes:
-        forward: Duration of one Forward.
-        backward: Duration of one Backward.
-        p2p: Duration of one point-to-point instruction or Exchange, counted
-            from the moment both partners of an op have been posted.
+        forward: Duration of one Forward or PreCheckpointForward.
+        backward: Duration of one Backward without recomputation
+            (BackwardInput plus BackwardWeight together).
+        recompute: Duration of recomputing the whole stage forward
+            (RecomputeForward); None: the forward's cost.
+        backward_input: Duration of a BackwardInput; None: half the backward.
+        checkpoint_ratios: Per stage, the fraction of its forward that a plain
+            Forward checkpoints; its backward recomputes that fraction.
+        p2p: Transfer time of one point-to-point op, counted from the moment
+            both partners have been posted.
         other: Duration of LoadMicrobatch, ReduceTiedGrads, ReduceGrads and
             OptimizerStep.
     """
 
     forward: float = 1.0
     backward: float = 1.0
+    recompute: float | None = None
+    backward_input: float | None = None
+    checkpoint_ratios: tuple[float, ...] = ()
     p2p: float = 0.0
     other: float = 0.0
 
@@ -86,13 +103,25 @@ class Costs:
             Its duration in the model's time unit.
         """
         del stage_id
-        if isinstance(instruction, Forward):
+        half = self.backward / 2 if self.backward_input is None else self.backward_input
+        if isinstance(instruction, (Forward, PreCheckpointForward)):
             return self.forward
+        if isinstance(instruction, RecomputeForward):
+            return self.forward if self.recompute is None else self.recompute
         if isinstance(instruction, Backward):
             return self.backward
+        if isinstance(instruction, BackwardInput):
+            return half
+        if isinstance(instruction, BackwardWeight):
+            return self.backward - half
         if isinstance(instruction, (Exchange,) + P2P_TYPES):
             return self.p2p
         return self.other
+
+    def backward_recompute(self, stage_id: int) -> float:
+        """Recomputation inside a backward that follows a plain Forward on ``stage_id``."""
+        ratio = self.checkpoint_ratios[stage_id] if stage_id < len(self.checkpoint_ratios) else 0.0
+        return ratio * (self.forward if self.recompute is None else self.recompute)
 
 
 @dataclass(frozen=True)
@@ -111,7 +140,7 @@ class SimulationResult:
 
     Attributes:
         makespan: End time of the last instruction of any stage.
-        busy: Per stage, the total Forward and Backward time.
+        busy: Per stage, the total compute time (recomputation included).
         bubble_fraction: ``1 - sum(busy) / (S * span)`` where ``span`` runs
             from the first compute start to the last compute end of all
             stages, so zero-cost bookkeeping does not count as bubble.
@@ -124,107 +153,12 @@ class SimulationResult:
     timeline: tuple[TimelineEvent, ...]
 
 
-def _positions(stage_id: int, num_stages: int, num_microbatches: int, instructions: Sequence[Instruction]):
-    """Index every microbatch-bearing op by (type, microbatch); check types, ranges and peers."""
-    where: dict[tuple[type, int], list[int]] = {}
-    others: dict[type, list[int]] = {}
-    for idx, instr in enumerate(instructions):
-        if not isinstance(instr, INSTRUCTION_TYPES):
-            raise ScheduleError(f"stage {stage_id}: instruction #{idx} {instr!r} is not an instruction")
-        if isinstance(instr, Exchange):
-            if not instr.ops or not all(isinstance(op, P2P_TYPES) for op in instr.ops):
-                raise ScheduleError(
-                    f"stage {stage_id}: instruction #{idx} {instr!r} must hold one or more point-to-point ops"
-                )
-            if len({peer_offset(op) for op in instr.ops}) > 1:
-                raise ScheduleError(f"stage {stage_id}: instruction #{idx} {instr!r} mixes both neighbours")
-        items = p2p_ops(instr) or ((instr,) if isinstance(instr, MICROBATCH_TYPES) else ())
-        if not items:
-            others.setdefault(type(instr), []).append(idx)
-        for item in items:
-            if isinstance(item, P2P_TYPES):
-                peer = stage_id + peer_offset(item)
-                if not 0 <= peer < num_stages:
-                    raise ScheduleError(
-                        f"stage {stage_id}: instruction #{idx} {item!r} talks to non-existent stage {peer} "
-                        f"(num_stages={num_stages})"
-                    )
-            if not 0 <= item.microbatch < num_microbatches:
-                raise ScheduleError(
-                    f"stage {stage_id}: instruction #{idx} {item!r} has microbatch outside "
-                    f"[0, {num_microbatches - 1}]"
-                )
-            where.setdefault((type(item), item.microbatch), []).append(idx)
-    return where, others
-
-
-def validate_stage_list(
-    stage_id: int,
-    num_stages: int,
-    num_microbatches: int,
-    instructions: Sequence[Instruction],
-    training: bool = True,
-) -> None:
-    """Check one stage's list on its own (pairing across stages is :func:`simulate`'s job).
-
-    Args:
-        stage_id: The stage the list belongs to.
-        num_stages: Number of pipeline stages.
-        num_microbatches: Number of microbatches per step.
-        instructions: The stage's instructions in execution order.
-        training: Whether the list is a training step (backward and optimizer
-            step required) or forward-only.
-
-    Raises:
-        ValueError: If the pipeline shape itself is impossible.
-        ScheduleError: On the first structural problem found; the message names
-            the stage, the instruction and the microbatch.
-    """
-    check_pipeline_args(stage_id, num_stages, num_microbatches)
-    first, last = stage_id == 0, stage_id == num_stages - 1
-    where, others = _positions(stage_id, num_stages, num_microbatches, instructions)
-
-    def one(kind: type, m: int, required: bool) -> int | None:
-        found = where.get((kind, m), [])
-        expected = 1 if required else 0
-        if len(found) != expected:
-            raise ScheduleError(
-                f"stage {stage_id}: expected {'exactly one' if required else 'no'} {kind(m)!r}, "
-                f"found {len(found)} (at {found})"
-            )
-        return found[0] if found else None
-
-    def order(earlier: type, later: type, m: int, i: int | None, j: int | None) -> None:
-        if i is not None and j is not None and not i < j:
-            raise ScheduleError(
-                f"stage {stage_id}: {earlier(m)!r} (#{i}) must come before {later(m)!r} (#{j})"
-            )
-
-    for m in range(num_microbatches):
-        fwd = one(Forward, m, True)
-        bwd = one(Backward, m, training)
-        order(Forward, Backward, m, fwd, bwd)
-        order(LoadMicrobatch, Forward, m, one(LoadMicrobatch, m, first or last), fwd)
-        order(RecvActivation, Forward, m, one(RecvActivation, m, not first), fwd)
-        order(Forward, SendActivation, m, fwd, one(SendActivation, m, not last))
-        order(RecvGrad, Backward, m, one(RecvGrad, m, training and not last), bwd)
-        order(Backward, SendGrad, m, bwd, one(SendGrad, m, training and not first))
-
-    steps = others.get(OptimizerStep, [])
-    if training and steps != [len(instructions) - 1]:
-        raise ScheduleError(
-            f"stage {stage_id}: a training step needs exactly one OptimizerStep() as the last "
-            f"instruction, found it at {steps} of {len(instructions)}"
-        )
-    if not training and steps:
-        raise ScheduleError(f"stage {stage_id}: forward-only list has OptimizerStep() at {steps}")
-
-
-def _channel(stage_id: int, op) -> tuple[int, int, str]:
-    """(sender, receiver, kind) of the FIFO queue that ``op`` on ``stage_id`` joins."""
-    peer = stage_id + peer_offset(op)
+def _channel(stage_id: int, num_stages: int, op) -> tuple[int, int, str]:
+    """(sending virtual stage, receiving virtual stage, kind) of the FIFO queue ``op`` joins."""
+    mine = virtual_stage(stage_id, op.chunk, num_stages)
+    peer = mine + peer_offset(op)
     kind = "activation" if isinstance(op, (SendActivation, RecvActivation)) else "grad"
-    return (stage_id, peer, kind) if is_send(op) else (peer, stage_id, kind)
+    return (mine, peer, kind) if is_send(op) else (peer, mine, kind)
 
 
 @dataclass
@@ -237,13 +171,25 @@ class _Posted:
     time: float
 
 
-def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None = None) -> SimulationResult:
+def _chain_shape(lists) -> tuple[int, int]:
+    """(num_microbatches, num_chunks) from the largest ids used (validation reports gaps)."""
+    items = [item for stage in lists for instr in stage for item in (p2p_ops(instr) or (instr,))
+             if isinstance(item, MICROBATCH_TYPES)]
+    if not items:
+        raise ScheduleError("no microbatch instructions in any stage")
+    return max(i.microbatch for i in items) + 1, max(i.chunk for i in items) + 1
+
+
+def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None = None,
+             sends: str = "eager") -> SimulationResult:
     """Run the stage lists of one step together and time them.
 
     Args:
         schedules: ``schedules[s]`` is stage ``s``'s instruction list.
         costs: Prices instructions; any object with ``of(stage_id, instruction)``.
             Defaults to :class:`Costs` ``()`` (unit compute, free p2p and bookkeeping).
+        sends: ``"eager"`` (posted sends complete in the background, as the
+            executor's do) or ``"rendezvous"`` (a send blocks until received).
 
     Returns:
         The timing of every instruction and the derived makespan, busy times
@@ -254,48 +200,44 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
             microbatches, or the stages deadlock (the message lists every
             unfinished stage and the instruction it is blocked on).
     """
+    if sends not in SEND_MODES:
+        raise ValueError(f"sends={sends!r}; use one of {SEND_MODES}")
     costs = Costs() if costs is None else costs
+    recompute_cost = getattr(costs, "backward_recompute", None)
     lists = [list(stage) for stage in schedules]
     num_stages = len(lists)
     if num_stages == 0:
         raise ScheduleError("no stages to simulate")
-    microbatches = [
-        item.microbatch
-        for stage in lists
-        for instr in stage
-        for item in (p2p_ops(instr) or (instr,))
-        if isinstance(item, MICROBATCH_TYPES)
-    ]
-    if not microbatches:
-        raise ScheduleError("no microbatch instructions in any stage")
-    # Microbatch ids are 0..M-1, so the largest id fixes M; validation reports gaps.
-    num_microbatches = max(max(microbatches) + 1, 1)
-    training = any(isinstance(instr, (Backward, OptimizerStep)) for stage in lists for instr in stage)
+    num_microbatches, num_chunks = _chain_shape(lists)
+    training = any(isinstance(instr, BACKWARD_TYPES + (OptimizerStep,)) for stage in lists for instr in stage)
     for s, stage in enumerate(lists):
-        validate_stage_list(s, num_stages, num_microbatches, stage, training=training)
+        validate_stage_list(s, num_stages, num_microbatches, stage, training=training, num_chunks=num_chunks)
 
     # channel -> (posted sends, posted receives); the k-th of each pair up.
     queues: dict[tuple[int, int, str], tuple[list[_Posted], list[_Posted]]] = {}
     pc = [0] * num_stages
     clock = [0.0] * num_stages
-    waiting: list[list[tuple[list[_Posted], int]] | None] = [None] * num_stages
+    waiting: list[list[tuple[object, list[_Posted], int]] | None] = [None] * num_stages
     events: list[list[TimelineEvent]] = [[] for _ in range(num_stages)]
+    plain_forwards: set[tuple[int, int, int]] = set()  # (stage, chunk, microbatch) run as plain Forward
 
-    def post(s: int, idx: int, op) -> tuple[list[_Posted], int]:
-        sends, recvs = queues.setdefault(_channel(s, op), ([], []))
-        mine, theirs = (sends, recvs) if is_send(op) else (recvs, sends)
+    def post(s: int, idx: int, op) -> tuple[object, list[_Posted], int]:
+        sends_q, recvs_q = queues.setdefault(_channel(s, num_stages, op), ([], []))
+        mine, theirs = (sends_q, recvs_q) if is_send(op) else (recvs_q, sends_q)
         k = len(mine)
         mine.append(_Posted(s, idx, op, clock[s]))
-        if k < len(theirs) and theirs[k].op != matching_op(op):
+        if k < len(theirs) and theirs[k].op != matching_op(op, s, num_stages):
             # Name the send first whichever side was posted last, so messages read the same.
             send, recv = (mine[k], theirs[k]) if is_send(op) else (theirs[k], mine[k])
-            sender, receiver, kind = _channel(s, op)
+            sender, receiver, kind = _channel(s, num_stages, op)
             raise ScheduleError(
-                f"microbatch mismatch on the {kind} channel stage {sender} -> stage {receiver} "
+                f"microbatch mismatch on the {kind} channel virtual stage {sender} -> {receiver} "
                 f"(FIFO pair #{k}): {send.op!r} on stage {send.stage} (instruction #{send.index}) "
-                f"meets {recv.op!r} on stage {recv.stage} (instruction #{recv.index})"
-            )
-        return theirs, k
+                f"meets {recv.op!r} on stage {recv.stage} (instruction #{recv.index})")
+        return op, theirs, k
+
+    def blocks(op) -> bool:
+        return sends == "rendezvous" or not is_send(op)
 
     while True:
         progressed = False
@@ -308,14 +250,20 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
                     if waiting[s] is None:
                         waiting[s] = [post(s, pc[s], op) for op in ops]
                         progressed = True
-                    if any(k >= len(theirs) for theirs, k in waiting[s]):
+                    pending = [(theirs, k) for op, theirs, k in waiting[s] if blocks(op)]
+                    if any(k >= len(theirs) for theirs, k in pending):
                         break
                     cost = costs.of(s, instr)
-                    # Post time is the same for all ops of this instruction: clock[s].
-                    end = max(max(start, theirs[k].time) + cost for theirs, k in waiting[s])
+                    end = max((max(start, theirs[k].time) + cost for theirs, k in pending), default=start)
                     waiting[s] = None
                 else:
                     end = start + costs.of(s, instr)
+                    key = (s, getattr(instr, "chunk", 0), getattr(instr, "microbatch", -1))
+                    if isinstance(instr, Forward):
+                        plain_forwards.add(key)
+                    elif isinstance(instr, (Backward, BackwardInput)) and key in plain_forwards \
+                            and recompute_cost is not None:
+                        end += recompute_cost(s)
                 events[s].append(TimelineEvent(s, instr, start, end))
                 clock[s] = end
                 pc[s] += 1
@@ -326,20 +274,26 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
             blocked = "; ".join(
                 f"stage {s} blocked at #{pc[s]} {lists[s][pc[s]]!r}"
                 for s in range(num_stages)
-                if pc[s] < len(lists[s])
-            )
+                if pc[s] < len(lists[s]))
             raise ScheduleError(f"deadlock: no stage can progress; {blocked}")
 
     timeline = tuple(event for stage_events in events for event in stage_events)
     busy = tuple(
         sum(e.end - e.start for e in stage_events if isinstance(e.instruction, COMPUTE_TYPES))
-        for stage_events in events
-    )
+        for stage_events in events)
     compute = [e for e in timeline if isinstance(e.instruction, COMPUTE_TYPES)]
     span = max(e.end for e in compute) - min(e.start for e in compute) if compute else 0.0
     bubble = 1.0 - sum(busy) / (num_stages * span) if span > 0 else 0.0
     makespan = max((e.end for e in timeline), default=0.0)
     return SimulationResult(makespan=makespan, busy=busy, bubble_fraction=bubble, timeline=timeline)
+
+
+def instruction_label(instruction: Instruction) -> str:
+    """Short label of a compute instruction: F3, PF3, R3, B3, BI3, W3 (chunk as a suffix: F3.1)."""
+    prefix = {Forward: "F", PreCheckpointForward: "PF", RecomputeForward: "R", Backward: "B",
+              BackwardInput: "BI", BackwardWeight: "W"}[type(instruction)]
+    chunk = f".{instruction.chunk}" if instruction.chunk else ""
+    return f"{prefix}{instruction.microbatch}{chunk}"
 
 
 def render_text_timeline(result: SimulationResult, num_stages: int, width: int | None = None) -> str:
@@ -359,9 +313,7 @@ def render_text_timeline(result: SimulationResult, num_stages: int, width: int |
         ``num_stages`` lines joined by newlines, e.g. ``s0 |F0 F1 B0 B1 ...``.
     """
     compute = [e for e in result.timeline if isinstance(e.instruction, COMPUTE_TYPES)]
-    labels = {
-        id(e): ("F" if isinstance(e.instruction, Forward) else "B") + str(e.instruction.microbatch) for e in compute
-    }
+    labels = {id(e): instruction_label(e.instruction) for e in compute}
     cell = max((len(label) for label in labels.values()), default=1) + 1
     durations = [e.end - e.start for e in compute if e.end > e.start]
     unit = min(durations, default=1.0)

@@ -13,21 +13,53 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from merak.pipeline import memory, recompute
 from merak.shard.partition import uniform_boundaries
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: ``parts`` applied in order to the incoming payload."""
+    """One pipeline stage: ``parts`` applied in order to the incoming payload.
 
-    def __init__(self, parts: Sequence[nn.Module]) -> None:
+    Args:
+        parts: The stage's parts (shards of the captured graph, or blocks).
+        first_part: Index of ``parts[0]`` among all parts of the model; parts
+            reseed dropout by their model-wide index (merak.pipeline.recompute).
+    """
+
+    def __init__(self, parts: Sequence[nn.Module], first_part: int = 0) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self.first_part = first_part
+        self.checkpoint_options = recompute.CheckpointOptions()
+
+    def configure_checkpointing(self, options: recompute.CheckpointOptions) -> None:
+        """Checkpoint the first ``options.parts`` parts in chunks of ``options.num_layers``."""
+        if not 0 <= options.parts <= len(self.parts) or options.num_layers < 1:
+            raise ValueError(f"cannot checkpoint {options.parts} parts in chunks of {options.num_layers} "
+                             f"of a stage with {len(self.parts)} parts")
+        self.checkpoint_options = options
 
     def forward(self, payload):
-        for part in self.parts:
-            payload = part(payload)
+        options = self.checkpoint_options
+        checkpointed = options.parts if recompute.checkpointing_mode() == "configured" and torch.is_grad_enabled() \
+            else 0
+        # The seed is an argument, so the recomputation inside the backward (after the
+        # microbatch's seeding context has ended) reseeds exactly as the first run did.
+        seed = recompute.current_seed()
+        for start in range(0, checkpointed, options.num_layers):
+            stop = min(start + options.num_layers, checkpointed)
+            memory.note_kept(payload)  # the checkpoint keeps its inputs for the recomputation
+            payload = checkpoint(self._run, start, stop, payload, seed, use_reentrant=False)
+        return self._run(checkpointed, len(self.parts), payload, seed)
+
+    def _run(self, start: int, stop: int, payload, seed: int | None):
+        for index in range(start, stop):
+            recompute.reseed_part(seed, self.first_part + index)
+            payload = self.parts[index](payload)
         return payload
 
 
@@ -46,7 +78,7 @@ def stages_from_blocks(first: nn.Module, blocks: Sequence[nn.Module], last: nn.M
             parts.insert(0, first)
         if stage == num_stages - 1:
             parts.append(last)
-        stages.append(StageModule(parts))
+        stages.append(StageModule(parts, first_part=bounds[stage] + (1 if stage > 0 else 0)))
     return stages
 
 

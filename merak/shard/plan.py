@@ -85,7 +85,8 @@ class PipelinePlan:
 
     def stage(self, stage_id: int) -> StageModule:
         """The module of stage ``stage_id``: its shards applied in order."""
-        return StageModule(self.shards[self.boundaries[stage_id]:self.boundaries[stage_id + 1]])
+        first = self.boundaries[stage_id]
+        return StageModule(self.shards[first:self.boundaries[stage_id + 1]], first_part=first)
 
     def stages(self) -> list[StageModule]:
         return [self.stage(s) for s in range(self.num_stages)]

@@ -7,30 +7,77 @@ and run by the executor.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from merak.pipeline.instructions import Instruction
 from merak.pipeline.schedules.common import check_pipeline_args, forward_run
 from merak.pipeline.schedules.ds_default import ds_default_schedule
 from merak.pipeline.schedules.gpipe import gpipe_schedule
+from merak.pipeline.schedules.interleaved import DEFAULT_CHUNKS, interleaved_1f1b_schedule
+from merak.pipeline.schedules.last_no_recompute import last_no_recompute_1f1b_schedule
 from merak.pipeline.schedules.one_f_one_b import one_f_one_b_schedule
+from merak.pipeline.schedules.pre_recompute import pre_recompute_1f1b_schedule
+from merak.pipeline.schedules.shifted_critical_path import shifted_critical_path_schedule
+from merak.pipeline.schedules.zero_bubble import zb_h1_schedule
 
-ScheduleFn = Callable[[int, int, int], list[Instruction]]
+ScheduleFn = Callable[..., list[Instruction]]
 
 DEFAULT_SCHEDULE = "1f1b"
 
-SCHEDULES: dict[str, ScheduleFn] = {
-    "1f1b": one_f_one_b_schedule,
-    "ds_default": ds_default_schedule,
-    "gpipe": gpipe_schedule,
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """A registered schedule and what the engine must know about it.
+
+    Attributes:
+        build: ``build(stage_id, num_stages, num_microbatches[, num_chunks])``.
+        last_stage_checkpoints: False when the last stage must keep full
+            activations (its checkpointing is switched off).
+        needs_checkpoint_ratio: True when the schedule only makes sense with
+            ``activation_checkpoint_ratio`` set (stage-aware recomputation).
+        chunked: True when stages hold several model chunks (``num_chunks``).
+    """
+
+    build: ScheduleFn
+    last_stage_checkpoints: bool = True
+    needs_checkpoint_ratio: bool = False
+    chunked: bool = False
+
+
+SCHEDULES: dict[str, ScheduleInfo] = {
+    "1f1b": ScheduleInfo(one_f_one_b_schedule),
+    "ds_default": ScheduleInfo(ds_default_schedule),
+    "gpipe": ScheduleInfo(gpipe_schedule),
+    "pre_recompute_1f1b": ScheduleInfo(pre_recompute_1f1b_schedule),
+    "last_no_recompute_1f1b": ScheduleInfo(last_no_recompute_1f1b_schedule, last_stage_checkpoints=False),
+    "shifted_critical_path": ScheduleInfo(shifted_critical_path_schedule, last_stage_checkpoints=False,
+                                          needs_checkpoint_ratio=True),
+    "interleaved_1f1b": ScheduleInfo(interleaved_1f1b_schedule, chunked=True),
+    "zb_h1": ScheduleInfo(zb_h1_schedule),
 }
+# Other names users know the same schedules by.
+ALIASES = {"early_recompute_1f1b": "pre_recompute_1f1b", "full_critical_path": "shifted_critical_path"}
 
 
-def schedule_names() -> list[str]:
-    """Return the registered training schedule names, the default first."""
-    return list(SCHEDULES)
+def schedule_names(*, aliases: bool = True) -> list[str]:
+    """Return the training schedule names, the default first (then the aliases)."""
+    return list(SCHEDULES) + (list(ALIASES) if aliases else [])
 
 
-def build_schedule(*, name: str, stage_id: int, num_stages: int, num_microbatches: int) -> list[Instruction]:
+def schedule_info(name: str) -> ScheduleInfo:
+    """The registered schedule called ``name`` (or one of its aliases).
+
+    Raises:
+        ValueError: If ``name`` is unknown (the message lists the valid names).
+    """
+    key = ALIASES.get(name, name)
+    if key not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(schedule_names())}")
+    return SCHEDULES[key]
+
+
+def build_schedule(*, name: str, stage_id: int, num_stages: int, num_microbatches: int,
+                   num_chunks: int = 1) -> list[Instruction]:
     """Build one stage's training-step instructions with a registered schedule.
 
     Args:
@@ -38,18 +85,23 @@ def build_schedule(*, name: str, stage_id: int, num_stages: int, num_microbatche
         stage_id: This stage, ``0 <= stage_id < num_stages``.
         num_stages: Number of pipeline stages.
         num_microbatches: Number of microbatches per step.
+        num_chunks: Model chunks per stage; only chunked schedules accept more than 1.
 
     Returns:
         The stage's instruction list.
 
     Raises:
         ValueError: If ``name`` is unknown (the message lists the valid names)
-            or the numbers are out of range.
+            or the numbers are out of range for the schedule.
     """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; valid names: {', '.join(schedule_names())}")
+    info = schedule_info(name)
     check_pipeline_args(stage_id, num_stages, num_microbatches)
-    return SCHEDULES[name](stage_id, num_stages, num_microbatches)
+    if info.chunked:
+        return info.build(stage_id, num_stages, num_microbatches, num_chunks)
+    if num_chunks != 1:
+        raise ValueError(f"schedule {name!r} runs one model chunk per stage, got num_chunks={num_chunks}; "
+                         f"use interleaved_1f1b for several")
+    return info.build(stage_id, num_stages, num_microbatches)
 
 
 def build_forward_only_schedule(*, stage_id: int, num_stages: int, num_microbatches: int) -> list[Instruction]:
@@ -79,9 +131,13 @@ def build_forward_only_schedule(*, stage_id: int, num_stages: int, num_microbatc
 
 
 __all__ = [
+    "ALIASES",
+    "DEFAULT_CHUNKS",
     "DEFAULT_SCHEDULE",
+    "ScheduleInfo",
     "SCHEDULES",
     "build_forward_only_schedule",
     "build_schedule",
+    "schedule_info",
     "schedule_names",
 ]

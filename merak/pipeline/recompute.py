@@ -1,0 +1,147 @@
+"""Activation checkpointing of pipeline stages and reproducible dropout.
+
+A stage is a sequence of parts (the shards of the captured graph). With
+checkpointing, the first ``round(ratio * parts)`` parts run under
+``torch.utils.checkpoint`` in chunks of ``checkpoint_num_layers`` parts: only
+the chunk inputs are kept and the backward recomputes the rest.
+
+Stage-aware recomputation: from the first stage's ratio ``r0``, stage ``i``
+of ``S`` uses ``r_i = 1 - (1 - r0)(S - 1)/(S - 1 - i)`` (no checkpointing
+when that is <= 0) and the last stage none, so kept activations times
+microbatches in flight are about equal on every stage.
+
+Recomputation must see the dropout masks of the first run. Rather than
+replaying a saved RNG state, every part of the model reseeds the RNG before
+it runs, from (run seed, data-parallel rank, step, microbatch, part index).
+A part therefore draws the same masks however often and wherever it runs:
+recomputed early (RecomputeForward), inside the backward, or in another
+pipeline layout that cuts the same parts into different stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# What the stage forward currently runs: "configured" (the stage's checkpointing) or "none".
+_state = {"checkpointing": "configured", "seed": None}
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Activation checkpointing of one stage.
+
+    Attributes:
+        parts: How many leading parts of the stage run under checkpoint.
+        num_layers: Parts per checkpointed chunk (``checkpoint_num_layers``).
+    """
+
+    parts: int = 0
+    num_layers: int = 1
+
+
+def stage_checkpoint_ratios(ratio: float | Sequence[float] | None, num_stages: int, *,
+                            last_stage_checkpoints: bool = True) -> list[float]:
+    """Per-stage fractions of parts to checkpoint.
+
+    Args:
+        ratio: None: every part of every stage; a float: the first stage's
+            ratio, the others derived (stage-aware); a sequence: one per stage.
+        num_stages: Number of (virtual) pipeline stages.
+        last_stage_checkpoints: False for schedules whose last stage keeps full activations.
+
+    Raises:
+        ValueError: If a ratio is outside [0, 1] or the sequence has the wrong length.
+    """
+    if ratio is None:
+        ratios = [1.0] * num_stages
+    elif isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"activation_checkpoint_ratio={ratio} must be in [0, 1]")
+        ratios = [max(0.0, 1.0 - (1.0 - ratio) * (num_stages - 1) / (num_stages - 1 - i))
+                  for i in range(num_stages - 1)] + [0.0]
+        if num_stages == 1:
+            ratios = [float(ratio)]
+    else:
+        ratios = [float(r) for r in ratio]
+        if len(ratios) != num_stages or not all(0.0 <= r <= 1.0 for r in ratios):
+            raise ValueError(f"activation_checkpoint_ratio={list(ratio)} must hold {num_stages} values in [0, 1], "
+                             "one per pipeline stage")
+    if not last_stage_checkpoints:
+        ratios[-1] = 0.0
+    return ratios
+
+
+def checkpointed_parts(ratio: float, num_parts: int) -> int:
+    """How many of ``num_parts`` parts a ratio checkpoints (rounded to the nearest part)."""
+    return min(num_parts, int(ratio * num_parts + 0.5))
+
+
+@contextlib.contextmanager
+def checkpointing(mode: str) -> Iterator[None]:
+    """Run stage forwards with their configured checkpointing (``"configured"``) or none (``"none"``).
+
+    A process-wide setting on purpose: tensor-parallel overlap runs stage halves on helper threads.
+    """
+    previous = _state["checkpointing"]
+    _state["checkpointing"] = mode
+    try:
+        yield
+    finally:
+        _state["checkpointing"] = previous
+
+
+def checkpointing_mode() -> str:
+    """The mode set by :func:`checkpointing`."""
+    return _state["checkpointing"]
+
+
+def part_seed(base: int, *keys: int) -> int:
+    """A 63-bit seed mixed from ``base`` and ``keys`` (stable across processes and runs)."""
+    text = ",".join(str(k) for k in (base, *keys)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+@contextlib.contextmanager
+def microbatch_seed(seed: int | None) -> Iterator[None]:
+    """Within the block, each stage part reseeds the RNG from ``seed`` and its index (None: no reseeding).
+
+    The RNG state of the caller is restored afterwards, so reseeding never leaks.
+    """
+    previous = _state["seed"]
+    _state["seed"] = seed
+    cpu_state = torch.random.get_rng_state() if seed is not None else None
+    cuda_state = _cuda_state() if seed is not None else None
+    try:
+        yield
+    finally:
+        _state["seed"] = previous
+        if cpu_state is not None:
+            torch.random.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state)
+
+
+def current_seed() -> int | None:
+    """The microbatch seed set by :func:`microbatch_seed` (None outside)."""
+    return _state["seed"]
+
+
+def reseed_part(seed: int | None, part_index: int) -> None:
+    """Reseed the RNG for the part ``part_index`` of the model from a microbatch ``seed`` (None: leave it)."""
+    if seed is None:
+        return
+    value = part_seed(seed, part_index)
+    torch.default_generator.manual_seed(value)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed(value)
+
+
+def _cuda_state():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.get_rng_state()
+    return None
