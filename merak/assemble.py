@@ -109,7 +109,7 @@ def retarget_devices(module: nn.Module, device: torch.device) -> None:
 
 
 def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, options: ShardingOptions,
-             num_stages: int, num_microbatches: int, stage_id: int, device: torch.device,
+             num_stages: int, num_microbatches: int, stage_id: int | Sequence[int], device: torch.device,
              example_inputs: Mapping[str, torch.Tensor],
              build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None,
              init: InitFn = default_init, materialize_stage: bool = True,
@@ -121,6 +121,7 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         seed: the run seed (weights are identical on every rank and layout).
         init_device: ``'auto'``, ``'cpu'`` or ``'meta'``.
         options: capture/shard/partition settings; ``trace_method=None`` disables capture.
+        stage_id: the piece this worker runs, or several (interleaved schedules: ``s, s + pp, ...``).
         example_inputs: one microbatch-shaped input dict (graphs are specialized to its shapes).
         build_stages: hand-made stages for ``trace_method=None`` and several stages.
         init: initializes one module of a meta-built model.
@@ -151,7 +152,10 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
     if sub_pipelined:
         stages = [SubPipelinedStage(stage) for stage in stages]
     if on_meta and materialize_stage:
-        count = materialize(model, stages[stage_id].parameters(), seed=seed, device=device, init=init, also_in=stages)
-        retarget_devices(stages[stage_id], torch.device(device))
-        logger.info("materialized stage %d: %s parameters", stage_id, f"{count:,}")
+        local = (stage_id,) if isinstance(stage_id, int) else tuple(stage_id)
+        params = [p for s in local for p in stages[s].parameters()]
+        count = materialize(model, params, seed=seed, device=device, init=init, also_in=stages)
+        for s in local:
+            retarget_devices(stages[s], torch.device(device))
+        logger.info("materialized stage %s: %s parameters", ",".join(map(str, local)), f"{count:,}")
     return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta, tp_plan=tp_plan)

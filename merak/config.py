@@ -61,6 +61,13 @@ class TrainerSettings:
     sequence_parallel: bool = False
     sequence_dim: int = 1
     tp_overlapping_level: int = 0
+    # Recomputation and schedule details (merak.engine.RecomputeOptions, merak.pipeline).
+    activation_checkpointing: bool = True
+    checkpoint_num_layers: int = 1
+    activation_checkpoint_ratio: float | list[float] | None = None
+    pipeline_chunks: int | None = None
+    dealloc_pipeoutput: bool = False
+    wall_clock_breakdown: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,6 +170,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
         else:
             num_microbatches = trainer.global_batch_size // per_step
     problems.extend(_sharding_problems(spec, trainer, grid))
+    problems.extend(_schedule_problems(trainer, grid, num_microbatches))
     problems.extend(_tensor_parallel_problems(spec.tensor_parallel_plan(cfg.model), trainer, grid))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
     problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
@@ -211,6 +219,63 @@ def _sharding_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) ->
                         f"{', '.join(AUTOPIPE_COSTS)}")
     if trainer.init_device not in INIT_DEVICES:
         problems.append(f"trainer.init_device={trainer.init_device!r}; choose one of {', '.join(INIT_DEVICES)}")
+    return problems
+
+
+def pipeline_chunks(trainer: TrainerSettings) -> int:
+    """Model chunks per pipeline rank: the setting, else 2 for interleaved schedules and 1 otherwise."""
+    from merak.pipeline.schedules import DEFAULT_CHUNKS, schedule_info
+
+    if trainer.pipeline_chunks is not None:
+        return trainer.pipeline_chunks
+    return DEFAULT_CHUNKS if schedule_info(trainer.train_schedule).chunked else 1
+
+
+def _schedule_problems(trainer: TrainerSettings, grid: RankGrid | None, num_microbatches: int) -> list[str]:
+    """Checks of the schedule and recomputation settings (the schedule is built and simulated)."""
+    from merak.pipeline.recompute import stage_checkpoint_ratios
+    from merak.pipeline.schedules import build_schedule, schedule_info
+    from merak.pipeline.simulate import ScheduleError, simulate
+
+    if trainer.train_schedule not in schedule_names():
+        return []  # reported with the other basic checks
+    problems = []
+    info = schedule_info(trainer.train_schedule)
+    name = f"trainer.train_schedule={trainer.train_schedule}"
+    chunks = trainer.pipeline_chunks
+    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+        return [f"trainer.pipeline_chunks={chunks!r} must be a positive integer"]
+    if chunks is not None and chunks > 1 and not info.chunked:
+        problems.append(f"trainer.pipeline_chunks={chunks} needs an interleaved schedule "
+                        f"(train_schedule=interleaved_1f1b)")
+    _positive_int(trainer.checkpoint_num_layers, "trainer.checkpoint_num_layers", problems)
+    if info.needs_checkpoint_ratio and not (trainer.activation_checkpointing
+                                            and trainer.activation_checkpoint_ratio is not None):
+        problems.append(f"{name} moves recomputation off the critical path: it needs "
+                        f"trainer.activation_checkpointing=true and trainer.activation_checkpoint_ratio (the "
+                        f"first stage's ratio, e.g. 0.5)")
+    if trainer.tp_overlapping_level == 2 and trainer.activation_checkpointing and grid and grid.tp > 1:
+        problems.append("trainer.tp_overlapping_level=2 runs stage halves on two threads and cannot recompute "
+                        "them: set trainer.activation_checkpointing=false")
+    if grid is None or num_microbatches < 1:
+        return problems
+    pieces = grid.pp * pipeline_chunks(trainer)
+    if trainer.activation_checkpoint_ratio is not None:
+        try:
+            stage_checkpoint_ratios(trainer.activation_checkpoint_ratio, pieces)
+        except (TypeError, ValueError) as error:
+            problems.append(f"trainer.{error}")
+    try:
+        lists = [build_schedule(name=trainer.train_schedule, stage_id=s, num_stages=grid.pp,
+                                num_microbatches=num_microbatches, num_chunks=pipeline_chunks(trainer))
+                 for s in range(grid.pp)]
+        simulate(lists)
+    except (ValueError, ScheduleError) as error:
+        problems.append(f"{name} with pp={grid.pp} and {num_microbatches} microbatches "
+                        f"(gradient_accumulation_steps): {error}")
+    if pieces > 1 and trainer.trace_method is None and pieces != grid.pp:
+        problems.append("interleaved schedules cut the model into pp x pipeline_chunks pieces: they need a "
+                        "captured graph (trace_method=fx or dynamo)")
     return problems
 
 

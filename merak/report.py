@@ -112,14 +112,14 @@ def format_summary(summary: dict) -> str:
         f"  time per step      {summary['median_step_time_s'] * 1000:,.1f} ms (median)",
         f"  throughput         {summary['samples_per_s']:,.1f} samples/s, {summary['tokens_per_s']:,.0f} tokens/s",
         f"  wall time          {summary['wall_time_s']:,.1f} s",
-        "  memory per stage (MiB, max over the stage's ranks):",
-        "    stage  params(M)  parameters  gradients  optimizer  peak RSS",
+        "  memory per stage (MiB, max over the stage's ranks; activations: saved for backward, at peak):",
+        "    stage  params(M)  parameters  gradients  optimizer  activations  peak RSS",
     ]
     for stage in summary["stages"]:
         lines.append(
             f"    {stage['stage']:>5}  {stage['num_parameters'] / 1e6:>9.2f}  {_mib(stage['parameter_bytes']):>10}"
             f"  {_mib(stage['gradient_bytes']):>9}  {_mib(stage['optimizer_state_bytes']):>9}"
-            f"  {_mib(stage['peak_rss_bytes']):>8}")
+            f"  {_mib(stage.get('peak_activation_bytes', 0)):>11}  {_mib(stage['peak_rss_bytes']):>8}")
     return "\n".join(lines)
 
 

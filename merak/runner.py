@@ -24,6 +24,7 @@ from merak.compat.allocator import keep_freed_memory
 from merak.config import (
     ConfigError,
     RunSettings,
+    pipeline_chunks,
     resolve_settings,
     total_steps,
     warmup_steps,
@@ -31,7 +32,8 @@ from merak.config import (
 from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
 from merak.distributed import groups
 from merak.distributed.launch import existing_world_size, spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions
+from merak.pipeline.wall_clock import write_timelines
 from merak.report import (
     MetricsWriter,
     format_partition,
@@ -88,7 +90,8 @@ def run(spec, cfg) -> dict:
     os.makedirs(settings.output_dir, exist_ok=True)
     if cfg.get("dry_run"):
         return dry_run(spec, settings, prepared)
-    if (settings.trainer.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1:
+    if (settings.trainer.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1 \
+            or pipeline_chunks(settings.trainer) > 1:
         plan_before_launch(spec, settings, prepared)  # only to fail early; workers plan again, identically
     grid = settings.grid
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
@@ -141,14 +144,27 @@ def tensor_parallel_options(spec, settings: RunSettings, tp_rank: int) -> Tensor
         overlap_level=trainer.tp_overlapping_level)
 
 
+def recompute_options(settings: RunSettings) -> RecomputeOptions:
+    """The activation-checkpointing settings (same field names as the trainer settings)."""
+    trainer = settings.trainer
+    ratio = trainer.activation_checkpoint_ratio
+    return RecomputeOptions(activation_checkpointing=trainer.activation_checkpointing,
+                            checkpoint_num_layers=trainer.checkpoint_num_layers,
+                            activation_checkpoint_ratio=tuple(ratio) if isinstance(ratio, list) else ratio)
+
+
 def _assemble(spec, settings: RunSettings, prepared: str, *, stage_id: int, device, tp_rank: int = 0,
               planning: bool = False):
     """This worker's model and stages; ``planning``: nothing materialized on meta (the model is built
-    as the workers build it, so the plan is theirs: export graphs can differ between meta and real)."""
+    as the workers build it, so the plan is theirs: export graphs can differ between meta and real).
+    With interleaved schedules the model is cut into pp x chunks pieces and the worker keeps
+    pieces ``stage_id, stage_id + pp, ...``."""
+    chunks, pp = pipeline_chunks(settings.trainer), settings.grid.pp
     return assemble(
         build=functools.partial(spec.build_model, settings.model_cfg), seed=settings.trainer.seed,
         init_device=settings.trainer.init_device, options=sharding_options(spec, settings),
-        num_stages=settings.grid.pp, num_microbatches=settings.num_microbatches, stage_id=stage_id,
+        num_stages=pp * chunks, num_microbatches=settings.num_microbatches,
+        stage_id=tuple(stage_id + c * pp for c in range(chunks)),
         device=device, example_inputs=example_inputs(spec, settings, prepared), build_stages=spec.build_stages,
         materialize_stage=not planning, tensor_parallel=tensor_parallel_options(spec, settings, tp_rank))
 
@@ -202,7 +218,9 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> dict
         engine = PipelineEngine(
             model=built.model, stages=built.stages, loss_fn=spec.loss_fn, state=state,
             schedule=trainer.train_schedule, num_microbatches=settings.num_microbatches, total_steps=steps,
-            optimizer=_optimizer_options(settings, steps))
+            optimizer=_optimizer_options(settings, steps), recompute=recompute_options(settings),
+            num_chunks=pipeline_chunks(trainer), dropout_seed=trainer.seed,
+            dealloc_pipeoutput=trainer.dealloc_pipeoutput, record_timeline=trainer.wall_clock_breakdown)
         del built  # the engine keeps this rank's stage only
         # Dropout masks differ between replicas and stages, but not within a tensor-parallel group,
         # whose ranks hold the same replicated activations.
@@ -225,13 +243,15 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> dict
             metrics.log_step(step=step + 1, loss=result.loss, lr=result.learning_rate,
                              grad_norm=result.grad_norm, step_time_s=time.perf_counter() - step_start)
         metrics.close()
-        return _write_summary(spec, settings, engine, metrics, steps, time.perf_counter() - started, rank)
+        timeline = write_timelines(engine, schedule=trainer.train_schedule, output_dir=settings.output_dir,
+                                   rank=rank) if trainer.wall_clock_breakdown else None
+        return _write_summary(spec, settings, engine, metrics, steps, time.perf_counter() - started, rank, timeline)
     finally:
         groups.shutdown()
 
 
 def _write_summary(spec, settings: RunSettings, engine: PipelineEngine, metrics: MetricsWriter, steps: int,
-                   wall_time_s: float, rank: int) -> dict | None:
+                   wall_time_s: float, rank: int, timeline: dict | None = None) -> dict | None:
     """Gather every rank's memory figures; rank 0 writes summary.json and returns the summary."""
     local = {"stage": engine.stage_id, "rank": rank,
              "num_parameters": sum(p.numel() for _, p in engine.named_parameters()),
@@ -256,6 +276,11 @@ def _write_summary(spec, settings: RunSettings, engine: PipelineEngine, metrics:
         "global_batch_size": settings.global_batch_size, "num_microbatches": settings.num_microbatches,
         "first_loss": metrics.records[0].loss, "final_loss": metrics.records[-1].loss,
         **metrics.throughput(), "wall_time_s": wall_time_s, "stages": stages,
+        "recompute": {"activation_checkpointing": settings.trainer.activation_checkpointing,
+                      "activation_checkpoint_ratio": settings.trainer.activation_checkpoint_ratio,
+                      "pipeline_chunks": engine.num_chunks},
     }
+    if timeline is not None:
+        summary["timeline"] = timeline
     write_json_atomic(os.path.join(settings.output_dir, "summary.json"), summary)
     return summary

@@ -1,0 +1,80 @@
+"""``wall_clock_breakdown``: the measured timeline of a step, and the simulator's prediction beside it.
+
+Every rank records the start and end of each instruction of the last step;
+rank 0 gathers one rank per stage (data- and tensor-parallel rank 0), writes
+a Chrome trace (``timeline.json``), a picture (``timeline.png``), and a
+picture of the same schedule simulated with the measured per-instruction
+costs above the measured one (``timeline_vs_simulated.png``). Times come
+from each process's monotonic clock, which all processes of one machine
+share; across machines the rows are aligned only to within clock offsets.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch.distributed as dist
+
+from merak.pipeline.schedules import build_schedule
+from merak.pipeline.simulate import simulate
+from merak.pipeline.timeline import (
+    MeasuredCosts,
+    TimedInstruction,
+    draw_comparison,
+    draw_timeline,
+    events_from_simulation,
+    kind_of,
+    label_of,
+    summarize,
+    write_chrome_trace,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def measured_events(executor, *, stage: int, rank: int) -> list[TimedInstruction]:
+    """The executor's recorded last step as timeline events."""
+    return [TimedInstruction(stage=stage, rank=rank, kind=kind_of(instr), label=label_of(instr), start=start, end=end)
+            for instr, start, end in executor.timeline]
+
+
+def write_timelines(engine, *, schedule: str, output_dir: str, rank: int) -> dict | None:
+    """Gather the last step's timeline of one rank per stage; rank 0 writes the files.
+
+    Returns:
+        On rank 0, the timeline summary (busy time per kind and bubble per stage); None elsewhere.
+    """
+    state = engine.state
+    coords = state.coordinates
+    mine = measured_events(engine.executor, stage=engine.stage_id, rank=rank) \
+        if coords.dp == 0 and coords.tp == 0 else []
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    else:
+        everyone = [mine]
+    if rank != 0:
+        return None
+    events = sorted((e for part in everyone for e in part), key=lambda e: (e.stage, e.start))
+    if not events:
+        logger.warning("wall_clock_breakdown: no instruction was recorded")
+        return None
+    origin = min(e.start for e in events)
+    events = [TimedInstruction(e.stage, e.rank, e.kind, e.label, e.start - origin, e.end - origin) for e in events]
+    write_chrome_trace(events, os.path.join(output_dir, "timeline.json"),
+                       metadata={"schedule": schedule, "num_stages": engine.num_stages})
+    lists = [build_schedule(name=schedule, stage_id=s, num_stages=engine.num_stages,
+                            num_microbatches=engine.num_microbatches, num_chunks=engine.num_chunks)
+             for s in range(engine.num_stages)]
+    predicted = events_from_simulation(simulate(lists, MeasuredCosts.from_events(events)))
+    try:
+        draw_timeline(events, os.path.join(output_dir, "timeline.png"), title=f"{schedule}: measured last step")
+        draw_comparison([("simulated with the measured instruction costs", predicted), ("measured", events)],
+                        os.path.join(output_dir, "timeline_vs_simulated.png"))
+    except ImportError as error:
+        logger.warning("wall_clock_breakdown: no timeline pictures (%s); timeline.json was written", error)
+    summary = summarize(events)
+    logger.info("timeline of the last step: bubble %.1f%% of %.3f s; wrote timeline.json and pictures to %s",
+                100 * summary["bubble_fraction"], summary["span"], output_dir)
+    return summary
