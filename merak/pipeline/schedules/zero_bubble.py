@@ -16,7 +16,7 @@ def zb_h1_schedule(stage_id: int, num_stages: int, num_microbatches: int) -> lis
     ``s`` weight halves pending: in the steady state it runs ``F, BI`` and the
     oldest pending ``W``; in the drain the pending W fill the time 1F1B spends
     waiting. So every stage holds at most ``S`` microbatches, the peak of
-    1F1B's first stage, and with ``F = BI = W`` the step takes
+    1F1B's first stage, and with ``F = BI = W`` and ``M >= S`` the step takes
     ``M (F+BI+W) + (S-1)(F+BI-W)`` instead of 1F1B's ``M (F+BI+W) + (S-1)(F+BI+W)``.
 
     Args:
