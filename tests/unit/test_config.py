@@ -9,7 +9,7 @@ import hydra
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from merak.config import ConfigError, resolve_settings
+from merak.config import ConfigError, pipeline_chunks, resolve_settings
 from merak.distributed.topology import RankGrid
 from merak.runner import plan_before_launch
 from recipes.gpt.spec import SPEC
@@ -247,3 +247,39 @@ def test_spec_and_settings_survive_pickling_for_spawned_workers():
     spec_copy, settings_copy = pickle.loads(pickle.dumps((SPEC, settings)))
     assert spec_copy.tokens_per_sample(settings_copy.model_cfg) == 128
     assert settings_copy.grid == settings.grid and settings_copy.num_microbatches == 4
+
+
+def test_recompute_and_schedule_settings_resolve():
+    settings = resolve_settings(SPEC, compose(
+        "model=toy", "parallel=pp2", "trainer.train_schedule=shifted_critical_path",
+        "trainer.activation_checkpoint_ratio=0.5", "trainer.gradient_accumulation_steps=4"))
+    assert settings.trainer.activation_checkpointing  # the documented default
+    assert settings.trainer.activation_checkpoint_ratio == 0.5
+    interleaved = resolve_settings(SPEC, compose("model=toy", "parallel=pp2", "trainer.train_schedule=interleaved_1f1b",
+                                                 "trainer.gradient_accumulation_steps=4"))
+    assert pipeline_chunks(interleaved.trainer) == 2
+    alias = resolve_settings(SPEC, compose("model=toy", "parallel=pp2", "trainer.train_schedule=early_recompute_1f1b"))
+    assert alias.trainer.train_schedule == "early_recompute_1f1b"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["trainer.train_schedule=shifted_critical_path", "trainer.gradient_accumulation_steps=4"],
+     "needs trainer.activation_checkpointing=true and trainer.activation_checkpoint_ratio"),
+    (["trainer.train_schedule=shifted_critical_path", "trainer.activation_checkpoint_ratio=0.5",
+      "trainer.gradient_accumulation_steps=3"], "num_microbatches >= max(4, num_stages)"),
+    (["trainer.train_schedule=interleaved_1f1b", "trainer.gradient_accumulation_steps=3"],
+     "multiple of num_stages"),
+    (["trainer.pipeline_chunks=2"], "pipeline_chunks=2 needs an interleaved schedule"),
+    (["trainer.pipeline_chunks=0"], "pipeline_chunks=0 must be a positive integer"),
+    (["trainer.activation_checkpoint_ratio=1.5"], "activation_checkpoint_ratio=1.5 must be in [0, 1]"),
+    (["trainer.activation_checkpoint_ratio=[0.5,0.2,0.1]"], "must hold 2 values in [0, 1]"),
+    (["trainer.checkpoint_num_layers=0"], "checkpoint_num_layers=0 must be a positive integer"),
+])
+def test_bad_schedule_and_recompute_settings(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve_settings(SPEC, compose("model=toy", "parallel=pp2", *overrides))
+
+
+def test_overlap_level_two_refuses_recompute():
+    with pytest.raises(ConfigError, match="cannot recompute"):
+        resolve_settings(SPEC, compose("model=toy", "parallel=tp2", "trainer.tp_overlapping_level=2"))
