@@ -22,7 +22,12 @@ from merak.optim.schedule import build_lr_scheduler, build_optimizer
 from merak.pipeline import instructions as ins
 from merak.pipeline.executor import PipelineExecutor
 from merak.pipeline.hooks import PipelineHook
-from merak.pipeline.recompute import CheckpointOptions, checkpointed_parts, part_seed, stage_checkpoint_ratios
+from merak.pipeline.recompute import (
+    CheckpointOptions,
+    checkpointed_parts,
+    part_seed,
+    stage_checkpoint_ratios,
+)
 from merak.pipeline.schedules import build_schedule, schedule_info
 from merak.pipeline.stage import TiedParameter, find_tied_parameters, parameter_names
 from merak.tensor_parallel.sequence import sequence_partial

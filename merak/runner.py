@@ -17,7 +17,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from merak.assemble import assemble
 from merak.compat.allocator import keep_freed_memory
@@ -256,11 +255,7 @@ def _write_summary(spec, settings: RunSettings, engine: PipelineEngine, metrics:
     local = {"stage": engine.stage_id, "rank": rank,
              "num_parameters": sum(p.numel() for _, p in engine.named_parameters()),
              "peak_rss_bytes": peak_rss_bytes(), **engine.memory_report()}
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, local)
-    else:
-        everyone = [local]
+    everyone = groups.gather_from_all(local)
     if rank != 0:
         return None
     stages = []

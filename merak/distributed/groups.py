@@ -222,3 +222,12 @@ def get_tp_group():
 
 def get_pp_group():
     return get_state().pp_group
+
+
+def gather_from_all(value) -> list:
+    """Every rank's ``value`` (any picklable object), in rank order; ``[value]`` without a process group."""
+    if not dist.is_initialized():
+        return [value]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value)
+    return everyone

@@ -9,7 +9,12 @@ import argparse
 import sys
 
 from merak.pipeline.recompute import stage_checkpoint_ratios
-from merak.pipeline.schedules import DEFAULT_CHUNKS, build_schedule, schedule_info, schedule_names
+from merak.pipeline.schedules import (
+    DEFAULT_CHUNKS,
+    build_schedule,
+    schedule_info,
+    schedule_names,
+)
 from merak.pipeline.simulate import Costs, ScheduleError, render_text_timeline, simulate
 
 

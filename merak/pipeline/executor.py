@@ -17,7 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.distributed.pipelining._backward import (
+    stage_backward_input,
+    stage_backward_weight,
+)
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
-import torch.distributed as dist
-
+from merak.distributed.groups import gather_from_all
 from merak.pipeline.schedules import build_schedule
 from merak.pipeline.simulate import simulate
 from merak.pipeline.timeline import (
@@ -49,11 +48,7 @@ def write_timelines(engine, *, schedule: str, output_dir: str, rank: int) -> dic
     coords = state.coordinates
     mine = measured_events(engine.executor, stage=engine.stage_id, rank=rank) \
         if coords.dp == 0 and coords.tp == 0 else []
-    if dist.is_initialized():
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    else:
-        everyone = [mine]
+    everyone = gather_from_all(mine)
     if rank != 0:
         return None
     events = sorted((e for part in everyone for e in part), key=lambda e: (e.stage, e.start))

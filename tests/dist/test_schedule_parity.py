@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpt_reference import relative_error
 from omegaconf import OmegaConf
 
-from gpt_reference import relative_error
 from merak.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups

@@ -13,11 +13,16 @@ from merak.pipeline.instructions import Instruction
 from merak.pipeline.schedules.common import check_pipeline_args, forward_run
 from merak.pipeline.schedules.ds_default import ds_default_schedule
 from merak.pipeline.schedules.gpipe import gpipe_schedule
-from merak.pipeline.schedules.interleaved import DEFAULT_CHUNKS, interleaved_1f1b_schedule
+from merak.pipeline.schedules.interleaved import (
+    DEFAULT_CHUNKS,
+    interleaved_1f1b_schedule,
+)
 from merak.pipeline.schedules.last_no_recompute import last_no_recompute_1f1b_schedule
 from merak.pipeline.schedules.one_f_one_b import one_f_one_b_schedule
 from merak.pipeline.schedules.pre_recompute import pre_recompute_1f1b_schedule
-from merak.pipeline.schedules.shifted_critical_path import shifted_critical_path_schedule
+from merak.pipeline.schedules.shifted_critical_path import (
+    shifted_critical_path_schedule,
+)
 from merak.pipeline.schedules.zero_bubble import zb_h1_schedule
 
 ScheduleFn = Callable[..., list[Instruction]]
@@ -134,8 +139,8 @@ __all__ = [
     "ALIASES",
     "DEFAULT_CHUNKS",
     "DEFAULT_SCHEDULE",
-    "ScheduleInfo",
     "SCHEDULES",
+    "ScheduleInfo",
     "build_forward_only_schedule",
     "build_schedule",
     "schedule_info",

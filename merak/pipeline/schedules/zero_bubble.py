@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from merak.pipeline.instructions import BackwardInput, BackwardWeight, Forward, Instruction
+from merak.pipeline.instructions import (
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    Instruction,
+)
 from merak.pipeline.schedules.common import check_pipeline_args
 from merak.pipeline.schedules.placement import place_communication
 
