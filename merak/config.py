@@ -273,7 +273,7 @@ def _schedule_problems(trainer: TrainerSettings, grid: RankGrid | None, num_micr
     except (ValueError, ScheduleError) as error:
         problems.append(f"{name} with pp={grid.pp} and {num_microbatches} microbatches "
                         f"(gradient_accumulation_steps): {error}")
-    if pieces > 1 and trainer.trace_method is None and pieces != grid.pp:
+    if pipeline_chunks(trainer) > 1 and trainer.trace_method is None:
         problems.append("interleaved schedules cut the model into pp x pipeline_chunks pieces: they need a "
                         "captured graph (trace_method=fx or dynamo)")
     return problems

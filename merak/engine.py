@@ -165,7 +165,6 @@ class PipelineEngine:
             hooks=hooks, dropout_seed=seed_of, free_sent_outputs=dealloc_pipeoutput,
             record_timeline=record_timeline)
         self._last_norm = torch.zeros(())
-        self._steps_done = 0
 
     def _tied_across_ranks(self, tied: Sequence[TiedParameter]) -> list[TiedParameter]:
         """Ties between pieces, as ties between ranks (pieces on one rank share the object)."""
@@ -217,8 +216,7 @@ class PipelineEngine:
             chunk.train()
         self.optimizer.zero_grad(set_to_none=True)
         learning_rate = self.optimizer.param_groups[0]["lr"]
-        local_loss = self.executor.run(self.instructions, microbatches, step=self._steps_done)
-        self._steps_done += 1
+        local_loss = self.executor.run(self.instructions, microbatches)
         return StepResult(loss=self._global_loss(local_loss), grad_norm=float(self._last_norm),
                           learning_rate=learning_rate)
 

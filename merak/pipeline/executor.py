@@ -106,9 +106,6 @@ class PipelineExecutor:
         params = {id(p): p for module in self.stages.values() for p in module.parameters()}
         self.meter = ActivationMeter(params.values())
         self._step_index = 0
-        # Kept for compatibility with single-chunk callers.
-        self.is_first = self._is_first(0)
-        self.is_last = self._is_last(0)
 
     def _virtual(self, chunk: int) -> int:
         return ins.virtual_stage(self.stage_id, chunk, self.num_stages)
@@ -120,14 +117,13 @@ class PipelineExecutor:
         return self._virtual(chunk) == self.num_chunks * self.num_stages - 1
 
     def run(self, instructions: Sequence[ins.Instruction],
-            microbatches: Sequence[Mapping[str, torch.Tensor]] | None, step: int | None = None) -> float | None:
+            microbatches: Sequence[Mapping[str, torch.Tensor]] | None) -> float | None:
         """Run one step.
 
         Args:
             instructions: this stage's list from a schedule.
             microbatches: the step's microbatches (dicts of tensors) on the ranks holding the
                 first or last virtual stage; None elsewhere.
-            step: the step number (dropout seeds); default: counts the calls.
 
         Returns:
             On the rank holding the last virtual stage, the sum of the (scaled) microbatch
@@ -136,7 +132,6 @@ class PipelineExecutor:
         forwards = sum(isinstance(i, ins.FORWARD_TYPES) for i in instructions)
         self._step = _StepState(forwards // self.num_chunks)
         self._microbatches = microbatches
-        self._step_index = self._step_index if step is None else step
         self.timeline = []
         clock = time.perf_counter
         self.hooks.on_step_begin()
@@ -224,7 +219,8 @@ class PipelineExecutor:
         step, chunk = self._step, instruction.chunk
         key = (chunk, instruction.microbatch)
         whole = type(instruction) is ins.Backward
-        self.hooks.on_instruction_begin("backward" if whole else "backward_input")
+        name = ins.INSTRUCTION_NAMES[type(instruction)]
+        self.hooks.on_instruction_begin(name)
         if self._is_last(chunk):
             loss = step.losses[key]
             tensors, grads = [loss], [torch.ones_like(loss)]
@@ -251,18 +247,18 @@ class PipelineExecutor:
             step.input_grads[key] = input_grads
         if whole:
             self.meter.release(key)
-        self.hooks.on_instruction_end("backward" if whole else "backward_input")
+        self.hooks.on_instruction_end(name)
 
     def _backward_weight(self, instruction: ins.BackwardWeight) -> None:
         key = (instruction.chunk, instruction.microbatch)
-        self.hooks.on_instruction_begin("backward_weight")
+        self.hooks.on_instruction_begin(ins.INSTRUCTION_NAMES[ins.BackwardWeight])
         if key in self._step.split_done:
             self._step.split_done.discard(key)
         else:
             weights, param_groups = self._step.param_groups.pop(key)
             stage_backward_weight(iter(weights), param_groups)
         self.meter.release(key)
-        self.hooks.on_instruction_end("backward_weight")
+        self.hooks.on_instruction_end(ins.INSTRUCTION_NAMES[ins.BackwardWeight])
 
     # -- communication -----------------------------------------------------------
 

@@ -1,8 +1,11 @@
 """Listeners the executor calls around each step and compute instruction.
 
 The names passed to ``on_instruction_begin``/``on_instruction_end`` are
-"forward" and "backward", the ones zeus's PipelineFrequencyOptimizer expects;
-timers, the profiler and energy plans are all listeners of this kind.
+"forward" (also for pre-checkpoint forwards) and "backward", the ones zeus's
+PipelineFrequencyOptimizer expects, plus "recompute", "backward_input" and
+"backward_weight" for the instructions only Merak's and the zero-bubble
+schedules use (merak.pipeline.instructions.INSTRUCTION_NAMES). Timers, the
+profiler and energy plans are all listeners of this kind.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ class PipelineHook:
         """Called after the last instruction of a step."""
 
     def on_instruction_begin(self, name: str) -> None:
-        """Called before a compute instruction ('forward' or 'backward')."""
+        """Called before a compute instruction (``name`` as described in the module docstring)."""
 
     def on_instruction_end(self, name: str) -> None:
         """Called after a compute instruction."""

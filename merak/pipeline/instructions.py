@@ -160,8 +160,8 @@ def peer_of(op: P2POp, stage_id: int, num_stages: int) -> tuple[int, int]:
     return peer % num_stages, peer // num_stages
 
 
-def matching_op(op: P2POp, stage_id: int = 0, num_stages: int = 1) -> P2POp:
-    """The instruction the peer stage must run to complete ``op``."""
+def matching_op(op: P2POp, stage_id: int, num_stages: int) -> P2POp:
+    """The instruction the peer stage must run to complete ``op`` run on ``stage_id``."""
     pairs = {
         SendActivation: RecvActivation,
         RecvActivation: SendActivation,
@@ -169,8 +169,6 @@ def matching_op(op: P2POp, stage_id: int = 0, num_stages: int = 1) -> P2POp:
         RecvGrad: SendGrad,
     }
     _, chunk = peer_of(op, stage_id, num_stages)
-    if op.chunk == 0 and chunk < 0:
-        chunk = 0  # an op aimed outside the chain; validation reports it
     return pairs[type(op)](op.microbatch, chunk)
 
 

@@ -94,14 +94,16 @@ class ActivationMeter:
         self.peak_bytes = 0
 
 
+# The meter of the step being run; StageModule reports checkpoint inputs to it.
+_active: dict[str, ActivationMeter | None] = {"meter": None}
+
+
 def note_kept(payload) -> None:
     """Called for tensors a checkpointed region keeps without autograd seeing them (its inputs)."""
     meter = _active["meter"]
     if meter is not None and meter.current_key is not None:
         meter.keep(meter.current_key, payload)
 
-
-_active: dict[str, ActivationMeter | None] = {"meter": None}
 
 
 @contextlib.contextmanager

@@ -62,10 +62,11 @@ def stage_checkpoint_ratios(ratio: float | Sequence[float] | None, num_stages: i
     elif isinstance(ratio, (int, float)) and not isinstance(ratio, bool):
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"activation_checkpoint_ratio={ratio} must be in [0, 1]")
-        ratios = [max(0.0, 1.0 - (1.0 - ratio) * (num_stages - 1) / (num_stages - 1 - i))
-                  for i in range(num_stages - 1)] + [0.0]
-        if num_stages == 1:
+        if num_stages == 1:  # the first stage is also the last: its own ratio applies
             ratios = [float(ratio)]
+        else:
+            ratios = [max(0.0, 1.0 - (1.0 - ratio) * (num_stages - 1) / (num_stages - 1 - i))
+                      for i in range(num_stages - 1)] + [0.0]
     else:
         ratios = [float(r) for r in ratio]
         if len(ratios) != num_stages or not all(0.0 <= r <= 1.0 for r in ratios):

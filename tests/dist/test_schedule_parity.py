@@ -48,7 +48,7 @@ def _model_cfg(toy_model_cfg):
     return OmegaConf.merge(toy_model_cfg, {"num_layers": 8, "dropout": 0.1})
 
 
-def _cases(pp: int) -> list[tuple[str, str, str]]:
+def _cases() -> list[tuple[str, str, str]]:
     return [(f"{name}-{mode}", name, mode) for name in SCHEDULES for mode in RECOMPUTE]
 
 
@@ -82,7 +82,7 @@ def _run_world(out_dir: str, pp: int, model_cfg, tokens: str) -> None:
         built = {chunks: _assemble(model_cfg, pp * chunks, state.coordinates.pp) for chunks in (1, 2)}
         initial = {chunks: {k: v.clone() for k, v in b.model.state_dict().items()} for chunks, b in built.items()}
         results = {}
-        for case, name, mode in _cases(pp):
+        for case, name, mode in _cases():
             chunks = 2 if schedule_info(name).chunked else 1
             built[chunks].model.load_state_dict(initial[chunks])
             results[case] = _train(state, built[chunks], name, RECOMPUTE[mode], chunks, model_cfg, tokens)
@@ -121,7 +121,7 @@ def test_every_schedule_and_recompute_mode_matches_one_process(pp, tmp_path, ref
     model_cfg = _model_cfg(toy_model_cfg)
     spawn_workers(_run_world, world_size=pp, args=(str(tmp_path), pp, model_cfg, toy_tokens))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(pp)]
-    for case in [c for c, _, _ in _cases(pp)] + ["1f1b-full-dealloc"]:
+    for case in [c for c, _, _ in _cases()] + ["1f1b-full-dealloc"]:
         seen = set()
         for rank, results in enumerate(ranks):
             for step, (got, want) in enumerate(zip(results[case], reference, strict=True)):
