@@ -40,3 +40,22 @@ def train_reference(model_cfg, tokens: str, *, options: OptimizerOptions, steps:
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
+def assert_steps_match(records: list[dict], reference: list[dict], where: str, *, loss_rtol: float,
+                       grad_rtol: float) -> set[str]:
+    """Every step's loss, gradient norm and each held gradient equal the reference's; returns the
+    names of the gradients checked (a rank holds only its stage's)."""
+    import pytest
+
+    assert len(records) == len(reference), where
+    seen = set()
+    for step, (got, want) in enumerate(zip(records, reference, strict=True)):
+        at = f"{where} step {step}"
+        assert got["loss"] == pytest.approx(want["loss"], rel=loss_rtol), at
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=loss_rtol), at
+        for name, grad in got["grads"].items():
+            error = relative_error(grad, want["grads"][name])
+            assert error < grad_rtol, f"{at}: gradient of {name} off by {error:.2e}"
+            seen.add(name)
+    return seen
