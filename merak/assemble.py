@@ -113,7 +113,8 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
              example_inputs: Mapping[str, torch.Tensor],
              build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None,
              init: InitFn = default_init, materialize_stage: bool = True,
-             tensor_parallel: TensorParallelOptions = TensorParallelOptions()) -> Assembled:
+             tensor_parallel: TensorParallelOptions = TensorParallelOptions(),
+             dtype: torch.dtype = torch.float32) -> Assembled:
     """The model and every stage for the worker running ``stage_id``.
 
     Args:
@@ -128,10 +129,16 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         materialize_stage: False only for planning (dry run): weights stay on meta.
         tensor_parallel: this worker's tensor-parallel settings; the model is split
             before capture, so graphs and stages have the rank-local shapes.
+        dtype: the parameter dtype (fp16/bf16 runs). The model is cast before capture,
+            because torch.export writes the dtypes it saw into the graph.
     """
     model, on_meta = build_model(build, seed=seed, init_device=init_device)
     model.train()
     tp_plan = split_model(model, tensor_parallel)
+    if dtype != torch.float32:
+        model.to(dtype)
+        example_inputs = {name: value.to(dtype) if value.is_floating_point() else value
+                          for name, value in example_inputs.items()}
     sub_pipelined = tensor_parallel.size > 1 and tensor_parallel.overlap_level == 2
     if sub_pipelined:  # stages run on half microbatches (merak.tensor_parallel.overlap)
         example_inputs = halve(dict(example_inputs), batch_size(example_inputs))[0]

@@ -16,9 +16,10 @@ from torch import nn
 
 from merak.distributed.groups import ParallelState, stage_set_group
 from merak.distributed.p2p import PointToPoint
-from merak.optim.clip import clip_gradients, global_grad_norm
-from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_gradients
-from merak.optim.schedule import build_lr_scheduler, build_optimizer
+from merak.optim.distributed import DistributedOptimizer, ZeroOptions
+from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors
+from merak.optim.precision import PrecisionOptions
+from merak.optim.schedule import build_lr_scheduler, make_optimizer
 from merak.pipeline import instructions as ins
 from merak.pipeline.executor import PipelineExecutor
 from merak.pipeline.hooks import PipelineHook
@@ -48,6 +49,7 @@ class OptimizerOptions:
     max_grad_norm: float = 1.0
     lr_scheduler_type: str = "linear"
     warmup_steps: int = 0
+    optim: str = "adamw_torch"
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class StepResult:
     loss: float
     grad_norm: float
     learning_rate: float
+    skipped: bool = False
+    loss_scale: float = 1.0
 
 
 class PipelineEngine:
@@ -97,6 +101,8 @@ class PipelineEngine:
             step, microbatch, part), identical in every layout and in recomputation.
         dealloc_pipeoutput: release sent activations (keeping what backward reads).
         record_timeline: record every instruction's start and end (``wall_clock_breakdown``).
+        zero: ZeRO stage, buckets and gradient pre/post scaling.
+        precision: fp16/bf16 and loss scaling.
     """
 
     def __init__(self, *, model: nn.Module, stages: Sequence[nn.Module],
@@ -105,7 +111,8 @@ class PipelineEngine:
                  optimizer: OptimizerOptions = OptimizerOptions(), hooks: Sequence[PipelineHook] = (),
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, recompute: RecomputeOptions = RecomputeOptions(),
                  num_chunks: int = 1, dropout_seed: int | None = None, dealloc_pipeoutput: bool = False,
-                 record_timeline: bool = False) -> None:
+                 record_timeline: bool = False, zero: ZeroOptions = ZeroOptions(),
+                 precision: PrecisionOptions = PrecisionOptions()) -> None:
         grid, coords = state.grid, state.coordinates
         if len(stages) != grid.pp * num_chunks:
             raise ValueError(f"got {len(stages)} stages for pp={grid.pp} x {num_chunks} chunks")
@@ -130,18 +137,25 @@ class PipelineEngine:
         # parameters replicated over the tensor-parallel group only on its first rank.
         secondary = {t.name for t in self.tied if t.stages[0] != self.stage_id}
         sliced = sliced_parameter_ids(model)
-        self.norm_params = [p for n, p in self._param_names if n not in secondary
-                            and (coords.tp == 0 or id(p) in sliced)]
+        norm_ids = {id(p) for n, p in self._param_names if n not in secondary and (coords.tp == 0 or id(p) in sliced)}
         # With sequence parallelism, replicated parameters between the blocks saw only this
         # rank's part of the sequence: their gradients are summed over the tp group.
         self.sequence_partial = [p for _, p in self._param_names if p.requires_grad and sequence_partial(p)]
         self.trainable = [p for _, p in self._param_names if p.requires_grad]
         self._synchronize_initial_weights()
-        self.optimizer = build_optimizer(
-            self._param_names, learning_rate=optimizer.learning_rate, weight_decay=optimizer.weight_decay,
-            betas=(optimizer.adam_beta1, optimizer.adam_beta2), eps=optimizer.adam_epsilon)
+        self.optimizer = DistributedOptimizer(
+            self.trainable, dp_group=state.dp_group, dp_size=grid.dp, dp_rank=coords.dp,
+            norm_group=state.model_parallel_group, norm_group_size=grid.pp * grid.tp,
+            counted=[id(p) in norm_ids for p in self.trainable], zero=zero, precision=precision,
+            make_optimizer=lambda pairs: make_optimizer(
+                pairs, kind=optimizer.optim, learning_rate=optimizer.learning_rate,
+                weight_decay=optimizer.weight_decay, betas=(optimizer.adam_beta1, optimizer.adam_beta2),
+                eps=optimizer.adam_epsilon))
+        if precision.dtype != torch.float32:
+            for chunk in self.chunks.values():  # after the fp32 master weights were taken
+                chunk.to(precision.dtype)
         self.lr_scheduler = build_lr_scheduler(
-            self.optimizer, kind=optimizer.lr_scheduler_type, warmup_steps=optimizer.warmup_steps,
+            self.optimizer.optimizer, kind=optimizer.lr_scheduler_type, warmup_steps=optimizer.warmup_steps,
             total_steps=total_steps)
         self.instructions = build_schedule(name=schedule, stage_id=self.stage_id, num_stages=self.num_stages,
                                            num_microbatches=num_microbatches, num_chunks=num_chunks)
@@ -162,9 +176,10 @@ class PipelineEngine:
             step_handlers={ins.ReduceTiedGrads: self._reduce_tied_grads,
                            ins.ReduceGrads: self._reduce_grads,
                            ins.OptimizerStep: self._optimizer_step},
-            hooks=hooks, dropout_seed=seed_of, free_sent_outputs=dealloc_pipeoutput,
-            record_timeline=record_timeline)
-        self._last_norm = torch.zeros(())
+            hooks=[*hooks, _GradientsReady(self.optimizer)], dropout_seed=seed_of,
+            free_sent_outputs=dealloc_pipeoutput, record_timeline=record_timeline,
+            compute_dtype=precision.dtype, loss_scale=lambda: self.optimizer.loss_scale)
+        self._last_outcome = None
 
     def _tied_across_ranks(self, tied: Sequence[TiedParameter]) -> list[TiedParameter]:
         """Ties between pieces, as ties between ranks (pieces on one rank share the object)."""
@@ -214,11 +229,12 @@ class PipelineEngine:
         """
         for chunk in self.chunks.values():
             chunk.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.zero_grad()
+        learning_rate = self.optimizer.optimizer.param_groups[0]["lr"]
         local_loss = self.executor.run(self.instructions, microbatches)
-        return StepResult(loss=self._global_loss(local_loss), grad_norm=float(self._last_norm),
-                          learning_rate=learning_rate)
+        outcome = self._last_outcome
+        return StepResult(loss=self._global_loss(local_loss), grad_norm=outcome.grad_norm,
+                          learning_rate=learning_rate, skipped=outcome.skipped, loss_scale=outcome.loss_scale)
 
     def _global_loss(self, local_loss: float | None) -> float:
         """Mean loss over the global batch, known to every rank."""
@@ -235,23 +251,19 @@ class PipelineEngine:
         for tied, param in zip(self.tied, self.tied_params):
             by_stages.setdefault(tied.stages, []).append(param)
         for stages, params in by_stages.items():  # same order on every rank: self.tied is sorted by name
-            all_reduce_gradients(params, group=self._tied_groups[stages], group_size=len(stages),
-                                 average=False, bucket_bytes=self.bucket_bytes)
+            all_reduce_tensors(self.optimizer.gradients(params), group=self._tied_groups[stages],
+                               bucket_bytes=self.bucket_bytes)
 
     def _reduce_grads(self) -> None:
-        if self.sequence_partial:
-            all_reduce_gradients(self.sequence_partial, group=self.state.tp_group, group_size=self.state.grid.tp,
-                                 average=False, bucket_bytes=self.bucket_bytes)
-        all_reduce_gradients(self.trainable, group=self.state.dp_group, group_size=self.state.grid.dp,
-                             average=True, bucket_bytes=self.bucket_bytes)
+        if self.sequence_partial and self.state.grid.tp > 1:
+            all_reduce_tensors(self.optimizer.gradients(self.sequence_partial), group=self.state.tp_group,
+                               bucket_bytes=self.bucket_bytes)
+        self.optimizer.reduce_gradients()
 
     def _optimizer_step(self) -> None:
-        group_size = self.state.grid.pp * self.state.grid.tp
-        self._last_norm = global_grad_norm(self.norm_params, group=self.state.model_parallel_group,
-                                           group_size=group_size)
-        clip_gradients(self.trainable, max_norm=self.options.max_grad_norm, total_norm=self._last_norm)
-        self.optimizer.step()
-        self.lr_scheduler.step()
+        self._last_outcome = self.optimizer.step(max_grad_norm=self.options.max_grad_norm)
+        if not self._last_outcome.skipped:  # a skipped fp16 step leaves the schedule where it was
+            self.lr_scheduler.step()
 
     # -- introspection -----------------------------------------------------------
 
@@ -259,13 +271,29 @@ class PipelineEngine:
         """This stage's parameters under the full model's names."""
         return list(self._param_names)
 
+    def gradient_pieces(self) -> dict[str, tuple[int, int, torch.Tensor | None]]:
+        """Trainable parameter name -> (start, stop, gradient): the flat range of the (tensor-parallel
+        local) parameter this rank updated in the last step, and the gradient it applied there."""
+        names = [n for n, p in self._param_names if p.requires_grad]
+        return dict(zip(names, self.optimizer.gradient_pieces(), strict=True))
+
     def memory_report(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state held by this rank."""
         def nbytes(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         params = [p for _, p in self._param_names]
-        states = [v for s in self.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        return {"parameter_bytes": nbytes(params),
-                "gradient_bytes": nbytes([p.grad for p in params if p.grad is not None]),
-                "optimizer_state_bytes": nbytes(states),
+        return {"parameter_bytes": nbytes(params), **self.optimizer.memory_report(),
                 "peak_activation_bytes": self.executor.meter.peak_bytes}
+
+
+class _GradientsReady(PipelineHook):
+    """ZeRO-2: reduce-scatter the gradients each backward instruction produced, right after it."""
+
+    _BACKWARDS = ("backward", "backward_input", "backward_weight")
+
+    def __init__(self, optimizer: DistributedOptimizer) -> None:
+        self.optimizer = optimizer
+
+    def on_instruction_end(self, name: str) -> None:
+        if name in self._BACKWARDS:
+            self.optimizer.reduce_ready_gradients()

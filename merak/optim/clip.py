@@ -9,16 +9,16 @@ import torch.distributed as dist
 from torch import nn
 
 
-def global_grad_norm(params: Sequence[nn.Parameter], *, group, group_size: int) -> torch.Tensor:
+def global_grad_norm(grads: Sequence[torch.Tensor | None], *, group, group_size: int) -> torch.Tensor:
     """L2 norm of the gradients of one model replica spread over ``group``.
 
-    ``params`` must list each parameter of the replica on exactly one rank of the
+    ``grads`` must hold each gradient element of the replica on exactly one rank of the
     group (copies of tied weights on their other owners left out), so nothing is
-    counted twice.
+    counted twice. A float64 scalar, identical on every rank of the group.
     """
     # float64 accumulation keeps the norm exact to ~1e-15 (an fp32 norm of a large
     # embedding is off by ~1e-6); vector_norm does it without a float64 copy.
-    norms = [torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64) for p in params if p.grad is not None]
+    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in grads if g is not None]
     squares = torch.stack(norms).square().sum().cpu() if norms else torch.zeros((), dtype=torch.float64)
     if group_size > 1:
         dist.all_reduce(squares, group=group)

@@ -45,13 +45,24 @@ def all_reduce_gradients(params: Sequence[nn.Parameter], *, group, group_size: i
     """
     if group_size == 1:
         return
-    grads = _ensure_grads(params)
-    for bucket in _buckets(grads, bucket_bytes):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+    all_reduce_tensors(_ensure_grads(params), group=group, scale=1.0 / group_size if average else 1.0,
+                       bucket_bytes=bucket_bytes)
+
+
+def all_reduce_tensors(tensors: Sequence[torch.Tensor], *, group, scale: float = 1.0, pre_scale: float = 1.0,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Sum ``tensors`` in place over ``group`` in flat buckets: ``scale * sum(pre_scale * t)``.
+
+    ``pre_scale`` applies before the sum, which keeps fp16 sums in range.
+    """
+    for bucket in _buckets(tensors, bucket_bytes):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        if pre_scale != 1.0:
+            flat.mul_(pre_scale)
         dist.all_reduce(flat, group=group)
-        if average:
-            flat.div_(group_size)
+        if scale != 1.0:
+            flat.mul_(scale)
         offset = 0
-        for grad in bucket:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        for tensor in bucket:
+            tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()

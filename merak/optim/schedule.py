@@ -11,17 +11,40 @@ from torch import nn
 LR_SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
 
 
+OPTIMIZERS = ("adamw_torch", "sgd", "adafactor")
+# Elementwise optimizers update a flat shard of a tensor exactly as they update the whole tensor,
+# so ZeRO may cut parameters anywhere; the others need zero_allow_untested_optimizer.
+ZERO_TESTED_OPTIMIZERS = ("adamw_torch", "sgd")
+
+
 def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], *, learning_rate: float,
-                    weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (biases and norm weights are not decayed)."""
+                    weight_decay: float, betas: tuple[float, float], eps: float,
+                    kind: str = "adamw_torch") -> torch.optim.Optimizer:
+    """The optimizer of a whole model: weight decay on matrices only (biases and norm weights are not decayed)."""
+    return make_optimizer([(p, p.ndim >= 2) for _, p in named_params if p.requires_grad], kind=kind,
+                          learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps)
+
+
+def make_optimizer(params: Iterable[tuple[torch.Tensor, bool]], *, kind: str, learning_rate: float,
+                   weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    """The ``kind`` optimizer (Hugging Face ``optim`` names) over ``(tensor, decays)`` pairs.
+
+    ``decays`` says whether weight decay applies; it is passed separately because
+    the tensors may be flat shards of the parameters they update.
+    """
     decay, no_decay = [], []
-    for _, param in named_params:
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
+    for tensor, decays in params:
+        (decay if decays else no_decay).append(tensor)
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
+    if kind == "adamw_torch":
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=learning_rate)
+    if kind == "adafactor":
+        return torch.optim.Adafactor(groups, lr=learning_rate)
+    raise ValueError(f"unknown optim {kind!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
 def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> float:

@@ -59,6 +59,13 @@ def _tensor_leaves(payload) -> list[torch.Tensor]:
     return [leaf for leaf in pytree.tree_leaves(payload) if isinstance(leaf, torch.Tensor)]
 
 
+def _cast_floats(tree, dtype: torch.dtype):
+    """``tree`` with its floating-point tensors in ``dtype`` (others untouched)."""
+    return pytree.tree_map(
+        lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype
+        else x, tree)
+
+
 class PipelineExecutor:
     """Executes instruction lists for one pipeline stage.
 
@@ -78,6 +85,9 @@ class PipelineExecutor:
         free_sent_outputs: release an activation's storage once it has been sent, keeping
             whatever backward needs (``dealloc_pipeoutput``).
         record_timeline: keep (instruction, start, end) of every instruction of the last step.
+        compute_dtype: the dtype of floating-point data fed to the first stage (fp16/bf16
+            runs); the last stage's outputs reach ``loss_fn`` in float32.
+        loss_scale: the current fp16 loss scale (the backward starts from this gradient).
     """
 
     def __init__(self, *, stage: nn.Module | None = None, stages: Mapping[int, nn.Module] | None = None,
@@ -85,7 +95,8 @@ class PipelineExecutor:
                  prev_rank: int | None, next_rank: int | None, p2p: PointToPoint | None,
                  loss_fn: LossFn, step_handlers: Mapping[type, Callable[[], None]],
                  hooks: Sequence[PipelineHook] = (), dropout_seed: Callable[[int, int], int] | None = None,
-                 free_sent_outputs: bool = False, record_timeline: bool = False) -> None:
+                 free_sent_outputs: bool = False, record_timeline: bool = False,
+                 compute_dtype: torch.dtype = torch.float32, loss_scale: Callable[[], float] | None = None) -> None:
         if (stage is None) == (stages is None):
             raise ValueError("give either stage or stages")
         self.stages = dict(stages) if stages is not None else {0: stage}
@@ -102,6 +113,8 @@ class PipelineExecutor:
         self.dropout_seed = dropout_seed
         self.free_sent_outputs = free_sent_outputs
         self.record_timeline = record_timeline
+        self.compute_dtype = compute_dtype
+        self.loss_scale = loss_scale
         self.timeline: list[tuple[ins.Instruction, float, float]] = []
         params = {id(p): p for module in self.stages.values() for p in module.parameters()}
         self.meter = ActivationMeter(params.values())
@@ -181,7 +194,7 @@ class PipelineExecutor:
         batch = self._microbatches[instruction.microbatch]
         self._step.batches[key] = batch
         if self._is_first(instruction.chunk):
-            self._step.inputs[key] = batch
+            self._step.inputs[key] = _cast_floats(batch, self.compute_dtype)
 
     def _forward(self, instruction) -> None:
         step, chunk, m = self._step, instruction.chunk, instruction.microbatch
@@ -207,7 +220,7 @@ class PipelineExecutor:
                 outputs = stage(inputs)
             if self._is_last(chunk):
                 batch = step.batches[key] if kind is ins.PreCheckpointForward else step.batches.pop(key)
-                step.losses[key] = self.loss_fn(outputs, batch) / step.num_microbatches
+                step.losses[key] = self.loss_fn(_cast_floats(outputs, torch.float32), batch) / step.num_microbatches
             else:
                 step.outputs[key] = outputs
         self.hooks.on_instruction_end(ins.INSTRUCTION_NAMES[kind])
@@ -223,7 +236,8 @@ class PipelineExecutor:
         self.hooks.on_instruction_begin(name)
         if self._is_last(chunk):
             loss = step.losses[key]
-            tensors, grads = [loss], [torch.ones_like(loss)]
+            scale = self.loss_scale() if self.loss_scale is not None else 1.0
+            tensors, grads = [loss], [torch.full_like(loss, scale)]
             step.losses[key] = loss.detach()
         else:
             tensors, grads = _grad_pairs(step.outputs.pop(key), step.grads.pop(key))

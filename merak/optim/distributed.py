@@ -1,0 +1,325 @@
+"""The optimizer of one rank: data-parallel gradient reduction, ZeRO sharding, fp32 master weights.
+
+Every parameter is cut into ``dp`` equal flat pieces (the last padded); data-parallel
+rank ``r`` owns piece ``r`` of every parameter. Cutting each parameter on its own
+(rather than one flat buffer) keeps the pieces of a tied weight aligned on every
+stage that holds it, and lets a checkpoint name each piece by parameter.
+
+- ZeRO stage 0: gradients are all-reduced; every rank updates whole parameters.
+- ZeRO stage 1: optimizer state (and fp32 master weights) only for the owned piece;
+  gradients reduce-scattered once per step; updated pieces all-gathered.
+- ZeRO stage 2: as 1, and gradients are reduce-scattered after every backward
+  instruction, so full-size gradients never outlive one microbatch.
+
+With fp16/bf16 the model holds half-precision parameters and gradients, and the
+optimizer updates fp32 master weights (whole or the owned piece). Gradients are
+reduced in fp32. With fp32 and no sharding the optimizer updates the model
+parameters themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from merak.optim.clip import global_grad_norm
+from merak.optim.grad_sync import all_reduce_tensors
+from merak.optim.precision import LossScaler, PrecisionOptions
+
+logger = logging.getLogger(__name__)
+
+ZERO_STAGES = (0, 1, 2)
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """ZeRO and gradient-reduction settings (names as in MerakArguments; bucket sizes in elements).
+
+    Attributes:
+        stage: 0 (off), 1 (optimizer state sharded) or 2 (gradients too).
+        reduce_bucket_size: elements per gradient reduction.
+        allgather_bucket_size: elements per parameter all-gather after the step.
+        prescale_gradients: divide gradients by dp before summing them (else after).
+        gradient_predivide_factor: without prescaling, divide by this before the sum
+            and by dp / this after (keeps fp16 sums in range).
+    """
+
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the optimizer step did; identical on every rank."""
+
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The owned part ``[start, stop)`` of a parameter flattened, cut in ``parts`` pieces of ``size``."""
+
+    numel: int
+    size: int
+    start: int
+    stop: int
+
+    @classmethod
+    def of(cls, numel: int, parts: int, index: int) -> Piece:
+        size = math.ceil(numel / parts) if numel else 0
+        start = min(index * size, numel)
+        return cls(numel=numel, size=size, start=start, stop=min(start + size, numel))
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+class DistributedOptimizer:
+    """Reduces, unscales, clips and applies the gradients of this rank's parameters.
+
+    Args:
+        params: the trainable parameters of this rank, the same order on every
+            data-parallel replica.
+        dp_group / dp_size / dp_rank: the data-parallel group and this rank in it.
+        norm_group / norm_group_size: the ranks over which the global gradient norm
+            is summed besides the data-parallel ones (the model-parallel group).
+        counted: per parameter, whether it counts in the global norm (a tied copy or a
+            tensor-parallel replica counts on one rank only).
+        make_optimizer: builds the torch optimizer from ``(tensor, decays)`` pairs.
+        zero, precision: the settings.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], *, dp_group, dp_size: int, dp_rank: int,
+                 norm_group, norm_group_size: int, counted: Sequence[bool],
+                 make_optimizer: Callable[[list[tuple[torch.Tensor, bool]]], torch.optim.Optimizer],
+                 zero: ZeroOptions = ZeroOptions(), precision: PrecisionOptions = PrecisionOptions()) -> None:
+        if zero.stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage={zero.stage}; choose one of {ZERO_STAGES}")
+        self.params = list(params)
+        self.zero = zero
+        self.precision = precision
+        self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
+        self.sharded = zero.stage >= 1 and dp_size > 1
+        self.pieces = [Piece.of(p.numel(), dp_size if self.sharded else 1, dp_rank if self.sharded else 0)
+                       for p in self.params]
+        self.counted = list(counted)
+        self.scaler = LossScaler(precision)
+        # The norm sums over the data-parallel group too when each replica holds different pieces.
+        self.norm_group = dist.group.WORLD if self.sharded else norm_group
+        self.norm_group_size = norm_group_size * (dp_size if self.sharded else 1)
+        self.copies = self.sharded or precision.needs_master_weights
+        self.master = [self._master_of(p, piece) for p, piece in zip(self.params, self.pieces)]
+        self.optimizer = make_optimizer([(m, p.ndim >= 2) for m, p in zip(self.master, self.params)
+                                         if m.numel() > 0])
+        self.peak_gradient_bytes = 0
+
+    def _master_of(self, param: nn.Parameter, piece: Piece) -> torch.Tensor:
+        if not self.copies:
+            return param
+        own = param.detach().reshape(-1)[piece.start:piece.stop]
+        if not self.precision.needs_master_weights:
+            # An fp32 piece is a view of the parameter: the step updates the model in place.
+            return nn.Parameter(own)
+        return nn.Parameter(own.float().clone())
+
+    # -- gradients ---------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+        for master in self.master:
+            master.grad = None
+
+    def gradients(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        """Where the gradients of ``params`` are now (zeros where there is none yet), for sums over
+        other groups (tied copies, sequence-parallel replicas) that must happen before the step."""
+        if self.zero.stage < 2 or not self.sharded:
+            out = []
+            for param in params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                out.append(param.grad)
+            return out
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return [self._master_grad(index[id(p)]) for p in params]
+
+    def _master_grad(self, i: int) -> torch.Tensor:
+        master = self.master[i]
+        if master.grad is None:
+            master.grad = torch.zeros_like(master, dtype=torch.float32)
+        return master.grad
+
+    def reduce_gradients(self) -> None:
+        """Reduce every gradient over the data-parallel group into the optimizer's gradients
+        (the end of the step's backward work)."""
+        self._note_gradient_bytes()
+        if not self.copies:
+            grads = self.gradients(self.params)
+            if self.dp_size > 1:
+                pre, post = self._scales()
+                all_reduce_tensors(grads, group=self.dp_group, scale=post, pre_scale=pre,
+                                   bucket_bytes=self.zero.reduce_bucket_size * 4)
+        elif self.sharded:
+            self._reduce_scatter(range(len(self.params)), every=True)
+        else:
+            self._all_reduce_into_master()
+        self._note_gradient_bytes()
+
+    def reduce_ready_gradients(self) -> None:
+        """ZeRO-2: reduce-scatter the gradients produced so far and free them (after a backward)."""
+        if self.zero.stage >= 2 and self.sharded:
+            self._reduce_scatter([i for i, p in enumerate(self.params) if p.grad is not None], every=False)
+
+    def _scales(self) -> tuple[float, float]:
+        """Factors applied before and after the data-parallel sum (DeepSpeed's prescale rules)."""
+        if self.zero.prescale_gradients:
+            return 1.0 / self.dp_size, 1.0
+        factor = self.zero.gradient_predivide_factor
+        return 1.0 / factor, factor / self.dp_size
+
+    def _all_reduce_into_master(self) -> None:
+        pre, post = self._scales()
+        for param, master in zip(self.params, self.master):
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            master.grad = grad.reshape(-1).float()
+        if self.dp_size > 1:
+            all_reduce_tensors([m.grad for m in self.master], group=self.dp_group, scale=post, pre_scale=pre,
+                               bucket_bytes=self.zero.reduce_bucket_size * 4)
+        for param in self.params:
+            param.grad = None
+
+    def _reduce_scatter(self, indices, *, every: bool) -> None:
+        """Reduce-scatter the gradients of ``indices`` in buckets; accumulate the owned pieces."""
+        pre, post = self._scales()
+        bucket: list[int] = []
+        size = 0
+        for i in list(indices) + [None]:
+            if i is not None and (every or self.params[i].grad is not None):
+                bucket.append(i)
+                size += self.pieces[i].size
+            if bucket and (i is None or size >= self.zero.reduce_bucket_size):
+                self._reduce_scatter_bucket(bucket, pre, post)
+                bucket, size = [], 0
+
+    def _reduce_scatter_bucket(self, bucket: list[int], pre: float, post: float) -> None:
+        # Input layout: [rank 0's pieces of every bucket parameter][rank 1's pieces]...
+        columns = []
+        for i in bucket:
+            grad, piece = self.params[i].grad, self.pieces[i]
+            flat = grad.reshape(-1).float() if grad is not None else torch.zeros(piece.numel, device=self.params[i].device)
+            padded = torch.nn.functional.pad(flat, (0, piece.size * self.dp_size - piece.numel))
+            columns.append(padded.view(self.dp_size, piece.size))
+            self.params[i].grad = None
+        flat_in = torch.cat(columns, dim=1).reshape(-1)
+        if pre != 1.0:
+            flat_in.mul_(pre)
+        out = torch.empty(flat_in.numel() // self.dp_size, device=flat_in.device)
+        dist.reduce_scatter_tensor(out, flat_in, group=self.dp_group)
+        if post != 1.0:
+            out.mul_(post)
+        offset = 0
+        for i in bucket:
+            piece = self.pieces[i]
+            self._master_grad(i).add_(out[offset:offset + piece.length])
+            offset += piece.size
+
+    def _note_gradient_bytes(self) -> None:
+        held = [p.grad for p in self.params] + ([m.grad for m in self.master] if self.copies else [])
+        self.peak_gradient_bytes = max(self.peak_gradient_bytes,
+                                       sum(g.numel() * g.element_size() for g in held if g is not None))
+
+    # -- step --------------------------------------------------------------------
+
+    def step(self, *, max_grad_norm: float) -> StepOutcome:
+        """Unscale, clip over the whole model and update; skip every rank's update together when an
+        fp16 gradient overflowed anywhere."""
+        grads = [self.master[i].grad if self.copies else self.params[i].grad for i in range(len(self.params))]
+        counted = [g for g, c in zip(grads, self.counted) if c]
+        norm = float(global_grad_norm(counted, group=self.norm_group, group_size=self.norm_group_size))
+        scale = self.scaler.scale
+        norm /= scale
+        overflow = not math.isfinite(norm)
+        if overflow and self.precision.fp16:
+            self.scaler.update(True)
+            logger.warning("fp16 gradient overflow: step skipped, loss scale %g -> %g", scale, self.scaler.scale)
+            return StepOutcome(grad_norm=norm, skipped=True, loss_scale=scale)
+        factor = 1.0 / scale
+        if max_grad_norm > 0 and norm + 1e-6 > max_grad_norm:
+            factor *= max_grad_norm / (norm + 1e-6)
+        if factor != 1.0:
+            for grad in grads:
+                if grad is not None:
+                    grad.mul_(factor)
+        self.optimizer.step()
+        self.scaler.update(False)
+        self._publish()
+        return StepOutcome(grad_norm=norm, skipped=False, loss_scale=scale)
+
+    def _publish(self) -> None:
+        """Copy the updated master weights into the model (all-gathered when sharded)."""
+        if not self.copies:
+            return
+        with torch.no_grad():
+            if not self.sharded:
+                for param, master in zip(self.params, self.master):
+                    param.copy_(master.view(param.shape))
+                return
+            bucket: list[int] = []
+            size = 0
+            for i in list(range(len(self.params))) + [None]:
+                if i is not None:
+                    bucket.append(i)
+                    size += self.pieces[i].size
+                if bucket and (i is None or size >= self.zero.allgather_bucket_size):
+                    self._all_gather_bucket(bucket)
+                    bucket, size = [], 0
+
+    def _all_gather_bucket(self, bucket: list[int]) -> None:
+        dtype = self.params[bucket[0]].dtype
+        own = torch.cat([torch.nn.functional.pad(self.master[i].detach().to(dtype),
+                                                 (0, self.pieces[i].size - self.pieces[i].length))
+                         for i in bucket])
+        gathered = torch.empty(own.numel() * self.dp_size, dtype=dtype, device=own.device)
+        dist.all_gather_into_tensor(gathered, own, group=self.dp_group)
+        rows = gathered.view(self.dp_size, -1)
+        offset = 0
+        for i in bucket:
+            param, piece = self.params[i], self.pieces[i]
+            whole = rows[:, offset:offset + piece.size].reshape(-1)[:piece.numel]
+            param.detach().copy_(whole.view(param.shape))
+            offset += piece.size
+
+    # -- introspection -----------------------------------------------------------
+
+    def gradient_pieces(self) -> list[tuple[int, int, torch.Tensor | None]]:
+        """Per parameter: the owned flat range and the gradient the last step applied to it
+        (reduced, unscaled and clipped)."""
+        grads = [m.grad if self.copies else p.grad for m, p in zip(self.master, self.params)]
+        return [(piece.start, piece.stop, None if g is None else g.reshape(-1))
+                for piece, g in zip(self.pieces, grads)]
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held by this rank: master weights and optimizer state (gradients: their peak)."""
+        def nbytes(tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        copies = [m for m, p in zip(self.master, self.params) if self.copies and m.dtype != p.dtype]
+        states = [v for s in self.optimizer.state.values() for v in s.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"gradient_bytes": self.peak_gradient_bytes, "master_weight_bytes": nbytes(copies),
+                "optimizer_state_bytes": nbytes(states)}
