@@ -68,6 +68,33 @@ class TrainerSettings:
     pipeline_chunks: int | None = None
     dealloc_pipeoutput: bool = False
     wall_clock_breakdown: bool = False
+    # Optimizer, ZeRO and mixed precision (merak.optim.distributed, merak.optim.precision).
+    optim: str = "adamw_torch"
+    zero_optimization: bool = False
+    zero_stage: int = 1
+    zero_reduce_bucket_size: int = 500_000_000
+    zero_allgather_bucket_size: int = 500_000_000
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    zero_allow_untested_optimizer: bool = False
+    fp16: bool = False
+    bf16: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 32
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    # Checkpoints (merak.checkpoint).
+    save: bool = False
+    save_steps: int = 500
+    save_total_limit: int | None = -1
+    resume_from_checkpoint: str | bool | None = None
+    finetune: bool = False
+    no_save_rng: bool = False
+    no_save_optim: bool = False
+    no_load_rng: bool = False
+    no_load_optim: bool = False
+    pretrained_weights: str | None = None
 
 
 @dataclass(frozen=True)
@@ -172,6 +199,8 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     problems.extend(_sharding_problems(spec, trainer, grid))
     problems.extend(_schedule_problems(trainer, grid, num_microbatches))
     problems.extend(_tensor_parallel_problems(spec.tensor_parallel_plan(cfg.model), trainer, grid))
+    problems.extend(_optimizer_problems(trainer))
+    problems.extend(_checkpoint_problems(trainer))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
     problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
     problems.extend(spec.check_data(cfg.data))
@@ -293,6 +322,71 @@ def _tensor_parallel_problems(plan, trainer: TrainerSettings, grid: RankGrid | N
         problems.append(f"trainer.sequence_dim={trainer.sequence_dim!r} must be a non-negative integer")
     if tp > 1 and trainer.trace_method is None and grid and grid.pp > 1:
         problems.append("tensor parallelism with pp > 1 needs a captured graph: use trace_method=fx or dynamo")
+    return problems
+
+
+def zero_options(trainer: TrainerSettings):
+    """The ZeRO settings (stage 0 when zero_optimization is off)."""
+    from merak.optim.distributed import ZeroOptions
+
+    return ZeroOptions(stage=trainer.zero_stage if trainer.zero_optimization else 0,
+                       reduce_bucket_size=int(trainer.zero_reduce_bucket_size),
+                       allgather_bucket_size=int(trainer.zero_allgather_bucket_size),
+                       prescale_gradients=trainer.prescale_gradients,
+                       gradient_predivide_factor=trainer.gradient_predivide_factor)
+
+
+def precision_options(trainer: TrainerSettings):
+    """The mixed-precision settings (same field names)."""
+    from merak.optim.precision import PrecisionOptions
+
+    names = [f.name for f in dataclasses.fields(PrecisionOptions)]
+    return PrecisionOptions(**{name: getattr(trainer, name) for name in names})
+
+
+def _optimizer_problems(trainer: TrainerSettings) -> list[str]:
+    from merak.optim.distributed import ZERO_STAGES
+    from merak.optim.precision import precision_problems
+    from merak.optim.schedule import OPTIMIZERS, ZERO_TESTED_OPTIMIZERS
+
+    problems = precision_problems(precision_options(trainer), prefix="trainer.")
+    if trainer.optim not in OPTIMIZERS:
+        problems.append(f"trainer.optim={trainer.optim!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if trainer.zero_optimization:
+        if trainer.zero_stage not in ZERO_STAGES[1:]:
+            problems.append(f"trainer.zero_stage={trainer.zero_stage!r}: stages 1 (optimizer state) and 2 "
+                            f"(gradients too) are supported")
+        if trainer.optim in OPTIMIZERS and trainer.optim not in ZERO_TESTED_OPTIMIZERS \
+                and not trainer.zero_allow_untested_optimizer:
+            problems.append(f"trainer.optim={trainer.optim} is not elementwise, so ZeRO's flat pieces change its "
+                            f"updates; use {' or '.join(ZERO_TESTED_OPTIMIZERS)}, or set "
+                            f"trainer.zero_allow_untested_optimizer=true to accept that")
+    for field in ("zero_reduce_bucket_size", "zero_allgather_bucket_size"):
+        value = getattr(trainer, field)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 1 or value != int(value):
+            problems.append(f"trainer.{field}={value!r} must be a positive whole number of elements")
+    if not trainer.gradient_predivide_factor > 0:
+        problems.append(f"trainer.gradient_predivide_factor={trainer.gradient_predivide_factor} must be positive")
+    elif trainer.prescale_gradients and trainer.gradient_predivide_factor != 1.0:
+        problems.append("trainer.gradient_predivide_factor applies only without prescaling: set "
+                        "trainer.prescale_gradients=false or gradient_predivide_factor=1.0")
+    return problems
+
+
+def _checkpoint_problems(trainer: TrainerSettings) -> list[str]:
+    problems = []
+    if trainer.save:
+        _positive_int(trainer.save_steps, "trainer.save_steps", problems)
+    limit = trainer.save_total_limit
+    if limit is not None and limit != -1 and not (isinstance(limit, int) and limit >= 1):
+        problems.append(f"trainer.save_total_limit={limit!r}: use -1 or null (keep all) or a positive number")
+    resume = trainer.resume_from_checkpoint
+    if trainer.finetune and resume in (None, False, ""):
+        problems.append("trainer.finetune=true loads weights from a checkpoint: set "
+                        "trainer.resume_from_checkpoint to its directory")
+    if trainer.pretrained_weights and resume not in (None, False, ""):
+        problems.append("trainer.pretrained_weights and trainer.resume_from_checkpoint both set: a run starts "
+                        "from one of them")
     return problems
 
 

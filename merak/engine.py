@@ -6,6 +6,7 @@ trainer API and tests drive the same code.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,9 +31,15 @@ from merak.pipeline.recompute import (
     stage_checkpoint_ratios,
 )
 from merak.pipeline.schedules import build_schedule, schedule_info
-from merak.pipeline.stage import TiedParameter, find_tied_parameters, parameter_names
+from merak.pipeline.stage import (
+    TiedParameter,
+    find_tied_parameters,
+    parameter_aliases,
+    parameter_names,
+    persistent_buffer_names,
+)
 from merak.tensor_parallel.sequence import sequence_partial
-from merak.tensor_parallel.slicing import sliced_parameter_ids
+from merak.tensor_parallel.slicing import sliced_parameter_ids, tensor_slices
 
 logger = logging.getLogger(__name__)
 
@@ -138,10 +145,21 @@ class PipelineEngine:
         secondary = {t.name for t in self.tied if t.stages[0] != self.stage_id}
         sliced = sliced_parameter_ids(model)
         norm_ids = {id(p) for n, p in self._param_names if n not in secondary and (coords.tp == 0 or id(p) in sliced)}
+        # Checkpoints name tensors by the full model: its slices, aliases and persistent buffers.
+        self.slices = tensor_slices(model)
+        self.aliases = parameter_aliases(model)
+        buffer_names = persistent_buffer_names(model)
+        self._buffer_names = list({id(b): (buffer_names[id(b)], b) for chunk in self.chunks.values()
+                                   for b in chunk.buffers() if id(b) in buffer_names}.values())
+        # The holder that writes each tensor: tied copies on their first stage, replicas on tp rank 0.
+        self.primary_names = {n for n, p in self._param_names if id(p) in norm_ids} | {
+            n for n, _ in self._buffer_names if coords.tp == 0 or n in self.slices}
+        self.model_info = _model_info(model)
         # With sequence parallelism, replicated parameters between the blocks saw only this
         # rank's part of the sequence: their gradients are summed over the tp group.
         self.sequence_partial = [p for _, p in self._param_names if p.requires_grad and sequence_partial(p)]
         self.trainable = [p for _, p in self._param_names if p.requires_grad]
+        self.trainable_names = [n for n, p in self._param_names if p.requires_grad]
         self._synchronize_initial_weights()
         self.optimizer = DistributedOptimizer(
             self.trainable, dp_group=state.dp_group, dp_size=grid.dp, dp_rank=coords.dp,
@@ -154,9 +172,8 @@ class PipelineEngine:
         if precision.dtype != torch.float32:
             for chunk in self.chunks.values():  # after the fp32 master weights were taken
                 chunk.to(precision.dtype)
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer.optimizer, kind=optimizer.lr_scheduler_type, warmup_steps=optimizer.warmup_steps,
-            total_steps=total_steps)
+        self._total_steps = total_steps
+        self.lr_scheduler = self._build_lr_scheduler()
         self.instructions = build_schedule(name=schedule, stage_id=self.stage_id, num_stages=self.num_stages,
                                            num_microbatches=num_microbatches, num_chunks=num_chunks)
         self.num_microbatches = num_microbatches
@@ -180,6 +197,23 @@ class PipelineEngine:
             free_sent_outputs=dealloc_pipeoutput, record_timeline=record_timeline,
             compute_dtype=precision.dtype, loss_scale=lambda: self.optimizer.loss_scale)
         self._last_outcome = None
+
+    def _build_lr_scheduler(self):
+        options = self.options
+        return build_lr_scheduler(self.optimizer.optimizer, kind=options.lr_scheduler_type,
+                                  warmup_steps=options.warmup_steps, total_steps=self._total_steps)
+
+    def restore_lr_schedule(self, steps: int) -> None:
+        """Put the learning-rate schedule ``steps`` steps in (a resumed run)."""
+        for group in self.optimizer.optimizer.param_groups:
+            group["lr"] = group["initial_lr"]
+        self.lr_scheduler = self._build_lr_scheduler()
+        for _ in range(steps):
+            self.lr_scheduler.step()
+
+    def refresh_master_weights(self) -> None:
+        """Take the fp32 master weights from the model again (after loading weights only)."""
+        self.optimizer.refresh_master_weights()
 
     def _tied_across_ranks(self, tied: Sequence[TiedParameter]) -> list[TiedParameter]:
         """Ties between pieces, as ties between ranks (pieces on one rank share the object)."""
@@ -271,6 +305,10 @@ class PipelineEngine:
         """This stage's parameters under the full model's names."""
         return list(self._param_names)
 
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """This stage's persistent buffers under the full model's names."""
+        return list(self._buffer_names)
+
     def gradient_pieces(self) -> dict[str, tuple[int, int, torch.Tensor | None]]:
         """Trainable parameter name -> (start, stop, gradient): the flat range of the (tensor-parallel
         local) parameter this rank updated in the last step, and the gradient it applied there."""
@@ -284,6 +322,15 @@ class PipelineEngine:
         params = [p for _, p in self._param_names]
         return {"parameter_bytes": nbytes(params), **self.optimizer.memory_report(),
                 "peak_activation_bytes": self.executor.meter.peak_bytes}
+
+
+def _model_info(model: nn.Module) -> dict | None:
+    """What a Hugging Face export needs to rebuild the model (None for other models)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "save_pretrained") or not hasattr(config, "to_dict"):
+        return None
+    return {"class": type(model).__name__, "module": type(model).__module__,
+            "config": json.loads(config.to_json_string(use_diff=False))}
 
 
 class _GradientsReady(PipelineHook):

@@ -33,6 +33,8 @@ class StepRecord:
     step_time_s: float
     samples_per_s: float
     tokens_per_s: float
+    skipped: bool = False
+    loss_scale: float = 1.0
 
 
 class MetricsWriter:
@@ -44,10 +46,11 @@ class MetricsWriter:
         samples_per_step: global batch size.
         tokens_per_sample: tokens in one sample (1 for non-text models).
         enabled: False on ranks that do not report.
+        start_step: steps already done (a resumed run keeps metrics.jsonl up to there and appends).
     """
 
     def __init__(self, *, output_dir: str, total_steps: int, samples_per_step: int, tokens_per_sample: int,
-                 enabled: bool, logging_steps: int = 1) -> None:
+                 enabled: bool, logging_steps: int = 1, start_step: int = 0) -> None:
         self.enabled = enabled
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
@@ -57,17 +60,22 @@ class MetricsWriter:
         self._bar = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
-            self._file = open(os.path.join(output_dir, "metrics.jsonl"), "w", encoding="utf-8")
+            path = os.path.join(output_dir, "metrics.jsonl")
+            kept = _lines_up_to(path, start_step) if start_step else []
+            self._file = open(path, "w", encoding="utf-8")
+            self._file.writelines(kept)
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", file=sys.stderr,
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
                              dynamic_ncols=True, mininterval=0.5)
 
-    def log_step(self, *, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float) -> None:
+    def log_step(self, *, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float,
+                 skipped: bool = False, loss_scale: float = 1.0) -> None:
         """Record one optimizer step (``step`` counts from 1)."""
         record = StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=step_time_s,
                             samples_per_s=self.samples_per_step / step_time_s,
-                            tokens_per_s=self.samples_per_step * self.tokens_per_sample / step_time_s)
+                            tokens_per_s=self.samples_per_step * self.tokens_per_sample / step_time_s,
+                            skipped=skipped, loss_scale=loss_scale)
         self.records.append(record)
         if not self.enabled:
             return
@@ -92,6 +100,21 @@ class MetricsWriter:
                 "tokens_per_s": self.samples_per_step * self.tokens_per_sample / median}
 
 
+def _lines_up_to(path: str, step: int) -> list[str]:
+    """The lines of an earlier metrics.jsonl for steps up to ``step`` (a resumed run redoes the rest)."""
+    if not os.path.isfile(path):
+        return []
+    kept = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break  # a line cut short by a crash ends what can be kept
+    return kept
+
+
 def write_json_atomic(path: str, payload: dict) -> None:
     """Write JSON so that readers see the old file or the new one, never half of one."""
     temporary = f"{path}.tmp.{os.getpid()}"
@@ -108,17 +131,30 @@ def format_summary(summary: dict) -> str:
         f"pp={layout['pp']}, schedule {summary['schedule']})",
         f"  steps              {summary['steps']}  (global batch {summary['global_batch_size']}, "
         f"{summary['num_microbatches']} microbatches)",
-        f"  loss               {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}",
-        f"  time per step      {summary['median_step_time_s'] * 1000:,.1f} ms (median)",
-        f"  throughput         {summary['samples_per_s']:,.1f} samples/s, {summary['tokens_per_s']:,.0f} tokens/s",
+    ]
+    if summary.get("first_loss") is None:
+        lines.append("  (no step left to train: the run resumed at its last step)")
+    else:
+        lines += [
+            f"  loss               {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}",
+            f"  time per step      {summary['median_step_time_s'] * 1000:,.1f} ms (median)",
+            f"  throughput         {summary['samples_per_s']:,.1f} samples/s, {summary['tokens_per_s']:,.0f} tokens/s",
+        ]
+    precision = summary.get("precision")
+    if precision:
+        lines.append(f"  precision          {precision['dtype']}, ZeRO stage {precision['zero_stage']}"
+                     + (f", loss scale {precision['loss_scale']:g}, {precision['skipped_steps']} steps skipped"
+                        if precision["dtype"] == "float16" else ""))
+    lines += [
         f"  wall time          {summary['wall_time_s']:,.1f} s",
         "  memory per stage (MiB, max over the stage's ranks; activations: saved for backward, at peak):",
-        "    stage  params(M)  parameters  gradients  optimizer  activations  peak RSS",
+        "    stage  params(M)  parameters  gradients  master  optimizer  activations  peak RSS",
     ]
     for stage in summary["stages"]:
         lines.append(
             f"    {stage['stage']:>5}  {stage['num_parameters'] / 1e6:>9.2f}  {_mib(stage['parameter_bytes']):>10}"
-            f"  {_mib(stage['gradient_bytes']):>9}  {_mib(stage['optimizer_state_bytes']):>9}"
+            f"  {_mib(stage['gradient_bytes']):>9}  {_mib(stage.get('master_weight_bytes', 0)):>6}"
+            f"  {_mib(stage['optimizer_state_bytes']):>9}"
             f"  {_mib(stage.get('peak_activation_bytes', 0)):>11}  {_mib(stage['peak_rss_bytes']):>8}")
     return "\n".join(lines)
 

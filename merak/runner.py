@@ -20,13 +20,19 @@ import torch
 
 from merak.assemble import assemble
 from merak.compat.allocator import keep_freed_memory
+from merak.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_pretrained, save_checkpoint
+from merak.checkpoint.files import read_manifest
+from merak.checkpoint.load import LoadOptions
+from merak.checkpoint.save import SaveOptions
 from merak.config import (
     ConfigError,
     RunSettings,
     pipeline_chunks,
+    precision_options,
     resolve_settings,
     total_steps,
     warmup_steps,
+    zero_options,
 )
 from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
 from merak.distributed import groups
@@ -87,6 +93,7 @@ def run(spec, cfg) -> dict:
     except ValueError as error:
         raise ConfigError(f"invalid configuration:\n  - {error}") from None
     os.makedirs(settings.output_dir, exist_ok=True)
+    resume = _checkpoint_to_resume(settings)
     if cfg.get("dry_run"):
         return dry_run(spec, settings, prepared)
     if (settings.trainer.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1 \
@@ -96,7 +103,7 @@ def run(spec, cfg) -> dict:
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
                 spec.name, settings.model_cfg.get("name", "?"), grid.dp, grid.tp, grid.pp, grid.world_size,
                 steps, settings.trainer.train_schedule)
-    args = (spec, settings, prepared, steps)
+    args = (spec, settings, prepared, steps, resume)
     if outside_world is not None or grid.world_size == 1:
         summary = train_worker(*args)  # this process is a worker; only rank 0 gets the summary
         if summary is None:
@@ -165,7 +172,8 @@ def _assemble(spec, settings: RunSettings, prepared: str, *, stage_id: int, devi
         num_stages=pp * chunks, num_microbatches=settings.num_microbatches,
         stage_id=tuple(stage_id + c * pp for c in range(chunks)),
         device=device, example_inputs=example_inputs(spec, settings, prepared), build_stages=spec.build_stages,
-        materialize_stage=not planning, tensor_parallel=tensor_parallel_options(spec, settings, tp_rank))
+        materialize_stage=not planning, tensor_parallel=tensor_parallel_options(spec, settings, tp_rank),
+        dtype=precision_options(settings.trainer).dtype)
 
 
 def plan_before_launch(spec, settings: RunSettings, prepared: str):
@@ -196,7 +204,55 @@ def dry_run(spec, settings: RunSettings, prepared: str) -> dict:
     return report
 
 
-def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> dict | None:
+def _checkpoint_to_resume(settings: RunSettings) -> str | None:
+    """The checkpoint this run starts from, checked before any worker starts."""
+    trainer = settings.trainer
+    try:
+        path = find_checkpoint(trainer.resume_from_checkpoint, settings.output_dir)
+        if path is not None:
+            read_manifest(path)
+    except CheckpointError as error:
+        raise ConfigError(f"invalid configuration:\n  - trainer.resume_from_checkpoint: {error}") from None
+    if path is None and trainer.resume_from_checkpoint not in (None, False, ""):
+        if trainer.finetune:
+            raise ConfigError("invalid configuration:\n  - trainer.finetune=true but no checkpoint was found "
+                              f"in {settings.output_dir}")
+        logger.warning("resume_from_checkpoint=%s: no checkpoint in %s yet; starting from the beginning",
+                       trainer.resume_from_checkpoint, settings.output_dir)
+    if trainer.pretrained_weights and not os.path.isdir(trainer.pretrained_weights):
+        raise ConfigError(f"invalid configuration:\n  - trainer.pretrained_weights={trainer.pretrained_weights}: "
+                          "no such directory")
+    if path is not None:
+        logger.info("resuming from %s", path)
+    return path
+
+
+def _run_info(spec, settings: RunSettings) -> dict:
+    from omegaconf import OmegaConf
+
+    return {"recipe": spec.name, "model": OmegaConf.to_container(settings.model_cfg, resolve=True),
+            "seed": settings.trainer.seed, "global_batch_size": settings.global_batch_size}
+
+
+def _start(engine: PipelineEngine, settings: RunSettings, resume: str | None) -> int:
+    """Load the checkpoint or pretrained weights this run starts from; return the first step."""
+    trainer = settings.trainer
+    if resume is not None:
+        state = load_checkpoint(engine, resume, options=LoadOptions(
+            finetune=trainer.finetune, no_load_rng=trainer.no_load_rng, no_load_optim=trainer.no_load_optim))
+        return int(state["step"])
+    if trainer.pretrained_weights:
+        count = load_pretrained(engine, trainer.pretrained_weights)
+        logger.info("loaded %d tensors from %s", count, trainer.pretrained_weights)
+    return 0
+
+
+def _saves_after(settings: RunSettings, step: int, steps: int) -> bool:
+    trainer = settings.trainer
+    return trainer.save and (step % trainer.save_steps == 0 or step == steps)
+
+
+def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume: str | None = None) -> dict | None:
     """The body of one worker: join the grid, build the stage, train, report.
 
     Returns the run summary on rank 0, None on the other ranks.
@@ -219,11 +275,13 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> dict
             schedule=trainer.train_schedule, num_microbatches=settings.num_microbatches, total_steps=steps,
             optimizer=_optimizer_options(settings, steps), recompute=recompute_options(settings),
             num_chunks=pipeline_chunks(trainer), dropout_seed=trainer.seed,
-            dealloc_pipeoutput=trainer.dealloc_pipeoutput, record_timeline=trainer.wall_clock_breakdown)
+            dealloc_pipeoutput=trainer.dealloc_pipeoutput, record_timeline=trainer.wall_clock_breakdown,
+            zero=zero_options(trainer), precision=precision_options(trainer))
         del built  # the engine keeps this rank's stage only
         # Dropout masks differ between replicas and stages, but not within a tensor-parallel group,
         # whose ranks hold the same replicated activations.
         torch.manual_seed(trainer.seed + grid.rank_of(pp=state.coordinates.pp, dp=state.coordinates.dp, tp=0))
+        first_step = _start(engine, settings, resume)  # after seeding: a checkpoint's RNG states win
         loader = None
         if state.is_first_stage or state.is_last_stage:  # only they consume data
             dataset = spec.load_dataset(prepared, settings.model_cfg)
@@ -234,13 +292,20 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int) -> dict
         metrics = MetricsWriter(output_dir=settings.output_dir, total_steps=steps,
                                 samples_per_step=settings.global_batch_size,
                                 tokens_per_sample=spec.tokens_per_sample(settings.model_cfg),
-                                enabled=rank == 0, logging_steps=trainer.logging_steps)
-        for step in range(steps):
+                                enabled=rank == 0, logging_steps=trainer.logging_steps, start_step=first_step)
+        save_options = SaveOptions(save_total_limit=trainer.save_total_limit, no_save_rng=trainer.no_save_rng,
+                                   no_save_optim=trainer.no_save_optim)
+        for step in range(first_step, steps):
             step_start = time.perf_counter()
             microbatches = loader.load_step(step) if loader else None
             result = engine.train_step(microbatches)
             metrics.log_step(step=step + 1, loss=result.loss, lr=result.learning_rate,
-                             grad_norm=result.grad_norm, step_time_s=time.perf_counter() - step_start)
+                             grad_norm=result.grad_norm, step_time_s=time.perf_counter() - step_start,
+                             skipped=result.skipped, loss_scale=result.loss_scale)
+            if _saves_after(settings, step + 1, steps):
+                save_checkpoint(engine, settings.output_dir, step=step + 1, run_info=_run_info(spec, settings),
+                                trainer_state={"consumed_samples": (step + 1) * settings.global_batch_size},
+                                options=save_options)
         metrics.close()
         timeline = write_timelines(engine, schedule=trainer.train_schedule, output_dir=settings.output_dir,
                                    rank=rank) if trainer.wall_clock_breakdown else None
@@ -269,11 +334,15 @@ def _write_summary(spec, settings: RunSettings, engine: PipelineEngine, metrics:
         "layout": {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp},
         "schedule": settings.trainer.train_schedule, "steps": steps,
         "global_batch_size": settings.global_batch_size, "num_microbatches": settings.num_microbatches,
-        "first_loss": metrics.records[0].loss, "final_loss": metrics.records[-1].loss,
-        **metrics.throughput(), "wall_time_s": wall_time_s, "stages": stages,
+        "first_loss": metrics.records[0].loss if metrics.records else None,
+        "final_loss": metrics.records[-1].loss if metrics.records else None,
+        **(metrics.throughput() if metrics.records else {}), "wall_time_s": wall_time_s, "stages": stages,
         "recompute": {"activation_checkpointing": settings.trainer.activation_checkpointing,
                       "activation_checkpoint_ratio": settings.trainer.activation_checkpoint_ratio,
                       "pipeline_chunks": engine.num_chunks},
+        "precision": {"dtype": str(engine.optimizer.precision.dtype).removeprefix("torch."),
+                      "zero_stage": engine.optimizer.zero.stage, "loss_scale": engine.optimizer.loss_scale,
+                      "skipped_steps": sum(r.skipped for r in metrics.records)},
     }
     if timeline is not None:
         summary["timeline"] = timeline

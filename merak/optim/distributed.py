@@ -134,6 +134,14 @@ class DistributedOptimizer:
             return nn.Parameter(own)
         return nn.Parameter(own.float().clone())
 
+    def refresh_master_weights(self) -> None:
+        """Copy the model's weights into the fp32 master weights (after the model was loaded)."""
+        if not self.copies:
+            return
+        with torch.no_grad():
+            for param, master, piece in zip(self.params, self.master, self.pieces):
+                master.copy_(param.detach().reshape(-1)[piece.start:piece.stop].float())
+
     # -- gradients ---------------------------------------------------------------
 
     @property

@@ -95,6 +95,24 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     return {id(param): name for name, param in model.named_parameters()}
 
 
+def parameter_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """First name of each parameter -> every name it has in ``model`` (a tied weight has several)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return {found[0]: tuple(found) for found in names.values()}
+
+
+def persistent_buffer_names(model: nn.Module) -> dict[int, str]:
+    """Map ``id(buffer)`` to the full model's name, for buffers saved in a state dict."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out.setdefault(id(buffer), f"{module_name}.{name}" if module_name else name)
+    return out
+
+
 def find_tied_parameters(model: nn.Module, stages: Sequence[nn.Module]) -> list[TiedParameter]:
     """Parameters that appear in more than one stage, found by identity (never by shape)."""
     names = parameter_names(model)

@@ -109,3 +109,12 @@ def parameter_slices(model: nn.Module) -> dict[str, TensorSlice]:
             if module._parameters.get(name) is not None:
                 out[f"{module_name}.{name}" if module_name else name] = spec
     return out
+
+
+def tensor_slices(model: nn.Module) -> dict[str, TensorSlice]:
+    """Qualified name -> slice, for every tensor-parallel parameter and buffer of ``model``."""
+    out = {}
+    for module_name, module in model.named_modules():
+        for name, spec in slices_of(module).items():
+            out[f"{module_name}.{name}" if module_name else name] = spec
+    return out

@@ -1,0 +1,79 @@
+"""Export a checkpoint as a plain Hugging Face model directory (``from_pretrained`` loads it).
+
+Usage: ``merak-export CHECKPOINT OUT_DIR``. Works from any saving layout: the
+full tensors are joined from the tensor-parallel slices of every stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from merak.checkpoint.files import CheckpointError
+from merak.checkpoint.load import CheckpointSource
+
+logger = logging.getLogger(__name__)
+
+
+def _model_class(info: dict):
+    module = info["module"]
+    if not module.startswith("transformers."):  # only library classes are imported, never code from the file
+        raise CheckpointError(f"the checkpoint's model class comes from {module}, not transformers")
+    return getattr(importlib.import_module(module), info["class"])
+
+
+def export_pretrained(checkpoint: str, out_dir: str, *, dtype: torch.dtype | None = None) -> str:
+    """Write ``out_dir`` with config.json and model.safetensors; return ``out_dir``.
+
+    Models that are not Hugging Face models get model.safetensors (full tensors by name) only.
+    """
+    source = CheckpointSource(checkpoint)
+    state = {name: source.weight(name) for name in source.weight_names()}
+    if dtype is not None:
+        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    info = source.manifest.get("model_info")
+    if info is None:
+        save_file(state, os.path.join(out_dir, "model.safetensors"))
+        logger.info("wrote %d tensors to %s (not a Hugging Face model: no config.json)", len(state), out_dir)
+        return out_dir
+    cls = _model_class(info)
+    config = cls.config_class.from_dict(info["config"])
+    with torch.device("meta"):
+        model = cls(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise CheckpointError(f"{checkpoint}: tensors the model does not have: {', '.join(unexpected[:5])}")
+    model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if still_meta:
+        raise CheckpointError(f"{checkpoint} lacks {', '.join(still_meta[:5])}")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    logger.info("exported %s (%s, %d tensors) to %s", checkpoint, info["class"], len(state), out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="merak-export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint directory (…/checkpoint-<step>)")
+    parser.add_argument("out_dir", help="where to write the Hugging Face model")
+    parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                        help="cast floating-point weights (default: as saved)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        export_pretrained(args.checkpoint, args.out_dir, dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except CheckpointError as error:
+        logger.error("merak-export: %s", error)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

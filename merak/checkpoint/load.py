@@ -1,0 +1,248 @@
+"""Load a checkpoint (or Hugging Face weights) into this rank's engine, whatever layout wrote it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from merak.checkpoint import files
+from merak.checkpoint.rng import restore_rng
+from merak.checkpoint.tensors import MASTER, join_slices, slice_from_json
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """What to restore (names as in MerakArguments)."""
+
+    finetune: bool = False
+    no_load_rng: bool = False
+    no_load_optim: bool = False
+
+
+class _Files:
+    """Verified, lazily opened safetensors files of one checkpoint, with their merak metadata."""
+
+    def __init__(self, checkpoint: str, manifest: dict, folder: str) -> None:
+        self.checkpoint, self.manifest = checkpoint, manifest
+        self.paths = sorted(p for p in manifest["files"] if p.startswith(folder + "/"))
+        self._open: dict[str, object] = {}
+        self.meta: dict[str, dict] = {}
+        for relative in self.paths:  # headers only: small
+            with safe_open(os.path.join(checkpoint, relative), framework="pt") as handle:
+                self.meta[relative] = json.loads((handle.metadata() or {}).get("merak", "{}"))
+
+    def tensor(self, relative: str, key: str) -> torch.Tensor:
+        if relative not in self._open:
+            path = files.verify_file(self.checkpoint, self.manifest, relative)
+            self._open[relative] = safe_open(path, framework="pt")
+        return self._open[relative].get_tensor(key)
+
+
+class CheckpointSource:
+    """Full tensors of the model and its optimizer state, reassembled from any layout's pieces."""
+
+    def __init__(self, checkpoint: str) -> None:
+        self.path = checkpoint
+        self.manifest = files.read_manifest(checkpoint)
+        self.weights = _Files(checkpoint, self.manifest, "model")
+        self.optimizer = _Files(checkpoint, self.manifest, "optimizer")
+        self._weight_index: dict[str, list[tuple[str, dict]]] = {}
+        for relative, meta in self.weights.meta.items():
+            for name, info in meta.items():
+                self._weight_index.setdefault(name, []).append((relative, info))
+        self._state_index: dict[str, list[tuple[str, dict]]] = {}
+        for relative, meta in self.optimizer.meta.items():
+            for name, info in meta.items():
+                self._state_index.setdefault(name, []).append((relative, info))
+
+    def weight_names(self) -> list[str]:
+        return sorted(self._weight_index)
+
+    def has(self, name: str) -> bool:
+        return name in self._weight_index
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The full (unsliced) tensor ``name``."""
+        entries = self._weight_index.get(name)
+        if not entries:
+            raise files.CheckpointError(f"{self.path} has no tensor {name!r}")
+        info = entries[0][1]
+        spec = slice_from_json(info["slice"], info["full_shape"])
+        if spec is None:
+            return self.weights.tensor(entries[0][0], name)
+        pieces = {slice_from_json(i["slice"], i["full_shape"]).rank: (r, name) for r, i in entries}
+        return self._join({rank: self.weights.tensor(*where) for rank, where in pieces.items()}, spec, name)
+
+    def has_state(self, name: str) -> bool:
+        return name in self._state_index
+
+    def state_keys(self, name: str) -> tuple[list[str], list[str]]:
+        """(tensor states, scalar states) saved for parameter ``name``."""
+        info = next(i for _, i in self._state_index[name] if i["stop"] > i["start"])
+        return info["states"], info["scalars"]
+
+    def state(self, name: str, key: str) -> torch.Tensor:
+        """Optimizer state ``key`` of parameter ``name`` at full (unsliced) shape; scalars as saved."""
+        entries = self._state_index[name]
+        owned = [(r, i) for r, i in entries if i["stop"] > i["start"]]
+        if key in owned[0][1]["scalars"]:
+            return self.optimizer.tensor(owned[0][0], f"{name}/{key}").reshape(())
+        by_tp: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for relative, info in owned:
+            spec = slice_from_json(info["slice"], info["full_shape"])
+            by_tp.setdefault(spec.rank if spec else 0, []).append(
+                (info["start"], self.optimizer.tensor(relative, f"{name}/{key}")))
+        info = owned[0][1]
+        locals_ = {}
+        for tp_rank, pieces in by_tp.items():
+            flat = torch.cat([t for _, t in sorted(pieces, key=lambda item: item[0])])
+            local_shape = info["local_shape"]
+            if flat.numel() != torch.Size(local_shape).numel():
+                raise files.CheckpointError(f"{self.path}: optimizer pieces of {name} cover {flat.numel()} of "
+                                            f"{torch.Size(local_shape).numel()} elements")
+            locals_[tp_rank] = flat.view(local_shape)
+        spec = slice_from_json(info["slice"], info["full_shape"])
+        return locals_[0] if spec is None else self._join(locals_, spec, name)
+
+    def _join(self, pieces: dict[int, torch.Tensor], spec, name: str) -> torch.Tensor:
+        try:
+            return join_slices(pieces, spec)
+        except KeyError as error:
+            raise files.CheckpointError(f"{self.path}: {name}: {error}") from None
+
+
+class PretrainedSource:
+    """Full tensors from a Hugging Face model directory (model.safetensors, or an index of shards)."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = directory
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index, encoding="utf-8") as handle:
+                weight_map = json.load(handle)["weight_map"]
+        elif os.path.isfile(os.path.join(directory, "model.safetensors")):
+            with safe_open(os.path.join(directory, "model.safetensors"), framework="pt") as handle:
+                weight_map = dict.fromkeys(handle.keys(), "model.safetensors")
+        else:
+            raise files.CheckpointError(f"pretrained_weights={directory}: no model.safetensors or "
+                                        f"model.safetensors.index.json there (only safetensors weights are read)")
+        self._where = weight_map
+        self._open: dict[str, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def weight(self, name: str) -> torch.Tensor:
+        shard = self._where[name]
+        if shard not in self._open:
+            self._open[shard] = safe_open(os.path.join(self.path, shard), framework="pt")
+        return self._open[shard].get_tensor(name)
+
+
+def _load_weights(engine, source, *, strict: bool) -> int:
+    """Copy every local parameter and persistent buffer from ``source`` (sliced for this rank)."""
+    count = 0
+    missing = []
+    for name, tensor in [*engine.named_parameters(), *engine.named_buffers()]:
+        found = next((alias for alias in engine.aliases.get(name, (name,)) if source.has(alias)), None)
+        if found is None:
+            missing.append(name)
+            continue
+        full = source.weight(found)
+        spec = engine.slices.get(name)
+        local = spec.take(full) if spec is not None else full
+        if tuple(local.shape) != tuple(tensor.shape):
+            raise files.CheckpointError(f"{source.path}: {found} has shape {tuple(full.shape)}, which does not fit "
+                                        f"this model's {name} (local shape {tuple(tensor.shape)})")
+        with torch.no_grad():
+            tensor.copy_(local)
+        count += 1
+    if missing and strict:
+        raise files.CheckpointError(f"{source.path} lacks {len(missing)} tensors of this model, e.g. "
+                                    f"{', '.join(missing[:5])}")
+    if missing:
+        logger.warning("%s lacks %d tensors of this model (left as initialized): %s", source.path, len(missing),
+                       ", ".join(missing[:5]))
+    return count
+
+
+def _load_optimizer(engine, source: CheckpointSource) -> None:
+    """Master weights and optimizer state of every owned piece, resharded to this layout."""
+    optimizer = engine.optimizer
+    for i, name in enumerate(engine.trainable_names):
+        param, master, piece = optimizer.params[i], optimizer.master[i], optimizer.pieces[i]
+        if not source.has_state(name):
+            raise files.CheckpointError(f"{source.path} has no optimizer state for {name}")
+        spec = engine.slices.get(name)
+
+        def owned(full: torch.Tensor) -> torch.Tensor:
+            local = spec.take(full) if spec is not None else full
+            return local.reshape(-1)[piece.start:piece.stop]
+
+        states, scalars = source.state_keys(name)
+        with torch.no_grad():
+            if optimizer.copies:
+                if MASTER in states:
+                    master.copy_(owned(source.state(name, MASTER)).view(master.shape))
+                else:  # saved by a run without master copies: its fp32 weights are the masters
+                    master.copy_(owned(source.weight(name)).float().view(master.shape))
+        if master.numel() == 0:
+            continue
+        restored = {key: owned(source.state(name, key)).view(master.shape).clone()
+                    for key in states if key != MASTER}
+        restored.update({key: source.state(name, key).clone() for key in scalars})
+        if restored:
+            optimizer.optimizer.state[master] = restored
+
+
+def load_checkpoint(engine, checkpoint: str, *, options: LoadOptions = LoadOptions()) -> dict:
+    """Load ``checkpoint`` into this rank's engine (any saving layout) and return its trainer state
+    (``step`` 0 when finetuning).
+
+    Raises:
+        CheckpointError: missing, incomplete or corrupt files, or tensors that do not fit.
+    """
+    source = CheckpointSource(checkpoint)
+    manifest = source.manifest
+    _load_weights(engine, source, strict=True)
+    with open(files.verify_file(checkpoint, manifest, "trainer_state.json"), encoding="utf-8") as handle:
+        trainer_state = json.load(handle)
+    if options.finetune:
+        logger.info("finetune: weights from %s; step, optimizer and schedule start at 0", checkpoint)
+        engine.refresh_master_weights()
+        return {**trainer_state, "step": 0}
+    if options.no_load_optim or not manifest["has_optimizer"]:
+        if not options.no_load_optim:
+            logger.warning("%s has no optimizer state (saved with no_save_optim): the optimizer starts fresh",
+                           checkpoint)
+        engine.refresh_master_weights()
+    else:
+        _load_optimizer(engine, source)
+    engine.optimizer.scaler.load_state_dict(trainer_state["loss_scaler"])
+    engine.restore_lr_schedule(trainer_state["lr_scheduler_steps"])
+    grid = engine.state.grid
+    same_layout = manifest["layout"] == {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp, "chunks": engine.num_chunks}
+    rank = engine.state.rank
+    if manifest["has_rng"] and not options.no_load_rng:
+        if same_layout:
+            relative = f"rng/rank{rank:05d}.json"
+            with open(files.verify_file(checkpoint, manifest, relative), encoding="utf-8") as handle:
+                restore_rng(json.load(handle))
+        elif rank == 0:
+            logger.info("%s was saved with another layout: random generator states are not restored "
+                        "(dropout masks do not depend on them)", checkpoint)
+    return trainer_state
+
+
+def load_pretrained(engine, directory: str) -> int:
+    """Load Hugging Face weights (safetensors) into this rank's stage; returns tensors loaded."""
+    count = _load_weights(engine, PretrainedSource(directory), strict=False)
+    engine.refresh_master_weights()
+    return count
