@@ -203,12 +203,14 @@ class PipelineEngine:
         return build_lr_scheduler(self.optimizer.optimizer, kind=options.lr_scheduler_type,
                                   warmup_steps=options.warmup_steps, total_steps=self._total_steps)
 
-    def restore_lr_schedule(self, steps: int) -> None:
-        """Put the learning-rate schedule ``steps`` steps in (a resumed run)."""
+    def resume_at(self, step: int, *, lr_scheduler_steps: int) -> None:
+        """Continue at optimizer step ``step`` (dropout seeds follow it) with the learning-rate
+        schedule ``lr_scheduler_steps`` steps in (fewer than ``step`` when fp16 skipped some)."""
+        self.executor.step_index = step
         for group in self.optimizer.optimizer.param_groups:
             group["lr"] = group["initial_lr"]
         self.lr_scheduler = self._build_lr_scheduler()
-        for _ in range(steps):
+        for _ in range(lr_scheduler_steps):
             self.lr_scheduler.step()
 
     def refresh_master_weights(self) -> None:

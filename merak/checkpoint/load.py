@@ -226,7 +226,7 @@ def load_checkpoint(engine, checkpoint: str, *, options: LoadOptions = LoadOptio
     else:
         _load_optimizer(engine, source)
     engine.optimizer.scaler.load_state_dict(trainer_state["loss_scaler"])
-    engine.restore_lr_schedule(trainer_state["lr_scheduler_steps"])
+    engine.resume_at(int(trainer_state["step"]), lr_scheduler_steps=int(trainer_state["lr_scheduler_steps"]))
     grid = engine.state.grid
     same_layout = manifest["layout"] == {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp, "chunks": engine.num_chunks}
     rank = engine.state.rank

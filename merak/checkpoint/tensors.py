@@ -64,10 +64,13 @@ def weights_file(entries: list[WeightEntry]) -> tuple[dict[str, torch.Tensor], d
 
 def optimizer_file(engine) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """This rank's optimizer pieces: per primary trainable parameter, the owned flat range of its
-    (tensor-parallel local) master weights and of every optimizer state tensor."""
+    (tensor-parallel local) master weights and of every optimizer state tensor (empty on
+    data-parallel replicas other than the first when nothing is sharded)."""
     optimizer = engine.optimizer
     names = engine.trainable_names
     tensors, meta = {}, {}
+    if not optimizer.sharded and engine.state.coordinates.dp != 0:
+        return tensors, meta  # data-parallel replicas hold the same state: replica 0 writes it
     for i, (param, master, piece) in enumerate(zip(optimizer.params, optimizer.master, optimizer.pieces)):
         name = names[i]
         if name not in engine.primary_names:

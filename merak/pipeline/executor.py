@@ -118,7 +118,7 @@ class PipelineExecutor:
         self.timeline: list[tuple[ins.Instruction, float, float]] = []
         params = {id(p): p for module in self.stages.values() for p in module.parameters()}
         self.meter = ActivationMeter(params.values())
-        self._step_index = 0
+        self.step_index = 0
 
     def _virtual(self, chunk: int) -> int:
         return ins.virtual_stage(self.stage_id, chunk, self.num_stages)
@@ -161,7 +161,7 @@ class PipelineExecutor:
             self.hooks.on_step_end()
         losses = self._step.losses
         self._step = None
-        self._step_index += 1
+        self.step_index += 1
         if not self._is_last(self.num_chunks - 1):
             return None
         return float(sum(loss.item() for loss in losses.values()))
@@ -201,7 +201,7 @@ class PipelineExecutor:
         key = (chunk, m)
         stage, inputs = self.stages[chunk], step.inputs[key]
         kind = type(instruction)
-        seed = self.dropout_seed(self._step_index, m) if self.dropout_seed is not None else None
+        seed = self.dropout_seed(self.step_index, m) if self.dropout_seed is not None else None
         self.hooks.on_instruction_begin(ins.INSTRUCTION_NAMES[kind])
         if kind is ins.RecomputeForward:
             self.meter.release(key)  # the pre-checkpointed run kept only the inputs, filed again below
