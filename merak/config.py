@@ -363,7 +363,8 @@ def _optimizer_problems(trainer: TrainerSettings) -> list[str]:
                             f"trainer.zero_allow_untested_optimizer=true to accept that")
     for field in ("zero_reduce_bucket_size", "zero_allgather_bucket_size"):
         value = getattr(trainer, field)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value < 1 or value != int(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+                or value < 1 or value != int(value):
             problems.append(f"trainer.{field}={value!r} must be a positive whole number of elements")
     if not trainer.gradient_predivide_factor > 0:
         problems.append(f"trainer.gradient_predivide_factor={trainer.gradient_predivide_factor} must be positive")

@@ -127,10 +127,10 @@ def format_summary(summary: dict) -> str:
     """The closing table: throughput, time per step and memory per stage."""
     layout = summary["layout"]
     lines = [
-        f"run summary ({summary['recipe']} / {summary['model']}, dp={layout['dp']} tp={layout['tp']} "
-        f"pp={layout['pp']}, schedule {summary['schedule']})",
-        f"  steps              {summary['steps']}  (global batch {summary['global_batch_size']}, "
-        f"{summary['num_microbatches']} microbatches)",
+        (f"run summary ({summary['recipe']} / {summary['model']}, dp={layout['dp']} tp={layout['tp']} "
+         f"pp={layout['pp']}, schedule {summary['schedule']})"),
+        (f"  steps              {summary['steps']}  (global batch {summary['global_batch_size']}, "
+         f"{summary['num_microbatches']} microbatches)"),
     ]
     if summary.get("first_loss") is None:
         lines.append("  (no step left to train: the run resumed at its last step)")

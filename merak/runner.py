@@ -19,11 +19,17 @@ import time
 import torch
 
 from merak.assemble import assemble
-from merak.compat.allocator import keep_freed_memory
-from merak.checkpoint import CheckpointError, find_checkpoint, load_checkpoint, load_pretrained, save_checkpoint
+from merak.checkpoint import (
+    CheckpointError,
+    find_checkpoint,
+    load_checkpoint,
+    load_pretrained,
+    save_checkpoint,
+)
 from merak.checkpoint.files import read_manifest
 from merak.checkpoint.load import LoadOptions
 from merak.checkpoint.save import SaveOptions
+from merak.compat.allocator import keep_freed_memory
 from merak.config import (
     ConfigError,
     RunSettings,

@@ -47,7 +47,7 @@ def export_pretrained(checkpoint: str, out_dir: str, *, dtype: torch.dtype | Non
     config = cls.config_class.from_dict(info["config"])
     with torch.device("meta"):
         model = cls(config)
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise CheckpointError(f"{checkpoint}: tensors the model does not have: {', '.join(unexpected[:5])}")
     model.tie_weights()

@@ -124,6 +124,8 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{path} is not a complete merak checkpoint (no {MANIFEST})") from None
     except json.JSONDecodeError as error:
         raise CheckpointError(f"{path}/{MANIFEST} is corrupt: {error}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{path}/{MANIFEST} is not a merak checkpoint manifest")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{path} is not a merak checkpoint of version {VERSION} "
                               f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})")

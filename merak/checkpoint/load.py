@@ -177,12 +177,12 @@ def _load_optimizer(engine, source: CheckpointSource) -> None:
     """Master weights and optimizer state of every owned piece, resharded to this layout."""
     optimizer = engine.optimizer
     for i, name in enumerate(engine.trainable_names):
-        param, master, piece = optimizer.params[i], optimizer.master[i], optimizer.pieces[i]
+        master, piece = optimizer.master[i], optimizer.pieces[i]
         if not source.has_state(name):
             raise files.CheckpointError(f"{source.path} has no optimizer state for {name}")
         spec = engine.slices.get(name)
 
-        def owned(full: torch.Tensor) -> torch.Tensor:
+        def owned(full: torch.Tensor, spec=spec, piece=piece) -> torch.Tensor:
             local = spec.take(full) if spec is not None else full
             return local.reshape(-1)[piece.start:piece.stop]
 

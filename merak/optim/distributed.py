@@ -8,8 +8,9 @@ stage that holds it, and lets a checkpoint name each piece by parameter.
 - ZeRO stage 0: gradients are all-reduced; every rank updates whole parameters.
 - ZeRO stage 1: optimizer state (and fp32 master weights) only for the owned piece;
   gradients reduce-scattered once per step; updated pieces all-gathered.
-- ZeRO stage 2: as 1, and gradients are reduce-scattered after every backward
-  instruction, so full-size gradients never outlive one microbatch.
+- ZeRO stage 2: as 1, and gradients are reduce-scattered during the backward as
+  soon as ``reduce_bucket_size`` elements are ready (and at the end of every backward
+  instruction), so at most about one bucket of full-size gradients is held.
 
 With fp16/bf16 the model holds half-precision parameters and gradients, and the
 optimizer updates fp32 master weights (whole or the owned piece). Gradients are
@@ -124,6 +125,8 @@ class DistributedOptimizer:
         self.optimizer = make_optimizer([(m, p.ndim >= 2) for m, p in zip(self.master, self.params)
                                          if m.numel() > 0])
         self.peak_gradient_bytes = 0
+        if zero.stage >= 2 and self.sharded:
+            self._watch_gradients()
 
     def _master_of(self, param: nn.Parameter, piece: Piece) -> torch.Tensor:
         if not self.copies:
@@ -189,10 +192,32 @@ class DistributedOptimizer:
             self._all_reduce_into_master()
         self._note_gradient_bytes()
 
+    def _watch_gradients(self) -> None:
+        """ZeRO-2: reduce-scatter gradients in buckets while the backward still runs."""
+        self._pending: list[int] = []
+        self._pending_size = 0
+        for i, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(lambda _, i=i: self._gradient_ready(i))
+
+    def _gradient_ready(self, i: int) -> None:
+        # Autograd runs the same graph in the same order on every replica, so every rank of the
+        # data-parallel group reaches the same bucket boundaries.
+        if i not in self._pending:
+            self._pending.append(i)
+            self._pending_size += self.pieces[i].size
+        if self._pending_size >= self.zero.reduce_bucket_size:
+            self._note_gradient_bytes()
+            self._reduce_scatter(self._pending, every=False)
+            self._pending, self._pending_size = [], 0
+
     def reduce_ready_gradients(self) -> None:
-        """ZeRO-2: reduce-scatter the gradients produced so far and free them (after a backward)."""
+        """ZeRO-2: reduce-scatter the gradients the last backward instruction left and free them."""
         if self.zero.stage >= 2 and self.sharded:
-            self._reduce_scatter([i for i, p in enumerate(self.params) if p.grad is not None], every=False)
+            ready = [i for i, p in enumerate(self.params) if p.grad is not None]
+            if ready:
+                self._note_gradient_bytes()
+                self._reduce_scatter(ready, every=False)
+            self._pending, self._pending_size = [], 0
 
     def _scales(self) -> tuple[float, float]:
         """Factors applied before and after the data-parallel sum (DeepSpeed's prescale rules)."""
@@ -206,11 +231,10 @@ class DistributedOptimizer:
         for param, master in zip(self.params, self.master):
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             master.grad = grad.reshape(-1).float()
+            param.grad = None  # freed as it is copied: the fp32 copies are the gradients from here
         if self.dp_size > 1:
             all_reduce_tensors([m.grad for m in self.master], group=self.dp_group, scale=post, pre_scale=pre,
                                bucket_bytes=self.zero.reduce_bucket_size * 4)
-        for param in self.params:
-            param.grad = None
 
     def _reduce_scatter(self, indices, *, every: bool) -> None:
         """Reduce-scatter the gradients of ``indices`` in buckets; accumulate the owned pieces."""
