@@ -301,6 +301,7 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
                                 enabled=rank == 0, logging_steps=trainer.logging_steps, start_step=first_step)
         save_options = SaveOptions(save_total_limit=trainer.save_total_limit, no_save_rng=trainer.no_save_rng,
                                    no_save_optim=trainer.no_save_optim)
+        saved = []
         for step in range(first_step, steps):
             step_start = time.perf_counter()
             microbatches = loader.load_step(step) if loader else None
@@ -309,20 +310,25 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
                              grad_norm=result.grad_norm, step_time_s=time.perf_counter() - step_start,
                              skipped=result.skipped, loss_scale=result.loss_scale)
             if _saves_after(settings, step + 1, steps):
-                save_checkpoint(engine, settings.output_dir, step=step + 1, run_info=_run_info(spec, settings),
-                                trainer_state={"consumed_samples": (step + 1) * settings.global_batch_size},
-                                options=save_options)
+                saved.append(save_checkpoint(
+                    engine, settings.output_dir, step=step + 1, run_info=_run_info(spec, settings),
+                    trainer_state={"consumed_samples": (step + 1) * settings.global_batch_size},
+                    options=save_options))
         metrics.close()
         timeline = write_timelines(engine, schedule=trainer.train_schedule, output_dir=settings.output_dir,
                                    rank=rank) if trainer.wall_clock_breakdown else None
-        return _write_summary(spec, settings, engine, metrics, steps, time.perf_counter() - started, rank, timeline)
+        checkpoints = {"resumed_from": resume, "saved": saved}
+        return _write_summary(spec, settings, engine, metrics, steps, time.perf_counter() - started, rank, timeline,
+                              checkpoints)
     finally:
         groups.shutdown()
 
 
 def _write_summary(spec, settings: RunSettings, engine: PipelineEngine, metrics: MetricsWriter, steps: int,
-                   wall_time_s: float, rank: int, timeline: dict | None = None) -> dict | None:
-    """Gather every rank's memory figures; rank 0 writes summary.json and returns the summary."""
+                   wall_time_s: float, rank: int, timeline: dict | None = None,
+                   checkpoints: dict | None = None) -> dict | None:
+    """Gather every rank's memory figures; rank 0 writes summary.json (per stage: the most any of its
+    ranks holds; per rank: everything) and returns the summary."""
     local = {"stage": engine.stage_id, "rank": rank,
              "num_parameters": sum(p.numel() for _, p in engine.named_parameters()),
              "peak_rss_bytes": peak_rss_bytes(), **engine.memory_report()}
@@ -346,6 +352,8 @@ def _write_summary(spec, settings: RunSettings, engine: PipelineEngine, metrics:
         "recompute": {"activation_checkpointing": settings.trainer.activation_checkpointing,
                       "activation_checkpoint_ratio": settings.trainer.activation_checkpoint_ratio,
                       "pipeline_chunks": engine.num_chunks},
+        "ranks": sorted(everyone, key=lambda r: r["rank"]),
+        "checkpoints": checkpoints,
         "precision": {"dtype": str(engine.optimizer.precision.dtype).removeprefix("torch."),
                       "zero_stage": engine.optimizer.zero.stage, "loss_scale": engine.optimizer.loss_scale,
                       "skipped_steps": sum(r.skipped for r in metrics.records)},

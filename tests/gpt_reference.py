@@ -38,6 +38,13 @@ def train_reference(model_cfg, tokens: str, *, options: OptimizerOptions, steps:
     return records
 
 
+def vocab_padded(model_cfg):
+    """The toy config with a vocabulary divisible by tp (GPT-2's 50257 is prime to 2)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(model_cfg, {"vocab_size": 50304})
+
+
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-30))
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from merak.optim.clip import global_grad_norm
-from merak.optim.grad_sync import all_reduce_tensors
+from merak.optim.grad_sync import all_reduce_tensors, ensure_grads
 from merak.optim.precision import LossScaler, PrecisionOptions
 
 logger = logging.getLogger(__name__)
@@ -161,12 +161,7 @@ class DistributedOptimizer:
         """Where the gradients of ``params`` are now (zeros where there is none yet), for sums over
         other groups (tied copies, sequence-parallel replicas) that must happen before the step."""
         if self.zero.stage < 2 or not self.sharded:
-            out = []
-            for param in params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                out.append(param.grad)
-            return out
+            return ensure_grads(params)
         index = {id(p): i for i, p in enumerate(self.params)}
         return [self._master_grad(index[id(p)]) for p in params]
 

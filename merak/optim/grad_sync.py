@@ -26,7 +26,8 @@ def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[to
     return buckets
 
 
-def _ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients of ``params``, zeros created where there is none yet."""
     # A parameter unused in this step still takes part, with a zero gradient,
     # so every rank reduces the same buffers in the same order.
     grads = []
@@ -45,7 +46,7 @@ def all_reduce_gradients(params: Sequence[nn.Parameter], *, group, group_size: i
     """
     if group_size == 1:
         return
-    all_reduce_tensors(_ensure_grads(params), group=group, scale=1.0 / group_size if average else 1.0,
+    all_reduce_tensors(ensure_grads(params), group=group, scale=1.0 / group_size if average else 1.0,
                        bucket_bytes=bucket_bytes)
 
 

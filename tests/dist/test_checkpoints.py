@@ -60,8 +60,14 @@ def test_resume_is_bit_exact(layout, tmp_path, cache_dir):
     _run(straight, *layout, "trainer.max_steps=4", "trainer.save=true", "trainer.save_steps=2")
     resumed.mkdir()
     shutil.copytree(straight / "checkpoint-2", resumed / "checkpoint-2")
-    _run(resumed, *layout, "trainer.max_steps=4", "trainer.save=true", "trainer.save_steps=2",
-         "trainer.resume_from_checkpoint=true")
+    summary = _run(resumed, *layout, "trainer.max_steps=4", "trainer.save=true", "trainer.save_steps=2",
+                   "trainer.resume_from_checkpoint=true")
+    assert summary["checkpoints"]["resumed_from"] == str(resumed / "checkpoint-2")
+    assert summary["checkpoints"]["saved"] == [str(resumed / "checkpoint-4")]
+    # Per-rank memory: ZeRO keeps a different (about half) share of optimizer state on each dp rank.
+    world = summary["layout"]["dp"] * summary["layout"]["pp"]
+    assert [r["rank"] for r in summary["ranks"]] == list(range(world))
+    assert all(0 < r["optimizer_state_bytes"] < 8 * r["num_parameters"] for r in summary["ranks"])
     want, got = _metrics(straight), _metrics(resumed)
     assert sorted(got) == [3, 4]
     for step in (3, 4):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from gpt_reference import relative_error, train_reference, vocab_padded
 
-from gpt_reference import relative_error, train_reference
 from merak.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
@@ -42,13 +42,6 @@ LAYOUTS = {
     "tp2-pp2-overlap2": (1, 2, 2, False, True, 2),
     "dp2-tp2-pp2": (2, 2, 2, True, True, 1),
 }
-
-
-def _vocab_padded(model_cfg):
-    """The toy config with a vocabulary divisible by tp (GPT-2's 50257 is prime to 2)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.merge(model_cfg, {"vocab_size": 50304})
 
 
 def _train(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
@@ -87,7 +80,7 @@ def _train(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
 
 @pytest.fixture(scope="module")
 def padded_cfg(toy_model_cfg):
-    return _vocab_padded(toy_model_cfg)
+    return vocab_padded(toy_model_cfg)
 
 
 @pytest.fixture(scope="module")

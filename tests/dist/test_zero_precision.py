@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpt_reference import relative_error, train_reference
-from omegaconf import OmegaConf
+from gpt_reference import relative_error, train_reference, vocab_padded
 
 from merak.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
@@ -48,10 +47,6 @@ LAYOUTS = {
     "dp2-pp2-zero2-zb_h1": (2, 1, 2, "zb_h1", ZeroOptions(stage=2, **SMALL_BUCKETS)),
     "dp2-tp2-pp2-zero2": (2, 2, 2, "1f1b", ZeroOptions(stage=2, **SMALL_BUCKETS)),
 }
-
-
-def _vocab_padded(model_cfg):
-    return OmegaConf.merge(model_cfg, {"vocab_size": 50304})
 
 
 def _engine(state, model_cfg, *, tp: int, pp: int, schedule: str, zero=ZeroOptions(),
@@ -106,14 +101,14 @@ def _train_zero(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
 def references(toy_model_cfg, toy_tokens):
     run = functools.partial(train_reference, tokens=toy_tokens, options=OPTIONS, steps=STEPS,
                             global_batch=GLOBAL_BATCH, seed=SEED)
-    return {"plain": run(toy_model_cfg), "padded": run(_vocab_padded(toy_model_cfg))}
+    return {"plain": run(toy_model_cfg), "padded": run(vocab_padded(toy_model_cfg))}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_zero_matches_single_process(layout, tmp_path, references, toy_model_cfg, toy_tokens):
     dp, tp, pp, _, zero = LAYOUTS[layout]
-    model_cfg = _vocab_padded(toy_model_cfg) if tp > 1 else toy_model_cfg
+    model_cfg = vocab_padded(toy_model_cfg) if tp > 1 else toy_model_cfg
     reference = references["padded" if tp > 1 else "plain"]
     spawn_workers(_train_zero, world_size=dp * tp * pp, args=(str(tmp_path), layout, model_cfg, toy_tokens))
     covered: dict[str, int] = {}
