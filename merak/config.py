@@ -199,7 +199,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     problems.extend(_sharding_problems(spec, trainer, grid))
     problems.extend(_schedule_problems(trainer, grid, num_microbatches))
     problems.extend(_tensor_parallel_problems(spec.tensor_parallel_plan(cfg.model), trainer, grid))
-    problems.extend(_optimizer_problems(trainer))
+    problems.extend(_optimizer_problems(trainer, grid))
     problems.extend(_checkpoint_problems(trainer))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
     problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
@@ -344,7 +344,7 @@ def precision_options(trainer: TrainerSettings):
     return PrecisionOptions(**{name: getattr(trainer, name) for name in names})
 
 
-def _optimizer_problems(trainer: TrainerSettings) -> list[str]:
+def _optimizer_problems(trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
     from merak.optim.distributed import ZERO_STAGES
     from merak.optim.precision import precision_problems
     from merak.optim.schedule import OPTIMIZERS, ZERO_TESTED_OPTIMIZERS
@@ -356,6 +356,10 @@ def _optimizer_problems(trainer: TrainerSettings) -> list[str]:
         if trainer.zero_stage not in ZERO_STAGES[1:]:
             problems.append(f"trainer.zero_stage={trainer.zero_stage!r}: stages 1 (optimizer state) and 2 "
                             f"(gradients too) are supported")
+        if trainer.zero_stage == 2 and trainer.tp_overlapping_level == 2 and grid and grid.tp > 1:
+            problems.append("trainer.zero_stage=2 reduces gradients as autograd produces them, and "
+                            "tp_overlapping_level=2 produces them on two threads in no fixed order: use "
+                            "zero_stage=1 or tp_overlapping_level 0 or 1")
         if trainer.optim in OPTIMIZERS and trainer.optim not in ZERO_TESTED_OPTIMIZERS \
                 and not trainer.zero_allow_untested_optimizer:
             problems.append(f"trainer.optim={trainer.optim} is not elementwise, so ZeRO's flat pieces change its "

@@ -329,6 +329,8 @@ def test_optimizer_settings_that_resolve():
     (["trainer.gradient_predivide_factor=0"], "trainer.gradient_predivide_factor=0 must be positive"),
     (["trainer.save=true", "trainer.save_steps=0"], "trainer.save_steps=0 must be a positive integer"),
     (["trainer.save_total_limit=0"], "trainer.save_total_limit=0"),
+    (["parallel=tp2", "model.vocab_size=50304", "trainer.tp_overlapping_level=2", "trainer.activation_checkpointing=false",
+      "trainer.zero_optimization=true", "trainer.zero_stage=2"], "trainer.zero_stage=2 reduces gradients as autograd"),
     (["trainer.finetune=true"], "trainer.finetune=true loads weights from a checkpoint"),
     (["trainer.pretrained_weights=/models/gpt2", "trainer.resume_from_checkpoint=/runs/a/checkpoint-5"],
      "trainer.pretrained_weights and trainer.resume_from_checkpoint both set"),
