@@ -100,7 +100,8 @@ class PipelineEngine:
         total_steps: steps of the run (for the learning-rate schedule).
         optimizer: optimizer settings.
         hooks: pipeline listeners (timers, profiler, energy plans).
-        bucket_bytes: size of the data-parallel gradient buckets.
+        bucket_bytes: size of the all-reduce buckets (data-parallel without ZeRO, tied
+            weights, sequence-parallel replicas); ZeRO buckets follow ``zero``.
         recompute: activation checkpointing settings.
         num_chunks: model chunks per rank (interleaved schedules); ``stages`` then holds
             ``pp * num_chunks`` pieces and rank ``s`` runs pieces ``s, s + pp, ...``.
@@ -165,12 +166,15 @@ class PipelineEngine:
             self.trainable, dp_group=state.dp_group, dp_size=grid.dp, dp_rank=coords.dp,
             norm_group=state.model_parallel_group, norm_group_size=grid.pp * grid.tp,
             counted=[id(p) in norm_ids for p in self.trainable], zero=zero, precision=precision,
+            bucket_bytes=bucket_bytes,
             make_optimizer=lambda pairs: make_optimizer(
                 pairs, kind=optimizer.optim, learning_rate=optimizer.learning_rate,
                 weight_decay=optimizer.weight_decay, betas=(optimizer.adam_beta1, optimizer.adam_beta2),
                 eps=optimizer.adam_epsilon))
         if precision.dtype != torch.float32:
-            for chunk in self.chunks.values():  # after the fp32 master weights were taken
+            # Stages assembled with the dtype are cast already; hand-made ones are cast here, after
+            # the master weights were taken from their fp32 values.
+            for chunk in self.chunks.values():
                 chunk.to(precision.dtype)
         self._total_steps = total_steps
         self.lr_scheduler = self._build_lr_scheduler()
@@ -212,10 +216,6 @@ class PipelineEngine:
         self.lr_scheduler = self._build_lr_scheduler()
         for _ in range(lr_scheduler_steps):
             self.lr_scheduler.step()
-
-    def refresh_master_weights(self) -> None:
-        """Take the fp32 master weights from the model again (after loading weights only)."""
-        self.optimizer.refresh_master_weights()
 
     def _tied_across_ranks(self, tied: Sequence[TiedParameter]) -> list[TiedParameter]:
         """Ties between pieces, as ties between ranks (pieces on one rank share the object)."""

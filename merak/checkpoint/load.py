@@ -216,13 +216,13 @@ def load_checkpoint(engine, checkpoint: str, *, options: LoadOptions = LoadOptio
         trainer_state = json.load(handle)
     if options.finetune:
         logger.info("finetune: weights from %s; step, optimizer and schedule start at 0", checkpoint)
-        engine.refresh_master_weights()
+        engine.optimizer.refresh_master_weights()
         return {**trainer_state, "step": 0}
     if options.no_load_optim or not manifest["has_optimizer"]:
         if not options.no_load_optim:
             logger.warning("%s has no optimizer state (saved with no_save_optim): the optimizer starts fresh",
                            checkpoint)
-        engine.refresh_master_weights()
+        engine.optimizer.refresh_master_weights()
     else:
         _load_optimizer(engine, source)
     engine.optimizer.scaler.load_state_dict(trainer_state["loss_scaler"])
@@ -244,5 +244,5 @@ def load_checkpoint(engine, checkpoint: str, *, options: LoadOptions = LoadOptio
 def load_pretrained(engine, directory: str) -> int:
     """Load Hugging Face weights (safetensors) into this rank's stage; returns tensors loaded."""
     count = _load_weights(engine, PretrainedSource(directory), strict=False)
-    engine.refresh_master_weights()
+    engine.optimizer.refresh_master_weights()
     return count

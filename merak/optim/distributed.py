@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from merak.optim.clip import global_grad_norm
-from merak.optim.grad_sync import all_reduce_tensors, ensure_grads
+from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors, ensure_grads
 from merak.optim.precision import LossScaler, PrecisionOptions
 
 logger = logging.getLogger(__name__)
@@ -100,18 +100,21 @@ class DistributedOptimizer:
             tensor-parallel replica counts on one rank only).
         make_optimizer: builds the torch optimizer from ``(tensor, decays)`` pairs.
         zero, precision: the settings.
+        bucket_bytes: bucket size of the all-reduces without ZeRO (ZeRO's are ``zero``'s, in elements).
     """
 
     def __init__(self, params: Sequence[nn.Parameter], *, dp_group, dp_size: int, dp_rank: int,
                  norm_group, norm_group_size: int, counted: Sequence[bool],
                  make_optimizer: Callable[[list[tuple[torch.Tensor, bool]]], torch.optim.Optimizer],
-                 zero: ZeroOptions = ZeroOptions(), precision: PrecisionOptions = PrecisionOptions()) -> None:
+                 zero: ZeroOptions = ZeroOptions(), precision: PrecisionOptions = PrecisionOptions(),
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if zero.stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage={zero.stage}; choose one of {ZERO_STAGES}")
         self.params = list(params)
         self.zero = zero
         self.precision = precision
         self.dp_group, self.dp_size, self.dp_rank = dp_group, dp_size, dp_rank
+        self.bucket_bytes = bucket_bytes
         self.sharded = zero.stage >= 1 and dp_size > 1
         self.pieces = [Piece.of(p.numel(), dp_size if self.sharded else 1, dp_rank if self.sharded else 0)
                        for p in self.params]
@@ -180,9 +183,14 @@ class DistributedOptimizer:
             if self.dp_size > 1:
                 pre, post = self._scales()
                 all_reduce_tensors(grads, group=self.dp_group, scale=post, pre_scale=pre,
-                                   bucket_bytes=self.zero.reduce_bucket_size * 4)
+                                   bucket_bytes=self.bucket_bytes)
         elif self.sharded:
-            self._reduce_scatter(range(len(self.params)), every=True)
+            # ZeRO-2 reduced during the backward and only reduces what is still held (normally
+            # nothing); a parameter without a gradient gets zeros, as in the other stages.
+            every = self.zero.stage < 2
+            self._reduce_scatter([i for i, p in enumerate(self.params) if every or p.grad is not None])
+            for i in range(len(self.params)):
+                self._master_grad(i)
         else:
             self._all_reduce_into_master()
         self._note_gradient_bytes()
@@ -202,7 +210,7 @@ class DistributedOptimizer:
             self._pending_size += self.pieces[i].size
         if self._pending_size >= self.zero.reduce_bucket_size:
             self._note_gradient_bytes()
-            self._reduce_scatter(self._pending, every=False)
+            self._reduce_scatter(self._pending)
             self._pending, self._pending_size = [], 0
 
     def reduce_ready_gradients(self) -> None:
@@ -211,7 +219,7 @@ class DistributedOptimizer:
             ready = [i for i, p in enumerate(self.params) if p.grad is not None]
             if ready:
                 self._note_gradient_bytes()
-                self._reduce_scatter(ready, every=False)
+                self._reduce_scatter(ready)
             self._pending, self._pending_size = [], 0
 
     def _scales(self) -> tuple[float, float]:
@@ -229,30 +237,37 @@ class DistributedOptimizer:
             param.grad = None  # freed as it is copied: the fp32 copies are the gradients from here
         if self.dp_size > 1:
             all_reduce_tensors([m.grad for m in self.master], group=self.dp_group, scale=post, pre_scale=pre,
-                               bucket_bytes=self.zero.reduce_bucket_size * 4)
+                               bucket_bytes=self.bucket_bytes)
 
-    def _reduce_scatter(self, indices, *, every: bool) -> None:
-        """Reduce-scatter the gradients of ``indices`` in buckets; accumulate the owned pieces."""
-        pre, post = self._scales()
-        bucket: list[int] = []
-        size = 0
-        for i in list(indices) + [None]:
-            if i is not None and (every or self.params[i].grad is not None):
-                bucket.append(i)
-                size += self.pieces[i].size
-            if bucket and (i is None or size >= self.zero.reduce_bucket_size):
-                self._reduce_scatter_bucket(bucket, pre, post)
+    def _buckets(self, indices: Sequence[int], limit: int) -> Iterator[list[int]]:
+        """Runs of parameter indices whose pieces add up to about ``limit`` elements."""
+        bucket, size = [], 0
+        for i in indices:
+            bucket.append(i)
+            size += self.pieces[i].size
+            if size >= limit:
+                yield bucket
                 bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    def _reduce_scatter(self, indices: Sequence[int]) -> None:
+        """Reduce-scatter the gradients of ``indices`` in buckets (zeros for missing ones);
+        accumulate the owned pieces and free the full gradients."""
+        pre, post = self._scales()
+        for bucket in self._buckets(indices, self.zero.reduce_bucket_size):
+            self._reduce_scatter_bucket(bucket, pre, post)
 
     def _reduce_scatter_bucket(self, bucket: list[int], pre: float, post: float) -> None:
         # Input layout: [rank 0's pieces of every bucket parameter][rank 1's pieces]...
         columns = []
         for i in bucket:
-            grad, piece = self.params[i].grad, self.pieces[i]
-            flat = grad.reshape(-1).float() if grad is not None else torch.zeros(piece.numel, device=self.params[i].device)
+            param, piece = self.params[i], self.pieces[i]
+            flat = param.grad.reshape(-1).float() if param.grad is not None \
+                else torch.zeros(piece.numel, device=param.device)
             padded = torch.nn.functional.pad(flat, (0, piece.size * self.dp_size - piece.numel))
             columns.append(padded.view(self.dp_size, piece.size))
-            self.params[i].grad = None
+            param.grad = None
         flat_in = torch.cat(columns, dim=1).reshape(-1)
         if pre != 1.0:
             flat_in.mul_(pre)
@@ -307,15 +322,8 @@ class DistributedOptimizer:
                 for param, master in zip(self.params, self.master):
                     param.copy_(master.view(param.shape))
                 return
-            bucket: list[int] = []
-            size = 0
-            for i in list(range(len(self.params))) + [None]:
-                if i is not None:
-                    bucket.append(i)
-                    size += self.pieces[i].size
-                if bucket and (i is None or size >= self.zero.allgather_bucket_size):
-                    self._all_gather_bucket(bucket)
-                    bucket, size = [], 0
+            for bucket in self._buckets(range(len(self.params)), self.zero.allgather_bucket_size):
+                self._all_gather_bucket(bucket)
 
     def _all_gather_bucket(self, bucket: list[int]) -> None:
         dtype = self.params[bucket[0]].dtype
