@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from merak.engine import OptimizerOptions
-from merak.optim.clip import clip_gradients
 from merak.optim.schedule import build_lr_scheduler, build_optimizer
 
 
@@ -39,8 +38,8 @@ def _train(model, loss_fn, data, *, steps, microbatches, options) -> list[dict]:
             loss.backward()
             total += loss.item()
         norm = torch.stack([p.grad.double().pow(2).sum() for p in params if p.grad is not None]).sum().sqrt()
-        clip_gradients([p for p in params if p.grad is not None], max_norm=options.max_grad_norm,
-                       total_norm=norm.float())
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], options.max_grad_norm,
+                                             norm.float())
         # The engine's gradients are read after its step, so clipped: compare clipped with clipped.
         records.append({"loss": total, "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()
                                                  if p.grad is not None}})

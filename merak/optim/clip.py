@@ -1,4 +1,4 @@
-"""Gradient norm and clipping over the whole model, whichever ranks hold it."""
+"""The gradient norm over the whole model, whichever ranks hold it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor | None], *, group, group_size: int) -> torch.Tensor:
@@ -23,14 +22,3 @@ def global_grad_norm(grads: Sequence[torch.Tensor | None], *, group, group_size:
     if group_size > 1:
         dist.all_reduce(squares, group=group)
     return squares.sqrt()
-
-
-def clip_gradients(params: Sequence[nn.Parameter], *, max_norm: float, total_norm: torch.Tensor) -> None:
-    """Scale gradients so their global norm is at most ``max_norm`` (as torch's clip_grad_norm_)."""
-    if max_norm <= 0:
-        return
-    coefficient = max_norm / (float(total_norm) + 1e-6)
-    if coefficient < 1.0:
-        for param in params:
-            if param.grad is not None:
-                param.grad.detach().mul_(coefficient)

@@ -38,18 +38,6 @@ def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return grads
 
 
-def all_reduce_gradients(params: Sequence[nn.Parameter], *, group, group_size: int, average: bool,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-    """Sum (or average) gradients of ``params`` over ``group`` in flat buckets.
-
-    Every rank of the group must pass the same parameters in the same order.
-    """
-    if group_size == 1:
-        return
-    all_reduce_tensors(ensure_grads(params), group=group, scale=1.0 / group_size if average else 1.0,
-                       bucket_bytes=bucket_bytes)
-
-
 def all_reduce_tensors(tensors: Sequence[torch.Tensor], *, group, scale: float = 1.0, pre_scale: float = 1.0,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
     """Sum ``tensors`` in place over ``group`` in flat buckets: ``scale * sum(pre_scale * t)``.
