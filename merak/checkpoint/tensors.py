@@ -81,17 +81,12 @@ def optimizer_file(engine) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         for key, value in optimizer.optimizer.state.get(master, {}).items():
             if isinstance(value, torch.Tensor):
                 states[key] = value.detach()
-        scalars = {}
-        for key, value in states.items():
-            if value.dim() == 0:
-                scalars[key] = value
-            else:
-                tensors[f"{name}/{key}"] = value.reshape(-1).contiguous()
-        for key, value in scalars.items():
-            tensors[f"{name}/{key}"] = value.reshape(1).contiguous()
+        scalars = sorted(key for key, value in states.items() if value.dim() == 0)
+        for key, value in states.items():  # scalars (AdamW's step) stored as one-element tensors
+            tensors[f"{name}/{key}"] = value.reshape(-1).contiguous()
         spec = engine.slices.get(name)
         meta[name] = {"start": piece.start, "stop": piece.stop, "local_shape": list(param.shape),
                       "slice": slice_to_json(spec),
                       "full_shape": list(spec.full_shape) if spec else list(param.shape),
-                      "scalars": sorted(scalars), "states": sorted(set(states) - set(scalars))}
+                      "scalars": scalars, "states": sorted(set(states) - set(scalars))}
     return tensors, {"merak": json.dumps(meta)}

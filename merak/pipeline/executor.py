@@ -194,7 +194,8 @@ class PipelineExecutor:
         batch = self._microbatches[instruction.microbatch]
         self._step.batches[key] = batch
         if self._is_first(instruction.chunk):
-            self._step.inputs[key] = _cast_floats(batch, self.compute_dtype)
+            self._step.inputs[key] = batch if self.compute_dtype == torch.float32 \
+                else _cast_floats(batch, self.compute_dtype)
 
     def _forward(self, instruction) -> None:
         step, chunk, m = self._step, instruction.chunk, instruction.microbatch
@@ -220,7 +221,9 @@ class PipelineExecutor:
                 outputs = stage(inputs)
             if self._is_last(chunk):
                 batch = step.batches[key] if kind is ins.PreCheckpointForward else step.batches.pop(key)
-                step.losses[key] = self.loss_fn(_cast_floats(outputs, torch.float32), batch) / step.num_microbatches
+                if self.compute_dtype != torch.float32:
+                    outputs = _cast_floats(outputs, torch.float32)
+                step.losses[key] = self.loss_fn(outputs, batch) / step.num_microbatches
             else:
                 step.outputs[key] = outputs
         self.hooks.on_instruction_end(ins.INSTRUCTION_NAMES[kind])
