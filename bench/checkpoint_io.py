@@ -15,7 +15,6 @@ Throughput is checkpoint bytes over wall time; medians are reported.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shutil
 import sys
@@ -25,12 +24,9 @@ import time
 import common  # first: sets OMP_NUM_THREADS before torch starts
 import torch
 
-from merak.assemble import assemble
 from merak.checkpoint import load_checkpoint, save_checkpoint
 from merak.distributed import groups
-from merak.engine import OptimizerOptions, PipelineEngine
-from merak.shard.plan import ShardingOptions
-from recipes.gpt import model as gpt_model
+from merak.engine import OptimizerOptions
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,14 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _engine(args, state):
-    model_cfg = common.model_config(args)
-    built = assemble(build=functools.partial(common.build_model, model_cfg, args.seed), seed=args.seed,
-                     init_device="cpu", options=ShardingOptions(trace_method=None, input_names=("input_ids",)),
-                     num_stages=1, num_microbatches=1, stage_id=0, device=state.device, example_inputs={})
-    engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=gpt_model.causal_lm_loss, state=state,
-                            schedule="1f1b", num_microbatches=1, total_steps=10,
-                            optimizer=OptimizerOptions(learning_rate=1e-4))
-    batch = common.random_batches(model_cfg, micro_batch_size=1, num_microbatches=1, count=1, seed=args.seed)[0]
+    engine = common.single_stage_engine(args, state, num_microbatches=1, total_steps=10,
+                                        optimizer=OptimizerOptions(learning_rate=1e-4))
+    batch = common.random_batches(common.model_config(args), micro_batch_size=1, num_microbatches=1, count=1,
+                                  seed=args.seed)[0]
     engine.train_step(batch)
     return engine
 

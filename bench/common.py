@@ -168,3 +168,22 @@ def write_json(path: str | None, payload: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
     logger.info("wrote %s", path)
+
+
+def single_stage_engine(args: argparse.Namespace, state, *, num_microbatches: int, total_steps: int,
+                        dtype: torch.dtype = torch.float32, **engine_options):
+    """A PipelineEngine over the whole benchmark GPT as one stage (no capture), on ``state``'s grid."""
+    import functools
+
+    from merak.assemble import assemble
+    from merak.engine import PipelineEngine
+    from merak.shard.plan import ShardingOptions
+    from recipes.gpt.model import causal_lm_loss
+
+    built = assemble(build=functools.partial(build_model, model_config(args), args.seed), seed=args.seed,
+                     init_device="cpu", options=ShardingOptions(trace_method=None, input_names=("input_ids",)),
+                     num_stages=1, num_microbatches=num_microbatches, stage_id=0, device=state.device,
+                     example_inputs={}, dtype=dtype)
+    return PipelineEngine(model=built.model, stages=built.stages, loss_fn=causal_lm_loss, state=state,
+                          schedule="1f1b", num_microbatches=num_microbatches, total_steps=total_steps,
+                          **engine_options)

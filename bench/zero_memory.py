@@ -17,7 +17,6 @@ and d = dp:
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import tempfile
@@ -26,15 +25,12 @@ from pathlib import Path
 import common  # first: sets OMP_NUM_THREADS before torch starts
 import torch
 
-from merak.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import OptimizerOptions
 from merak.optim.distributed import ZeroOptions
 from merak.optim.precision import PrecisionOptions
 from merak.report import peak_rss_bytes
-from merak.shard.plan import ShardingOptions
-from recipes.gpt import model as gpt_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,17 +56,12 @@ def _worker(options: dict, dp: int, stage: int, precision: str, out_path: str) -
     state = groups.init(dp=dp, timeout_s=600)
     try:
         model_cfg = common.model_config(args)
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        built = assemble(build=functools.partial(common.build_model, model_cfg, args.seed), seed=args.seed,
-                         init_device="cpu", options=ShardingOptions(trace_method=None, input_names=("input_ids",)), num_stages=1,
-                         num_microbatches=args.num_microbatches, stage_id=0, device=state.device,
-                         example_inputs={}, dtype=dtype)
-        engine = PipelineEngine(
-            model=built.model, stages=built.stages, loss_fn=gpt_model.causal_lm_loss, state=state,
-            schedule="1f1b", num_microbatches=args.num_microbatches, total_steps=args.steps,
-            optimizer=OptimizerOptions(learning_rate=1e-4), zero=ZeroOptions(stage=stage, reduce_bucket_size=args.bucket),
+        engine = common.single_stage_engine(
+            args, state, num_microbatches=args.num_microbatches, total_steps=args.steps,
+            dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+            optimizer=OptimizerOptions(learning_rate=1e-4),
+            zero=ZeroOptions(stage=stage, reduce_bucket_size=args.bucket),
             precision=PrecisionOptions(bf16=precision == "bf16"))
-        del built
         batches = common.random_batches(model_cfg, micro_batch_size=args.micro_batch_size,
                                         num_microbatches=args.num_microbatches, count=args.steps,
                                         seed=args.seed + state.rank)
