@@ -21,7 +21,8 @@ from merak.config import ConfigError
 from merak.distributed.launch import WorkerFailed
 from recipes.gpt.spec import SPEC
 
-pytestmark = pytest.mark.dist
+# cache_dir: prepared data goes to the session's private cache, whichever test runs first.
+pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("cache_dir")]
 
 REPO = Path(__file__).resolve().parents[2]
 TOY = ["model=toy", "trainer.per_device_train_batch_size=2", "trainer.global_batch_size=16",
@@ -36,7 +37,7 @@ def _compose(overrides):
         return compose(config_name="train", overrides=list(overrides))
 
 
-def _run(run_dir: Path, *overrides, cache_dir=None) -> dict:
+def _run(run_dir: Path, *overrides) -> dict:
     return merak.run(SPEC, _compose([*TOY, f"trainer.output_dir={run_dir}", *overrides]))
 
 
@@ -55,7 +56,7 @@ def _files(checkpoint: Path, folder: str) -> dict[str, bytes]:
      "trainer.initial_scale_power=12", "model.dropout=0.1"],
     ["parallel=dp2", "trainer.zero_optimization=true", "trainer.train_schedule=1f1b"],
 ], ids=["dp2-pp2-zero2-fp16-dropout", "dp2-zero1"])
-def test_resume_is_bit_exact(layout, tmp_path, cache_dir):
+def test_resume_is_bit_exact(layout, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     _run(straight, *layout, "trainer.max_steps=4", "trainer.save=true", "trainer.save_steps=2")
     resumed.mkdir()
@@ -79,7 +80,7 @@ def test_resume_is_bit_exact(layout, tmp_path, cache_dir):
 
 
 @pytest.fixture(scope="module")
-def tp_source(tmp_path_factory, cache_dir):
+def tp_source(tmp_path_factory):
     """4 steps at dp2 x tp2 x pp2 with ZeRO-1 and sequence parallelism, saved after step 2 and 4."""
     run_dir = tmp_path_factory.mktemp("source")
     _run(run_dir, "parallel=dp2_tp2_pp2", "model.vocab_size=50304", "trainer.zero_optimization=true",

@@ -89,6 +89,8 @@ def _train_zero(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
                       engine.gradient_pieces().items() if grad is not None}
             records.append({"loss": result.loss, "grad_norm": result.grad_norm, "pieces": pieces})
         torch.save({"records": records, "slices": slices, "memory": engine.memory_report(),
+                    "position": (state.coordinates.pp, state.coordinates.tp),
+                    "sizes": {name: p.numel() for name, p in engine.named_parameters()},
                     "owned": sum(stop - start for start, stop, _ in engine.gradient_pieces().values()),
                     "local": sum(p.numel() for _, p in engine.named_parameters()),
                     "largest": max(p.numel() for _, p in engine.named_parameters())},
@@ -111,7 +113,8 @@ def test_zero_matches_single_process(layout, tmp_path, references, toy_model_cfg
     model_cfg = vocab_padded(toy_model_cfg) if tp > 1 else toy_model_cfg
     reference = references["padded" if tp > 1 else "plain"]
     spawn_workers(_train_zero, world_size=dp * tp * pp, args=(str(tmp_path), layout, model_cfg, toy_tokens))
-    covered: dict[str, int] = {}
+    owned: dict[tuple, list[tuple[int, int]]] = {}  # (pp, tp, name) -> the ranges dp ranks own
+    sizes: dict[tuple, int] = {}
     for rank in range(dp * tp * pp):
         saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         for step, (got, want) in enumerate(zip(saved["records"], reference, strict=True)):
@@ -126,7 +129,8 @@ def test_zero_matches_single_process(layout, tmp_path, references, toy_model_cfg
                     error = relative_error(grad, expected)
                     assert error < GRAD_RTOL, f"{at}: gradient piece of {name} off by {error:.2e}"
                 if step == 0:
-                    covered[name] = covered.get(name, 0) + stop - start
+                    owned.setdefault((*saved["position"], name), []).append((start, stop))
+                    sizes[(*saved["position"], name)] = saved["sizes"][name]
         # Each rank keeps optimizer state (AdamW: two fp32 moments) for its own pieces only.
         memory = saved["memory"]
         assert memory["optimizer_state_bytes"] == 8 * saved["owned"], layout
@@ -136,9 +140,15 @@ def test_zero_matches_single_process(layout, tmp_path, references, toy_model_cfg
             # parameter that completed it); the rest is the owned fp32 pieces.
             bound = 4 * (saved["owned"] + dp * zero.reduce_bucket_size + saved["largest"])
             assert memory["gradient_bytes"] <= bound, memory
-    # Between them, the data-parallel pieces cover every element of every gradient exactly once per
-    # (tp, pp) position: total coverage = every parameter's local size x the ranks holding it.
-    assert set(covered) == set(reference[0]["grads"]), layout
+    # At every (pp, tp) position the dp ranks' pieces tile each parameter exactly (no gap, no
+    # overlap), and between them the positions hold every parameter of the model.
+    for key, ranges in owned.items():
+        ends = [0]
+        for start, stop in sorted(ranges):
+            assert start == ends[-1], (layout, key, sorted(ranges))
+            ends.append(stop)
+        assert ends[-1] == sizes[key] and len(ranges) == dp, (layout, key, sorted(ranges))
+    assert {name for _, _, name in owned} == set(reference[0]["grads"]), layout
 
 
 def _train_fp16_overflow(out_dir: str, model_cfg, tokens: str) -> None:
