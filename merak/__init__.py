@@ -5,6 +5,8 @@ Public API::
     import merak
     merak.init(dp=2, tp=1, pp=2)          # or let merak.run launch the workers
     merak.run(spec, cfg)                  # recipes: validate, launch, train, summarize
+    args = merak.MerakArguments(output_dir="out", ...)   # transformers.TrainingArguments + Merak's fields
+    merak.MerakTrainer(model=model, args=args, train_data=ds).train()
 """
 
 from merak.compat.torchvision_ops import ensure_torchvision_importable
@@ -29,6 +31,15 @@ from merak.tensor_parallel.seed_api import set_tp_layer_lists
 __version__ = "0.1.0"
 
 
+def __getattr__(name: str):
+    # The trainer API imports transformers: load it only when asked for.
+    if name in ("MerakArguments", "MerakTrainer"):
+        from merak import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module 'merak' has no attribute {name!r}")
+
+
 def run(spec, cfg):
     """Validate a recipe config, launch its workers, train, and return the summary.
 
@@ -40,6 +51,8 @@ def run(spec, cfg):
 
 
 __all__ = [
+    "MerakArguments",
+    "MerakTrainer",
     "RankGrid",
     "__version__",
     "get_dp_rank",

@@ -44,6 +44,8 @@ class TrainerSettings:
     warmup_steps: int = 0
     warmup_ratio: float = 0.0
     logging_steps: int = 1
+    disable_tqdm: bool = False
+    peak_tflops: float | None = None
     train_schedule: str = "1f1b"
     # Automatic pipeline splitting (merak.shard.plan.ShardingOptions).
     trace_method: str | None = "fx"

@@ -30,7 +30,11 @@ from merak.pipeline.recompute import (
     part_seed,
     stage_checkpoint_ratios,
 )
-from merak.pipeline.schedules import build_schedule, schedule_info
+from merak.pipeline.schedules import (
+    build_forward_only_schedule,
+    build_schedule,
+    schedule_info,
+)
 from merak.pipeline.stage import (
     TiedParameter,
     find_tied_parameters,
@@ -201,6 +205,7 @@ class PipelineEngine:
             free_sent_outputs=dealloc_pipeoutput, record_timeline=record_timeline,
             compute_dtype=precision.dtype, loss_scale=lambda: self.optimizer.loss_scale)
         self._last_outcome = None
+        self._eval_instructions = None
 
     def _build_lr_scheduler(self):
         options = self.options
@@ -271,6 +276,41 @@ class PipelineEngine:
         outcome = self._last_outcome
         return StepResult(loss=self._global_loss(local_loss), grad_norm=outcome.grad_norm,
                           learning_rate=learning_rate, skipped=outcome.skipped, loss_scale=outcome.loss_scale)
+
+    def evaluate_step(self, microbatches: Sequence[Mapping[str, torch.Tensor]] | None, *,
+                      keep_outputs: bool = False) -> tuple[float, dict[int, object]]:
+        """Forward ``num_microbatches`` microbatches without gradients, in eval mode.
+
+        Returns:
+            The mean loss of this step over the dp replicas (on every rank), and on the last
+            stage the outputs by microbatch when ``keep_outputs`` (an empty dict elsewhere).
+            Training continues exactly as without this call (dropout seeds follow training steps).
+        """
+        if self.num_chunks > 1:
+            raise NotImplementedError("evaluation with interleaved schedules (pipeline_chunks > 1) is not supported")
+        if self._eval_instructions is None:
+            self._eval_instructions = build_forward_only_schedule(
+                stage_id=self.stage_id, num_stages=self.num_stages, num_microbatches=self.num_microbatches)
+        step_index = self.executor.step_index
+        for chunk in self.chunks.values():
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                local_loss = self.executor.run(self._eval_instructions, microbatches, keep_outputs=keep_outputs)
+        finally:
+            self.executor.step_index = step_index
+            for chunk in self.chunks.values():
+                chunk.train()
+        return self._global_loss(local_loss), self.executor.outputs
+
+    def model_flops_per_step(self) -> float | None:
+        """Model FLOPs of one optimizer step over every rank: 3 x the measured forward FLOPs (backward
+        = 2 x forward; recomputation not counted, as MFU defines it). None before the first step."""
+        flops = self.executor.forward_flops or 0
+        total = torch.tensor([float(flops) if self.state.coordinates.dp == 0 else 0.0], dtype=torch.float64)
+        if self.state.grid.world_size > 1:  # collective: every rank calls this
+            dist.all_reduce(total)
+        return 3.0 * float(total) * self.num_microbatches * self.state.grid.dp or None
 
     def _global_loss(self, local_loss: float | None) -> float:
         """Mean loss over the global batch, known to every rank."""

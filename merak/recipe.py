@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from merak.data.batching import stack_samples
 from merak.tensor_parallel.plan import TPPlan
 
 
@@ -52,6 +53,7 @@ class RecipeSpec:
             only with ``trace_method=None`` (default: automatic capture and sharding).
         tp_plan: how the model splits for tensor parallelism: a TPPlan, or
             ``(model_cfg) -> TPPlan`` when it depends on the model option (None: tp must be 1).
+        collate: ``(list of samples) -> dict of tensors``, one microbatch (default: stack each field).
     """
 
     name: str
@@ -69,6 +71,7 @@ class RecipeSpec:
     split_points: tuple[str, ...] = ()
     build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None
     tp_plan: TPPlan | Callable[[Any], TPPlan] | None = None
+    collate: Callable[[Sequence], Mapping[str, torch.Tensor]] = stack_samples
 
     def tensor_parallel_plan(self, model_cfg) -> TPPlan | None:
         """The TP plan for ``model_cfg`` (see ``tp_plan``)."""

@@ -47,10 +47,11 @@ class MetricsWriter:
         tokens_per_sample: tokens in one sample (1 for non-text models).
         enabled: False on ranks that do not report.
         start_step: steps already done (a resumed run keeps metrics.jsonl up to there and appends).
+        progress_bar: show a progress bar on stderr.
     """
 
     def __init__(self, *, output_dir: str, total_steps: int, samples_per_step: int, tokens_per_sample: int,
-                 enabled: bool, logging_steps: int = 1, start_step: int = 0) -> None:
+                 enabled: bool, logging_steps: int = 1, start_step: int = 0, progress_bar: bool = True) -> None:
         self.enabled = enabled
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
@@ -60,30 +61,42 @@ class MetricsWriter:
         self._bar = None
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
-            path = os.path.join(output_dir, "metrics.jsonl")
+            path = self._path = os.path.join(output_dir, "metrics.jsonl")
             kept = _lines_up_to(path, start_step) if start_step else []
             self._file = open(path, "w", encoding="utf-8")
             self._file.writelines(kept)
+        if enabled and progress_bar:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
                              dynamic_ncols=True, mininterval=0.5)
 
     def log_step(self, *, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float,
-                 skipped: bool = False, loss_scale: float = 1.0) -> None:
-        """Record one optimizer step (``step`` counts from 1)."""
+                 skipped: bool = False, loss_scale: float = 1.0) -> StepRecord:
+        """Record one optimizer step (``step`` counts from 1) and return its record."""
         record = StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=step_time_s,
                             samples_per_s=self.samples_per_step / step_time_s,
                             tokens_per_s=self.samples_per_step * self.tokens_per_sample / step_time_s,
                             skipped=skipped, loss_scale=loss_scale)
         self.records.append(record)
         if not self.enabled:
-            return
+            return record
         if step % self.logging_steps == 0:
             self._file.write(json.dumps(asdict(record)) + "\n")
             self._file.flush()
-        self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
-        self._bar.update(1)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+            self._bar.update(1)
+        return record
+
+    def log_event(self, entry: dict) -> None:
+        """Append a line that is not a training step (evaluation results) to metrics.jsonl."""
+        if self._file is not None and not self._file.closed:
+            self._file.write(json.dumps(entry) + "\n")
+            self._file.flush()
+        elif self.enabled:
+            with open(self._path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(entry) + "\n")
 
     def close(self) -> None:
         if self._bar is not None:
@@ -98,6 +111,26 @@ class MetricsWriter:
         return {"median_step_time_s": median,
                 "samples_per_s": self.samples_per_step / median,
                 "tokens_per_s": self.samples_per_step * self.tokens_per_sample / median}
+
+
+# Dense peak TFLOP/s per device by (name fragment, dtype class), from the vendors' data sheets
+# (SXM parts; tensor cores for 16-bit, TF32 for float32). Matched against torch.cuda.get_device_name().
+_PEAK_TFLOPS = (("H200", {"16bit": 989.0, "float32": 494.5}), ("H100", {"16bit": 989.0, "float32": 494.5}),
+                ("A100", {"16bit": 312.0, "float32": 156.0}))
+
+
+def peak_tflops(dtype) -> float | None:
+    """The dense peak TFLOP/s of this machine's CUDA device for ``dtype`` (None on CPU or unknown parts)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    kind = "float32" if dtype == torch.float32 else "16bit"
+    for fragment, peaks in _PEAK_TFLOPS:
+        if fragment in name:
+            return peaks[kind]
+    return None
 
 
 def _lines_up_to(path: str, step: int) -> list[str]:
@@ -140,6 +173,13 @@ def format_summary(summary: dict) -> str:
             f"  time per step      {summary['median_step_time_s'] * 1000:,.1f} ms (median)",
             f"  throughput         {summary['samples_per_s']:,.1f} samples/s, {summary['tokens_per_s']:,.0f} tokens/s",
         ]
+    flops = summary.get("flops")
+    if flops:
+        mfu = f"MFU {flops['mfu']:.1%}" if flops.get("mfu") is not None else \
+            "MFU n/a (set trainer.peak_tflops to the device's peak)"
+        lines.append(f"  model FLOPs        {_human(flops['model_flops_per_step'])}/step, "
+                     f"{_human(flops['tflops_per_s_per_device'] * 1e12)}FLOP/s per device, {mfu}")
+        lines.append(f"                     ({flops['formula']})")
     precision = summary.get("precision")
     if precision:
         lines.append(f"  precision          {precision['dtype']}, ZeRO stage {precision['zero_stage']}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -61,20 +62,37 @@ def resolve_backend(backend: str | None = None) -> str:
     return choice
 
 
+def first_slurm_host(nodelist: str) -> str:
+    """The first hostname of a SLURM node list, as ``scontrol show hostnames`` lists it first:
+    ``node[01-02,05],gpu7`` -> ``node01``, ``rack[1-2]-n[3-4]`` -> ``rack1-n3``."""
+    first = re.match(r"[^,\[]*(?:\[[^\]]*\][^,\[]*)*", nodelist.strip()).group(0)
+    return re.sub(r"\[([^\]\-,]*)[^\]]*\]", r"\1", first)
+
+
+def slurm_master_port(job_id: str | None) -> str:
+    """A port every task of a SLURM job derives alike (20000-59999 from the job id), so that two
+    jobs sharing a node do not collide; 29500 without a job id."""
+    return str(20000 + int(job_id) % 40000) if job_id and job_id.isdigit() else "29500"
+
+
 def _adopt_slurm_environment() -> None:
-    """Translate SLURM's task variables into the ones torch.distributed reads."""
+    """Translate SLURM's task variables (one task per rank, started by srun) into the ones
+    torch.distributed reads. MASTER_ADDR, unless exported, is the first node of the step (srun
+    puts task 0 there); MASTER_PORT, unless exported, comes from the job id."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "SLURM_STEP_ID" not in os.environ:
         return
     os.environ["RANK"] = os.environ["SLURM_PROCID"]
     os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
     os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
     if "MASTER_ADDR" not in os.environ:
-        raise RuntimeError(
-            "running under SLURM but MASTER_ADDR is not set: export MASTER_ADDR to the first "
-            "node's hostname (e.g. $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)) "
-            "and MASTER_PORT to a free port before srun"
-        )
-    os.environ.setdefault("MASTER_PORT", "29500")
+        nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+        if not nodes:
+            raise RuntimeError(
+                "running under SLURM but neither MASTER_ADDR nor SLURM_STEP_NODELIST/SLURM_JOB_NODELIST "
+                "is set: export MASTER_ADDR to the first node's hostname (e.g. "
+                "$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1)) and MASTER_PORT to a free port")
+        os.environ["MASTER_ADDR"] = first_slurm_host(nodes)
+    os.environ.setdefault("MASTER_PORT", slurm_master_port(os.environ.get("SLURM_JOB_ID")))
 
 
 def _start_process_group(grid: RankGrid, backend: str, timeout_s: float) -> None:
@@ -231,3 +249,12 @@ def gather_from_all(value) -> list:
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, value)
     return everyone
+
+
+def broadcast_object(value, src: int = 0):
+    """Rank ``src``'s ``value`` (any picklable object) on every rank; ``value`` without a process group."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

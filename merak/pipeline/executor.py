@@ -23,6 +23,7 @@ from torch.distributed.pipelining._backward import (
 )
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode
 
 from merak.distributed.p2p import PointToPoint
 from merak.pipeline import instructions as ins
@@ -119,6 +120,15 @@ class PipelineExecutor:
         params = {id(p): p for module in self.stages.values() for p in module.parameters()}
         self.meter = ActivationMeter(params.values())
         self.step_index = 0
+        # Forward FLOPs of one microbatch in each local chunk, counted on the chunk's first forward
+        # (for the run summary's model FLOPs and MFU).
+        self.chunk_flops: dict[int, int] = {}
+        self.outputs: dict[int, object] = {}
+
+    @property
+    def forward_flops(self) -> int | None:
+        """Forward FLOPs of one microbatch through this rank's chunks (None before they all ran)."""
+        return sum(self.chunk_flops.values()) if len(self.chunk_flops) == self.num_chunks else None
 
     def _virtual(self, chunk: int) -> int:
         return ins.virtual_stage(self.stage_id, chunk, self.num_stages)
@@ -130,13 +140,15 @@ class PipelineExecutor:
         return self._virtual(chunk) == self.num_chunks * self.num_stages - 1
 
     def run(self, instructions: Sequence[ins.Instruction],
-            microbatches: Sequence[Mapping[str, torch.Tensor]] | None) -> float | None:
+            microbatches: Sequence[Mapping[str, torch.Tensor]] | None, *, keep_outputs: bool = False) -> float | None:
         """Run one step.
 
         Args:
             instructions: this stage's list from a schedule.
             microbatches: the step's microbatches (dicts of tensors) on the ranks holding the
                 first or last virtual stage; None elsewhere.
+            keep_outputs: keep the last virtual stage's outputs in ``self.outputs`` (microbatch ->
+                outputs) for prediction; a training step leaves it empty.
 
         Returns:
             On the rank holding the last virtual stage, the sum of the (scaled) microbatch
@@ -145,6 +157,8 @@ class PipelineExecutor:
         forwards = sum(isinstance(i, ins.FORWARD_TYPES) for i in instructions)
         self._step = _StepState(forwards // self.num_chunks)
         self._microbatches = microbatches
+        self._keep_outputs = keep_outputs
+        self.outputs = {}
         self.timeline = []
         clock = time.perf_counter
         self.hooks.on_step_begin()
@@ -217,12 +231,19 @@ class PipelineExecutor:
             elif kind is ins.RecomputeForward:
                 with checkpointing("none"):
                     outputs = stage(inputs)
+            elif chunk not in self.chunk_flops:
+                counter = FlopCounterMode(display=False)
+                with counter:
+                    outputs = stage(inputs)
+                self.chunk_flops[chunk] = counter.get_total_flops()
             else:
                 outputs = stage(inputs)
             if self._is_last(chunk):
                 batch = step.batches[key] if kind is ins.PreCheckpointForward else step.batches.pop(key)
                 if self.compute_dtype != torch.float32:
                     outputs = _cast_floats(outputs, torch.float32)
+                if self._keep_outputs:
+                    self.outputs[m] = outputs
                 step.losses[key] = self.loss_fn(outputs, batch) / step.num_microbatches
             else:
                 step.outputs[key] = outputs

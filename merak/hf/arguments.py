@@ -1,0 +1,189 @@
+"""MerakArguments: Hugging Face ``TrainingArguments`` plus Merak's parallelism fields.
+
+Every field of the original Merak API document exists here with its documented
+name, default and meaning; the ones merak implements under another name map
+onto the run settings (:func:`trainer_settings`), and values that cannot work
+are rejected by :meth:`MerakArguments.problems` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from merak.config import TrainerSettings
+
+# The schedules of the API document (early_recompute_1f1b is Merak-Zeus' name for pre_recompute_1f1b).
+SCHEDULE_ALIASES = {"early_recompute_1f1b": "pre_recompute_1f1b"}
+# Hugging Face optimizer names and the merak optimizer that implements them.
+OPTIMIZER_ALIASES = {"adamw_torch": "adamw_torch", "adamw_torch_fused": "adamw_torch", "adamw_hf": "adamw_torch",
+                     "sgd": "sgd", "adafactor": "adafactor"}
+
+
+def _doc(text: str, **kwargs):
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class MerakArguments(TrainingArguments):
+    """Training arguments: every ``transformers.TrainingArguments`` field, plus Merak's.
+
+    The Merak fields keep the names, defaults and meanings of the original API; see
+    docs/trainer_api.md for the table of what each one does here.
+    """
+
+    train_schedule: str = _doc("Pipeline schedule: 1f1b, pre_recompute_1f1b, ds_default, last_no_recompute_1f1b, "
+                               "shifted_critical_path (also gpipe, interleaved_1f1b, zb_h1).", default="1f1b")
+    partition_method: str = _doc("Stage partition: uniform, uniform_floor, parameters, custom, autopipe.",
+                                 default="uniform")
+    split_method: str = _doc("Graph sharding: farthest_min_deps, layer_split, nearest_min_deps.",
+                             default="farthest_min_deps")
+    custom_split_points: list[str] | None = _doc("Split points (module names or globs) for layer_split.",
+                                                 default=None)
+    trace_method: str | None = _doc("fx (torch.fx, falling back to torch.export), dynamo (torch.export), or "
+                                    "None (no tracing).", default="fx")
+    trace_model: str = _doc("A model class name to register for tracing (accepted for compatibility: merak "
+                            "captures any class).", default="")
+    init_method_std: float = _doc("Std of the normal init of weights created for tensor parallelism (merak "
+                                  "slices the model's own initialized weights, so this only applies to "
+                                  "weights built on the meta device without an init of their own).", default=0.02)
+    activation_checkpointing: bool = _doc("Recompute activations in the backward (merak's recomputation, per "
+                                          "pipeline part; gradient_checkpointing is its alias).", default=True)
+    checkpoint_num_layers: int = _doc("Parts (layers) per checkpointed chunk.", default=1)
+    input_names: list[str] | None = _doc("Forward arguments fed from the data (default: the dataset fields the "
+                                         "model's forward accepts).", default=None)
+    num_layers: int | None = _doc("Layers of the model (default: from its config).", default=None)
+    seq_length: int | None = _doc("Sequence length (default: from the model config).", default=None)
+    num_heads: int | None = _doc("Attention heads (default: from the model config).", default=None)
+    wall_clock_breakdown: bool = _doc("Record every instruction's time; write timeline.png/json.", default=False)
+    shard_count: int | None = _doc("Number of graph shards (default 2 x num_layers).", default=None)
+    prescale_gradients: bool = _doc("Divide gradients by dp before the all-reduce.", default=False)
+    gradient_predivide_factor: float = _doc("Divide by this before the reduction and by dp/this after.",
+                                            default=1.0)
+    zero_optimization: bool = _doc("Shard optimizer state (and gradients at stage 2) over dp.", default=False)
+    zero_allow_untested_optimizer: bool = _doc("Allow ZeRO with a non-elementwise optimizer.", default=False)
+    zero_stage: int = _doc("ZeRO stage: 1 or 2.", default=1)
+    zero_allgather_bucket_size: float = _doc("Elements per all-gather after the step.", default=500000000)
+    zero_reduce_bucket_size: float = _doc("Elements per gradient reduce-scatter.", default=500000000)
+    save: bool = _doc("Write checkpoints (every save_steps and at the end).", default=False)
+    finetune: bool = _doc("Load weights only from the checkpoint; step, optimizer and RNG start fresh.",
+                          default=False)
+    no_save_rng: bool = _doc("Do not save RNG states.", default=False)
+    no_save_optim: bool = _doc("Do not save the optimizer.", default=False)
+    no_load_rng: bool = _doc("Do not load RNG states.", default=False)
+    no_load_optim: bool = _doc("Do not load the optimizer.", default=False)
+    split_inputs: bool = _doc("Split input data between tensor-parallel ranks (not supported: every stage "
+                              "receives exactly the fields it needs).", default=False)
+    parallel_vocab: bool = _doc("Split embeddings and the output layer by vocabulary when tp > 1.",
+                                default=False)
+    sequence_parallel: bool = _doc("Split activations along the sequence between blocks when tp > 1.",
+                                   default=False)
+    sequence_dim: int = _doc("Sequence dimension of hidden states.", default=1)
+    dealloc_pipeoutput: bool = _doc("Release sent activations.", default=False)
+    activation_checkpoint_ratio: float | None = _doc("Checkpointed fraction of the first stage (others "
+                                                     "stage-aware), in [0, 1].", default=None)
+    tp_overlapping_level: int = _doc("0 none, 1 overlap within linear pairs, 2 sub-pipelined blocks "
+                                     "(3 is not supported).", default=0)
+    loss_scale: float = _doc("fp16: 0 = dynamic, else this static scale.", default=0.0)
+    initial_scale_power: int = _doc("fp16 dynamic scale starts at 2**this.", default=32)
+    loss_scale_window: int = _doc("Clean steps before the dynamic scale doubles.", default=1000)
+    hysteresis: int = _doc("Overflows tolerated before the dynamic scale halves.", default=2)
+    min_loss_scale: int = _doc("Smallest dynamic loss scale.", default=1)
+    custom_partition: list[int] | None = _doc("pp+1 shard boundaries, e.g. [0, 6, 12].", default=None)
+    no_tie_modules: bool = _doc("Do not tie shared weights across stages (not supported: tied weights are "
+                                "always kept identical).", default=False)
+    save_total_limit: int | None = _doc("Keep the newest n checkpoints (-1: all).", default=-1)
+    eval_iters: int | None = _doc("Evaluation steps per evaluation (None: the whole evaluation set).",
+                                  default=None)
+    text_generation: bool = _doc("Generate text from the prompts of the evaluation set after training.",
+                                 default=False)
+    out_seq_length: int | None = _doc("Length of generated sequences, prompt included.", default=1024)
+    temperature: float = _doc("Sampling temperature (0: greedy).", default=0.9)
+    top_k: int = _doc("Sample among the k most likely tokens (0: all).", default=0)
+    top_p: float = _doc("Sample among the most likely tokens whose probabilities add up to p (1: all).",
+                        default=1.0)
+    lora_config: str | None = _doc("LoRA: a JSON file of peft.LoraConfig fields, or a directory saved by "
+                                   "save_adapter (config and weights).", default=None)
+    adapter_name: str = _doc("Name of the injected adapter.", default="default")
+    logging_steps: float = _doc("Log (and write metrics.jsonl) every n steps; below 1: a fraction of the run.",
+                                default=1)
+    # merak extensions
+    pipeline_chunks: int | None = _doc("Model chunks per pipeline rank (interleaved_1f1b).", default=None)
+    init_device: str = _doc("auto, cpu or meta (used with model_init).", default="auto")
+    autopipe_costs: str = _doc("autopipe's shard cost: flops or time.", default="flops")
+    leaf_modules: list[str] | None = _doc("Class or module names kept whole when tracing.", default=None)
+    pretrained_weights: str | None = _doc("A Hugging Face model directory (safetensors) to start from.",
+                                          default=None)
+    peak_tflops: float | None = _doc("Per-device peak TFLOP/s for MFU (default: known GPUs).", default=None)
+    backend: str = _doc("torch.distributed backend: auto (gloo on CPU, nccl with CUDA), gloo or nccl.",
+                        default="auto")
+    timeout_s: float = _doc("A collective waiting longer fails instead of hanging.", default=600.0)
+
+    def __post_init__(self):
+        if self.output_dir is None:
+            self.output_dir = "merak-output"
+        super().__post_init__()
+
+    def problems(self) -> list[str]:
+        """What cannot work in these arguments (empty when fine); merak's own checks come on top."""
+        problems = []
+        if self.split_inputs:
+            problems.append("split_inputs=True is not supported: each pipeline stage already receives only the "
+                            "microbatch fields it needs; leave it False")
+        if self.no_tie_modules:
+            problems.append("no_tie_modules=True is not supported: weights a model shares (e.g. GPT-2's "
+                            "embedding and output layer) are kept identical across stages; leave it False")
+        if self.tp_overlapping_level == 3:
+            problems.append("tp_overlapping_level=3 (rewriting the whole model) is not supported; use 0, 1 or 2")
+        if _optimizer_name(self.optim) not in OPTIMIZER_ALIASES:
+            problems.append(f"optim={_optimizer_name(self.optim)!r}: merak implements "
+                            f"{', '.join(sorted(OPTIMIZER_ALIASES))}")
+        if self.eval_iters is not None and self.eval_iters < 1:
+            problems.append(f"eval_iters={self.eval_iters}: use a positive number or None (the whole set)")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature}: use 0 (greedy) or a positive number")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p}: use a value in (0, 1]")
+        if self.top_k < 0:
+            problems.append(f"top_k={self.top_k}: use 0 (off) or a positive number")
+        if self.lora_config and not os.path.exists(self.lora_config):
+            problems.append(f"lora_config={self.lora_config}: no such file or directory")
+        if self.logging_steps <= 0:
+            problems.append(f"logging_steps={self.logging_steps}: use a positive number")
+        return problems
+
+
+def _optimizer_name(value) -> str:
+    return getattr(value, "value", value)
+
+
+def trainer_settings(args: MerakArguments, *, total_steps_hint: int | None = None) -> dict:
+    """The ``trainer`` section of a run config from MerakArguments (merak.config.TrainerSettings names)."""
+    known = {f.name for f in dataclasses.fields(TrainerSettings)}
+    values = {name: getattr(args, name) for name in known if hasattr(args, name)}
+    values["train_schedule"] = SCHEDULE_ALIASES.get(args.train_schedule, args.train_schedule)
+    values["lr_scheduler_type"] = _optimizer_name(args.lr_scheduler_type)
+    values["optim"] = OPTIMIZER_ALIASES.get(_optimizer_name(args.optim), _optimizer_name(args.optim))
+    values["output_dir"] = os.path.abspath(args.output_dir)
+    values["save_steps"] = _steps(args.save_steps, total_steps_hint)
+    values["logging_steps"] = _steps(args.logging_steps, total_steps_hint)
+    values["disable_tqdm"] = bool(args.disable_tqdm)
+    values["global_batch_size"] = None
+    for name in ("zero_reduce_bucket_size", "zero_allgather_bucket_size"):
+        values[name] = int(values[name]) if float(values[name]).is_integer() else values[name]
+    values["min_loss_scale"] = float(args.min_loss_scale)
+    resume = args.resume_from_checkpoint
+    values["resume_from_checkpoint"] = {"true": True, "false": None}.get(str(resume).lower(), resume) \
+        if resume is not None else None
+    return json.loads(json.dumps(values, default=str))
+
+
+def _steps(value: float, total: int | None) -> int:
+    """Hugging Face's step counts: a value below 1 is a fraction of the run's steps."""
+    if value < 1 and total:
+        return max(1, round(value * total))
+    return max(1, int(value))

@@ -1,0 +1,346 @@
+"""MerakTrainer: the seed API's trainer for the user's own model, with 3D parallelism.
+
+Every process runs the same script (torchrun, srun, or one process)::
+
+    merak.init(dp=2, tp=1, pp=2)
+    trainer = MerakTrainer(model=model, args=MerakArguments(...), train_data=ds, eval_data=ds_eval)
+    trainer.train()
+
+The trainer turns the model, data and arguments into the same run settings a
+recipe has, and drives the same :class:`merak.session.TrainingSession`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+from transformers.trainer_callback import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    PrinterCallback,
+    TrainerControl,
+    TrainerState,
+)
+from transformers.trainer_utils import EvalPrediction, PredictionOutput
+
+from merak.config import ConfigError, resolve_settings, total_steps
+from merak.data.batching import BatchPlan, stack_samples
+from merak.distributed import groups
+from merak.hf.arguments import MerakArguments, trainer_settings
+from merak.hf.loss import LabelLoss, is_causal_lm
+from merak.hf.predictions import gather_predictions
+from merak.recipe import RecipeSpec
+from merak.report import format_summary
+from merak.session import TrainingSession
+from merak.tensor_parallel.seed_api import user_plan
+
+logger = logging.getLogger(__name__)
+
+
+def _to_tensors(sample) -> dict[str, torch.Tensor]:
+    return {key: torch.as_tensor(value) for key, value in sample.items()}
+
+
+def default_collate(samples) -> dict[str, torch.Tensor]:
+    """Stack the fields of dict samples (lists, numpy arrays or tensors)."""
+    return stack_samples([_to_tensors(sample) for sample in samples])
+
+
+class MerakTrainer:
+    """Train, evaluate, predict and generate with the model split over ``merak.init``'s grid.
+
+    Args:
+        model: the unmodified single-device model (built identically, with the same seed, in
+            every process). Or give ``model_init``.
+        args: the training arguments.
+        train_data: training samples (``__len__`` and ``__getitem__`` -> dict of fields), e.g. a
+            ``datasets.Dataset`` or a torch ``Dataset``.
+        eval_data: evaluation samples (same form).
+        leaf_modules: module classes or names kept whole when tracing.
+        loss_fn: ``loss_fn(logits, labels)`` on flattened logits and labels, as ``nn.CrossEntropyLoss()``
+            (the default; causal language models are shifted first). To see the whole output and
+            batch, pass ``compute_loss(output, batch)`` instead.
+        compute_loss: ``(model output, microbatch dict) -> mean loss``; replaces ``loss_fn``.
+        data_collator: ``(list of samples) -> dict of tensors`` (default: stack each field).
+        callbacks: ``transformers.TrainerCallback`` instances (progress, logging, early stopping...).
+        model_init: ``() -> nn.Module``, called by merak after seeding; with ``args.init_device``
+            ``meta`` or ``auto`` a giant model is built without memory and each rank materializes
+            only its own stage.
+        tp_plan: a merak TPPlan for ``tp > 1`` (default: the plan from ``merak.set_tp_layer_lists``).
+        train_dataset, eval_dataset: Hugging Face names for ``train_data`` and ``eval_data``.
+    """
+
+    def __init__(self, model: nn.Module | None = None, args: MerakArguments | None = None, train_data=None,
+                 eval_data=None, leaf_modules: Sequence = (), loss_fn: Callable | None = None, *,
+                 compute_loss: Callable | None = None, data_collator: Callable | None = None,
+                 callbacks: Sequence = (), model_init: Callable[[], nn.Module] | None = None, tp_plan=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None) -> None:
+        if (model is None) == (model_init is None):
+            raise ValueError("give the model or model_init (not both)")
+        self.args = args if args is not None else MerakArguments(output_dir="merak-output")
+        if not isinstance(self.args, MerakArguments):
+            raise TypeError(f"args must be MerakArguments, got {type(self.args).__name__}")
+        self.train_data = train_data if train_data is not None else train_dataset
+        self.eval_data = eval_data if eval_data is not None else eval_dataset
+        self.processing_class = processing_class
+        self.state_grid = groups.get_state() if groups.is_initialized() else groups.init(1, 1, 1)
+        if model is not None and self.args.lora_config:
+            from merak.lora import apply_lora
+
+            model = apply_lora(model, self.args.lora_config, adapter_name=self.args.adapter_name)
+        probe = model if model is not None else None
+        self.model = model
+        label_name = (self.args.label_names or ["labels"])[0]
+        self.loss = compute_loss or LabelLoss(loss_fn, label_name=label_name,
+                                              shift=probe is not None and is_causal_lm(probe))
+        self.collate = data_collator or default_collate
+        self.spec = RecipeSpec(
+            name=type(model).__name__ if model is not None else "model_init",
+            build_model=(lambda _cfg: self.model) if model is not None else (lambda _cfg: model_init()),
+            loss_fn=self.loss, prepare_data=lambda _data, _model: None,
+            load_dataset=lambda _prepared, _model: self._require_train_data(), collate=self.collate,
+            leaf_modules=tuple(leaf_modules), tp_plan=tp_plan if tp_plan is not None else user_plan(),
+            tokens_per_sample=lambda _cfg: self._tokens_per_sample())
+        self.settings = self._settings(model_init is not None)
+        # DefaultFlowCallback keeps the control flags the built-in callbacks read; merak decides logging and
+        # evaluation itself, stops at max_steps, and saves only with save=True.
+        handlers = [DefaultFlowCallback, *([PrinterCallback] if self.args.disable_tqdm else [])]
+        from transformers.integrations import get_reporting_integration_callbacks
+
+        handlers += get_reporting_integration_callbacks(self.args.report_to)
+        self.callback_handler = CallbackHandler([*handlers, *callbacks], model, processing_class, None, None)
+        self.state = TrainerState(is_local_process_zero=self.is_world_process_zero(),
+                                  is_world_process_zero=self.is_world_process_zero())
+        self.control = TrainerControl()
+        self.session: TrainingSession | None = None
+        self.summary: dict | None = None
+
+    # -- set-up ----------------------------------------------------------------
+
+    def _require_train_data(self):
+        if self.train_data is None:
+            raise ValueError("MerakTrainer needs train_data (it also shapes the graph merak captures)")
+        return _Samples(self.train_data)
+
+    def _tokens_per_sample(self) -> int:
+        sample = self._require_train_data()[0]
+        ids = sample.get("input_ids")
+        return int(ids.numel()) if ids is not None else 1
+
+    def _settings(self, from_init: bool):
+        args, grid = self.args, self.state_grid.grid
+        problems = args.problems()
+        if args.parallel_vocab and grid.tp > 1 and isinstance(self.loss, LabelLoss) and self.loss.loss_fn:
+            problems.append("parallel_vocab with tp > 1 gives the loss vocabulary slices of the logits: leave "
+                            "loss_fn unset (merak's vocabulary-parallel cross entropy)")
+        if args.lora_config and grid.tp > 1:
+            problems.append("lora_config with tp > 1 is not supported (peft's adapter layers have no "
+                            "tensor-parallel plan): use dp and pp")
+        if problems:
+            raise ConfigError("invalid MerakArguments:\n  - " + "\n  - ".join(problems))
+        trainer = trainer_settings(args)
+        if not from_init:
+            trainer["init_device"] = "cpu"  # the model exists already
+        cfg = OmegaConf.create({
+            "trainer": trainer, "parallel": {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp},
+            "launcher": {"backend": args.backend, "timeout_s": args.timeout_s},
+            "model": {"name": self.spec.name}, "data": {}})
+        settings = resolve_settings(self.spec, cfg, world_size=grid.world_size)
+        return settings
+
+    def is_world_process_zero(self) -> bool:
+        return self.state_grid.rank == 0
+
+    def _steps(self) -> int:
+        settings = self.settings
+        plan = BatchPlan(num_samples=len(self._require_train_data()),
+                         micro_batch_size=settings.trainer.per_device_train_batch_size,
+                         num_microbatches=settings.num_microbatches, dp_size=settings.grid.dp)
+        return total_steps(settings, plan.steps_per_epoch)
+
+    def _session(self) -> TrainingSession:
+        if self.session is None:
+            from merak.checkpoint import find_checkpoint
+
+            steps = self._steps()
+            self.state.max_steps = steps
+            resume = find_checkpoint(self.settings.trainer.resume_from_checkpoint, self.settings.output_dir)
+            self.session = TrainingSession(self.spec, self.settings, None, steps=steps, state=self.state_grid,
+                                           resume=resume)
+            self.model = self.session.model
+            self.callback_handler.model = self.model
+            self.callback_handler.optimizer = self.session.engine.optimizer.optimizer
+            self.callback_handler.lr_scheduler = self.session.engine.lr_scheduler
+        return self.session
+
+    # -- training --------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None):
+        """Train for ``max_steps`` (or the epochs); returns a ``TrainOutput``-like summary dict.
+
+        Evaluates every ``eval_steps`` when ``eval_strategy='steps'`` and at the end when
+        ``do_eval``; saves checkpoints when ``save`` is set (and an adapter with LoRA).
+        """
+        if resume_from_checkpoint is not None:
+            self.args.resume_from_checkpoint = resume_from_checkpoint
+            self.settings = self._settings(self.settings.trainer.init_device != "cpu")
+        session = self._session()
+        self.state.global_step = session.step
+        self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
+        logging_steps = max(1, self.settings.trainer.logging_steps)
+        eval_every = self._eval_every()
+
+        def before(step: int) -> None:
+            self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+
+        def after(step: int, result, record) -> bool:
+            self.state.global_step = step
+            self.state.epoch = step / max(1, self._steps_per_epoch())
+            self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
+            if step % logging_steps == 0:
+                self.log({"loss": result.loss, "learning_rate": result.learning_rate,
+                          "grad_norm": result.grad_norm})
+            if eval_every and step % eval_every == 0:
+                self.evaluate()
+            # Callbacks may decide differently on different ranks: rank 0's decision holds.
+            wants = groups.broadcast_object([self.control.should_training_stop, self.control.should_save])
+            trainer = self.settings.trainer
+            if wants[1] and trainer.save and step % trainer.save_steps and step != session.steps:
+                session.save()  # a callback asked for a checkpoint the schedule would not write
+            self.control.should_save = False
+            return bool(wants[0])
+
+        self.summary = session.train(on_step=after, before_step=before)
+        if self.args.do_eval and self.eval_data is not None:
+            metrics = self.evaluate()
+            if self.summary is not None:
+                self.summary["eval"] = metrics
+        if self.args.lora_config:
+            from merak.lora import save_adapter
+
+            save_adapter(self, os.path.join(self.settings.output_dir, "adapter"))
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        if self.summary is not None:
+            logger.info("\n%s", format_summary(self.summary))
+        return self.summary
+
+    def _steps_per_epoch(self) -> int:
+        return self.session.loader.plan.steps_per_epoch if self.session and self.session.loader else self._steps()
+
+    def _eval_every(self) -> int | None:
+        strategy = getattr(self.args.eval_strategy, "value", self.args.eval_strategy)
+        if strategy != "steps" or self.eval_data is None:
+            return None
+        return max(1, int(self.args.eval_steps or self.settings.trainer.logging_steps))
+
+    def log(self, logs: dict) -> None:
+        """Record ``logs`` in the state's history and hand them to the callbacks (TensorBoard...)."""
+        entry = {**logs, "step": self.state.global_step}
+        self.state.log_history.append(entry)
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    # -- evaluation and prediction ---------------------------------------------
+
+    def _eval_micro_batch(self) -> int:
+        size = self.args.per_device_eval_batch_size
+        plan = self._session().plan
+        if plan is not None and plan.trace_method == "export" and size != self.args.per_device_train_batch_size:
+            raise ConfigError(
+                f"per_device_eval_batch_size={size} but the model was captured with torch.export, whose graphs "
+                f"are specialized to the training microbatch ({self.args.per_device_train_batch_size} samples): "
+                f"make them equal")
+        return size
+
+    def evaluate(self, eval_dataset=None, eval_iters: int | None = None, metric_key_prefix: str = "eval") -> dict:
+        """Mean loss over the evaluation set, sharded across dp replicas (every rank returns it).
+
+        ``eval_iters`` (default ``args.eval_iters``; None: the whole set) limits the evaluation steps;
+        each step is ``gradient_accumulation_steps`` microbatches of ``per_device_eval_batch_size``
+        on each replica. Samples after the last whole step are not evaluated.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_data
+        if dataset is None:
+            raise ValueError("evaluate() needs eval_data (or an eval_dataset argument)")
+        session = self._session()
+        metrics, _ = session.evaluate(_Samples(dataset), micro_batch_size=self._eval_micro_batch(),
+                                      eval_iters=eval_iters if eval_iters is not None else self.args.eval_iters)
+        metrics = {f"{metric_key_prefix}_{k.removeprefix('eval_')}": v for k, v in metrics.items()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        if session.metrics is not None:
+            session.metrics.log_event({"step": self.state.global_step, **metrics})
+        return metrics
+
+    def predict(self, test_dataset, metric_key_prefix: str = "test") -> PredictionOutput:
+        """Logits and labels for every sample of whole evaluation steps, in dataset order, on every
+        rank; with ``args.text_generation`` the generated token ids instead (see :meth:`generate`)."""
+        if self.args.text_generation:
+            prompts = [list(map(int, _Samples(test_dataset)[i]["input_ids"])) for i in range(len(test_dataset))]
+            generated = self.generate(prompts)
+            width = max(len(g) for g in generated)
+            padded = np.full((len(generated), width), -100, dtype=np.int64)
+            for row, tokens in enumerate(generated):
+                padded[row, :len(tokens)] = tokens
+            return PredictionOutput(predictions=padded, label_ids=None, metrics={})
+        session = self._session()
+        metrics, kept = session.evaluate(_Samples(test_dataset), micro_batch_size=self._eval_micro_batch(),
+                                         keep_outputs=True)
+        predictions, labels = gather_predictions(session, kept, label_name=self._label_name(),
+                                                 parallel_vocab=self.settings.trainer.parallel_vocab)
+        metrics = {f"{metric_key_prefix}_{k.removeprefix('eval_')}": v for k, v in metrics.items()}
+        if self.args.prediction_loss_only:
+            return PredictionOutput(predictions=None, label_ids=None, metrics=metrics)
+        compute = getattr(self, "compute_metrics", None)
+        if compute is not None and labels is not None:
+            metrics.update({f"{metric_key_prefix}_{k}": v
+                            for k, v in compute(EvalPrediction(predictions=predictions, label_ids=labels)).items()})
+        return PredictionOutput(predictions=predictions, label_ids=labels, metrics=metrics)
+
+    def _label_name(self) -> str:
+        return (self.args.label_names or ["labels"])[0]
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_length: int | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None) -> list[list[int]]:
+        """Continue each prompt (token ids) through the pipeline with a KV cache on every stage.
+
+        Defaults come from the arguments: ``out_seq_length`` (total length, prompt included),
+        ``temperature`` (0: greedy), ``top_k``, ``top_p`` and ``seed``. Every rank returns all
+        sequences; prompts are spread over the dp replicas.
+        """
+        from merak.generation import GenerationOptions, generate
+
+        args = self.args
+        options = GenerationOptions(
+            max_length=max_length or args.out_seq_length,
+            temperature=args.temperature if temperature is None else temperature,
+            top_k=args.top_k if top_k is None else top_k, top_p=args.top_p if top_p is None else top_p,
+            seed=args.seed if seed is None else seed)
+        return generate(self._session(), prompts, options)
+
+    # -- adapters ---------------------------------------------------------------
+
+    def save_adapter(self, directory: str) -> None:
+        """Write the LoRA adapter alone (peft's ``save_pretrained`` layout); collective."""
+        from merak.lora import save_adapter
+
+        save_adapter(self, directory)
+
+
+class _Samples:
+    """A dataset whose samples are dicts of tensors (Hugging Face datasets give lists)."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return _to_tensors(self.dataset[int(index)])

@@ -1,0 +1,350 @@
+"""One worker's training session: its engine, its data and its reports.
+
+Both front ends drive this class: ``merak.run`` (recipes, one session per spawned
+or torchrun worker) and :class:`merak.MerakTrainer` (the seed API, in the user's
+own processes). It assembles this rank's stage, restores a checkpoint, runs the
+training loop with checkpoints and listeners, evaluates, and writes
+``metrics.jsonl`` and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from merak.assemble import assemble
+from merak.checkpoint import load_checkpoint, load_pretrained, save_checkpoint
+from merak.checkpoint.load import LoadOptions
+from merak.checkpoint.save import SaveOptions
+from merak.config import (
+    RunSettings,
+    pipeline_chunks,
+    precision_options,
+    warmup_steps,
+    zero_options,
+)
+from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
+from merak.distributed import groups
+from merak.distributed.groups import ParallelState
+from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions, StepResult
+from merak.pipeline.hooks import PipelineHook
+from merak.pipeline.wall_clock import write_timelines
+from merak.report import (
+    MetricsWriter,
+    StepRecord,
+    peak_rss_bytes,
+    peak_tflops,
+    write_json_atomic,
+)
+from merak.shard.plan import ShardingOptions
+from merak.tensor_parallel.options import TensorParallelOptions
+
+logger = logging.getLogger(__name__)
+
+# Called after every optimizer step with (step counted from 1, the step's result, its record);
+# returning True stops training after this step.
+StepListener = Callable[[int, StepResult, StepRecord], bool]
+
+
+def sharding_options(spec, settings: RunSettings) -> ShardingOptions:
+    """Capture/shard/partition options: the trainer settings over the recipe's defaults."""
+    trainer = settings.trainer
+    return ShardingOptions(
+        trace_method=trainer.trace_method, split_method=trainer.split_method, shard_count=trainer.shard_count,
+        split_points=tuple(trainer.custom_split_points or spec.split_points),
+        partition_method=trainer.partition_method,
+        custom_partition=tuple(trainer.custom_partition) if trainer.custom_partition else None,
+        leaf_modules=tuple(spec.leaf_modules) + tuple(trainer.leaf_modules or ()),
+        input_names=tuple(trainer.input_names or spec.input_names or ()) or None,
+        autopipe_costs=trainer.autopipe_costs)
+
+
+def example_inputs(spec, settings: RunSettings, prepared) -> dict[str, torch.Tensor]:
+    """One microbatch-shaped input: from the recipe's config shapes, else the first samples of the data."""
+    size = settings.trainer.per_device_train_batch_size
+    if spec.example_inputs is not None:
+        return dict(spec.example_inputs(settings.model_cfg, size))
+    dataset = spec.load_dataset(prepared, settings.model_cfg)
+    return spec.collate([dataset[i] for i in range(min(size, len(dataset)))])
+
+
+def tensor_parallel_options(spec, settings: RunSettings, tp_rank: int) -> TensorParallelOptions:
+    """The tensor-parallel settings of the worker at ``tp_rank``."""
+    trainer = settings.trainer
+    return TensorParallelOptions(
+        plan=spec.tensor_parallel_plan(settings.model_cfg), size=settings.grid.tp, rank=tp_rank,
+        parallel_vocab=trainer.parallel_vocab, sequence_parallel=trainer.sequence_parallel,
+        sequence_dim=trainer.sequence_dim, overlap_level=trainer.tp_overlapping_level)
+
+
+def recompute_options(settings: RunSettings) -> RecomputeOptions:
+    """The activation-checkpointing settings (same field names as the trainer settings)."""
+    trainer = settings.trainer
+    ratio = trainer.activation_checkpoint_ratio
+    return RecomputeOptions(activation_checkpointing=trainer.activation_checkpointing,
+                            checkpoint_num_layers=trainer.checkpoint_num_layers,
+                            activation_checkpoint_ratio=tuple(ratio) if isinstance(ratio, list) else ratio)
+
+
+def optimizer_options(settings: RunSettings, steps: int) -> OptimizerOptions:
+    """OptimizerOptions from the trainer settings (same field names), warm-up resolved."""
+    names = {field.name for field in dataclasses.fields(OptimizerOptions)}
+    values = {name: getattr(settings.trainer, name) for name in names}
+    return OptimizerOptions(**{**values, "warmup_steps": warmup_steps(settings, steps)})
+
+
+def assemble_worker(spec, settings: RunSettings, prepared, *, stage_id: int, device, tp_rank: int = 0,
+                    planning: bool = False):
+    """This worker's model and stages; ``planning``: nothing materialized on meta (the model is built
+    as the workers build it, so the plan is theirs: export graphs can differ between meta and real).
+    With interleaved schedules the model is cut into pp x chunks pieces and the worker keeps
+    pieces ``stage_id, stage_id + pp, ...``."""
+    chunks, pp = pipeline_chunks(settings.trainer), settings.grid.pp
+    return assemble(
+        build=functools.partial(spec.build_model, settings.model_cfg), seed=settings.trainer.seed,
+        init_device=settings.trainer.init_device, options=sharding_options(spec, settings),
+        num_stages=pp * chunks, num_microbatches=settings.num_microbatches,
+        stage_id=tuple(stage_id + c * pp for c in range(chunks)),
+        device=device, example_inputs=example_inputs(spec, settings, prepared), build_stages=spec.build_stages,
+        materialize_stage=not planning, tensor_parallel=tensor_parallel_options(spec, settings, tp_rank),
+        dtype=precision_options(settings.trainer).dtype)
+
+
+class TrainingSession:
+    """This worker's stage, optimizer and data, ready to train, evaluate and report.
+
+    Args:
+        spec: the RecipeSpec (a recipe's, or the one MerakTrainer makes for the user's model).
+        settings: validated run settings.
+        prepared: what ``spec.prepare_data`` returned.
+        steps: optimizer steps of the whole run.
+        state: this rank's parallel state (``merak.init``).
+        resume: the checkpoint to start from, if any.
+        hooks: extra pipeline listeners (called around every compute instruction).
+    """
+
+    def __init__(self, spec, settings: RunSettings, prepared, *, steps: int, state: ParallelState,
+                 resume: str | None = None, hooks: Sequence[PipelineHook] = ()) -> None:
+        self.spec, self.settings, self.prepared = spec, settings, prepared
+        self.steps, self.state, self.resume = steps, state, resume
+        self.started = time.perf_counter()
+        trainer = settings.trainer
+        built = assemble_worker(spec, settings, prepared, stage_id=state.coordinates.pp, device=state.device,
+                                tp_rank=state.coordinates.tp)
+        self.model = built.model  # the full model object: this rank's stage modules are its modules
+        self.plan = built.plan
+        self.engine = PipelineEngine(
+            model=built.model, stages=built.stages, loss_fn=spec.loss_fn, state=state,
+            schedule=trainer.train_schedule, num_microbatches=settings.num_microbatches, total_steps=steps,
+            optimizer=optimizer_options(settings, steps), recompute=recompute_options(settings),
+            num_chunks=pipeline_chunks(trainer), dropout_seed=trainer.seed, hooks=hooks,
+            dealloc_pipeoutput=trainer.dealloc_pipeoutput, record_timeline=trainer.wall_clock_breakdown,
+            zero=zero_options(trainer), precision=precision_options(trainer))
+        del built  # the engine keeps this rank's stage only
+        grid = settings.grid
+        # Dropout masks differ between replicas and stages, but not within a tensor-parallel group,
+        # whose ranks hold the same replicated activations.
+        torch.manual_seed(trainer.seed + grid.rank_of(pp=state.coordinates.pp, dp=state.coordinates.dp, tp=0))
+        self.first_step = self._start()  # after seeding: a checkpoint's RNG states win
+        self.step = self.first_step
+        self.loader = None
+        if self.feeds_data:
+            dataset = spec.load_dataset(prepared, settings.model_cfg)
+            plan = BatchPlan(num_samples=len(dataset), micro_batch_size=trainer.per_device_train_batch_size,
+                             num_microbatches=settings.num_microbatches, dp_size=grid.dp,
+                             dp_rank=state.coordinates.dp, seed=trainer.seed)
+            self.loader = MicrobatchLoader(dataset, plan, collate=spec.collate, device=state.device)
+        self.metrics: MetricsWriter | None = None
+        self.saved: list[str] = []
+
+    @property
+    def feeds_data(self) -> bool:
+        """Whether this rank reads data (the first stage its inputs, the last stage its labels)."""
+        return self.state.is_first_stage or self.state.is_last_stage
+
+    @property
+    def is_reporting_rank(self) -> bool:
+        return self.state.rank == 0
+
+    def _start(self) -> int:
+        """Load the checkpoint or pretrained weights this run starts from; return the first step."""
+        trainer = self.settings.trainer
+        if self.resume is not None:
+            state = load_checkpoint(self.engine, self.resume, options=LoadOptions(
+                finetune=trainer.finetune, no_load_rng=trainer.no_load_rng, no_load_optim=trainer.no_load_optim))
+            return int(state["step"])
+        if trainer.pretrained_weights:
+            count = load_pretrained(self.engine, trainer.pretrained_weights)
+            logger.info("loaded %d tensors from %s", count, trainer.pretrained_weights)
+        return 0
+
+    # -- training ------------------------------------------------------------------
+
+    def _run_info(self) -> dict:
+        from omegaconf import OmegaConf
+
+        model_cfg = self.settings.model_cfg
+        model = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else model_cfg
+        return {"recipe": self.spec.name, "model": model, "seed": self.settings.trainer.seed,
+                "global_batch_size": self.settings.global_batch_size}
+
+    def save(self) -> str:
+        """Write a checkpoint of the current step (collective: every rank calls it)."""
+        trainer = self.settings.trainer
+        path = save_checkpoint(
+            self.engine, self.settings.output_dir, step=self.step, run_info=self._run_info(),
+            trainer_state={"consumed_samples": self.step * self.settings.global_batch_size},
+            options=SaveOptions(save_total_limit=trainer.save_total_limit, no_save_rng=trainer.no_save_rng,
+                                no_save_optim=trainer.no_save_optim))
+        self.saved.append(path)
+        return path
+
+    def train(self, on_step: StepListener | None = None,
+              before_step: Callable[[int], None] | None = None) -> dict | None:
+        """Train from the current step to ``steps``; checkpoints every ``save_steps`` and at the end.
+
+        ``before_step(step)`` runs before each step (counted from 0) and ``on_step`` after it.
+
+        Returns:
+            The run summary on rank 0, None on the other ranks.
+        """
+        trainer, settings = self.settings.trainer, self.settings
+        self.metrics = MetricsWriter(output_dir=settings.output_dir, total_steps=self.steps,
+                                     samples_per_step=settings.global_batch_size,
+                                     tokens_per_sample=self.spec.tokens_per_sample(settings.model_cfg),
+                                     enabled=self.is_reporting_rank, logging_steps=trainer.logging_steps,
+                                     start_step=self.first_step, progress_bar=not trainer.disable_tqdm)
+        stop = False
+        while self.step < self.steps and not stop:
+            if before_step is not None:
+                before_step(self.step)
+            step_start = time.perf_counter()
+            microbatches = self.loader.load_step(self.step) if self.loader else None
+            result = self.engine.train_step(microbatches)
+            self.step += 1
+            record = self.metrics.log_step(step=self.step, loss=result.loss, lr=result.learning_rate,
+                                           grad_norm=result.grad_norm,
+                                           step_time_s=time.perf_counter() - step_start,
+                                           skipped=result.skipped, loss_scale=result.loss_scale)
+            if on_step is not None:
+                stop = bool(on_step(self.step, result, record))
+            if trainer.save and (self.step % trainer.save_steps == 0 or self.step == self.steps or stop):
+                self.save()
+        self.metrics.close()
+        timeline = write_timelines(self.engine, schedule=trainer.train_schedule, output_dir=settings.output_dir,
+                                   rank=self.state.rank) if trainer.wall_clock_breakdown else None
+        return self.write_summary(timeline)
+
+    # -- evaluation ----------------------------------------------------------------
+
+    def eval_batches(self, dataset, *, micro_batch_size: int, eval_iters: int | None = None):
+        """This rank's evaluation steps over ``dataset``: lists of microbatches (None on ranks that
+        read no data). The dataset is split across dp replicas in order, without shuffling; samples
+        past the last whole step are not evaluated (``eval_iters`` limits the steps)."""
+        settings = self.settings
+        plan = BatchPlan(num_samples=len(dataset), micro_batch_size=micro_batch_size,
+                         num_microbatches=settings.num_microbatches, dp_size=settings.grid.dp,
+                         dp_rank=self.state.coordinates.dp, shuffle=False)
+        steps = plan.steps_per_epoch if eval_iters is None else min(eval_iters, plan.steps_per_epoch)
+        loader = MicrobatchLoader(dataset, plan, collate=self.spec.collate, device=self.state.device) \
+            if self.feeds_data else None
+        for step in range(steps):
+            yield plan, (loader.load_step(step) if loader else None)
+
+    def evaluate(self, dataset, *, micro_batch_size: int, eval_iters: int | None = None,
+                 keep_outputs: bool = False) -> tuple[dict, list]:
+        """Mean loss over ``dataset`` sharded across dp (see :meth:`eval_batches`).
+
+        Returns:
+            ``({"eval_loss", "eval_samples", "eval_steps", "eval_runtime_s"}, outputs)``: the metrics on
+            every rank; with ``keep_outputs``, on the last stage, ``(microbatch, outputs)`` pairs in
+            order (else empty).
+        """
+        started = time.perf_counter()
+        losses, kept, plan = [], [], None
+        for plan, microbatches in self.eval_batches(dataset, micro_batch_size=micro_batch_size,
+                                                    eval_iters=eval_iters):
+            loss, outputs = self.engine.evaluate_step(microbatches, keep_outputs=keep_outputs)
+            losses.append(loss)
+            if keep_outputs and outputs:
+                kept += [(microbatches[m], outputs[m]) for m in sorted(outputs)]
+        if not losses:
+            raise ValueError(f"the evaluation set has {len(dataset)} samples, fewer than one evaluation step "
+                             f"({plan.global_batch_size if plan else '?'} samples: micro batch x "
+                             f"gradient_accumulation_steps x dp)")
+        metrics = {"eval_loss": sum(losses) / len(losses), "eval_samples": len(losses) * plan.global_batch_size,
+                   "eval_steps": len(losses), "eval_runtime_s": time.perf_counter() - started}
+        return metrics, kept
+
+    # -- reporting -----------------------------------------------------------------
+
+    def write_summary(self, timeline: dict | None = None, extra: dict | None = None) -> dict | None:
+        """Gather every rank's memory figures; rank 0 writes summary.json (per stage: the most any of
+        its ranks holds; per rank: everything) and returns the summary. Collective."""
+        engine, settings, metrics = self.engine, self.settings, self.metrics
+        local = {"stage": engine.stage_id, "rank": self.state.rank,
+                 "num_parameters": sum(p.numel() for _, p in engine.named_parameters()),
+                 "peak_rss_bytes": peak_rss_bytes(), **engine.memory_report()}
+        everyone = groups.gather_from_all(local)
+        flops_per_step = engine.model_flops_per_step()
+        if self.state.rank != 0:
+            return None
+        stages = []
+        for stage_id in range(settings.grid.pp):
+            rows = [r for r in everyone if r["stage"] == stage_id]
+            merged = {key: max(r[key] for r in rows) for key in rows[0] if key not in ("stage", "rank")}
+            stages.append({"stage": stage_id, "ranks": sorted(r["rank"] for r in rows), **merged})
+        grid, records = settings.grid, metrics.records if metrics else []
+        throughput = metrics.throughput() if records else {}
+        summary = {
+            "recipe": self.spec.name, "model": _model_name(settings.model_cfg),
+            "layout": {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp},
+            "schedule": settings.trainer.train_schedule, "steps": self.steps,
+            "global_batch_size": settings.global_batch_size, "num_microbatches": settings.num_microbatches,
+            "first_loss": records[0].loss if records else None,
+            "final_loss": records[-1].loss if records else None,
+            **throughput, "wall_time_s": time.perf_counter() - self.started, "stages": stages,
+            "flops": _flops_report(flops_per_step, throughput.get("median_step_time_s"), grid.world_size,
+                                   settings.trainer.peak_tflops, engine.optimizer.precision.dtype),
+            "recompute": {"activation_checkpointing": settings.trainer.activation_checkpointing,
+                          "activation_checkpoint_ratio": settings.trainer.activation_checkpoint_ratio,
+                          "pipeline_chunks": engine.num_chunks},
+            "ranks": sorted(everyone, key=lambda r: r["rank"]),
+            "checkpoints": {"resumed_from": self.resume, "saved": list(self.saved)},
+            "precision": {"dtype": str(engine.optimizer.precision.dtype).removeprefix("torch."),
+                          "zero_stage": engine.optimizer.zero.stage, "loss_scale": engine.optimizer.loss_scale,
+                          "skipped_steps": sum(r.skipped for r in records)},
+            **(extra or {}),
+        }
+        if timeline is not None:
+            summary["timeline"] = timeline
+        write_json_atomic(os.path.join(settings.output_dir, "summary.json"), summary)
+        return summary
+
+
+def _model_name(model_cfg) -> str:
+    getter = getattr(model_cfg, "get", None)
+    return str(getter("name", "?")) if getter else "?"
+
+
+def _flops_report(flops_per_step: float | None, step_time_s: float | None, world_size: int,
+                  peak_setting: float | None, dtype: torch.dtype) -> dict | None:
+    """Achieved model FLOP/s and MFU (against the devices' peak, when known)."""
+    if not flops_per_step or not step_time_s:
+        return None
+    achieved = flops_per_step / step_time_s / world_size / 1e12
+    peak = peak_setting if peak_setting else peak_tflops(dtype)
+    return {"formula": "3 x forward FLOPs measured by torch.utils.flop_counter (backward = 2 x forward; "
+                       "recomputation not counted)",
+            "model_flops_per_step": flops_per_step, "tflops_per_s_per_device": achieved,
+            "peak_tflops_per_device": peak, "mfu": achieved / peak if peak else None}
+
+
+__all__ = ["TrainingSession", "assemble_worker", "example_inputs", "recompute_options", "sharding_options",
+           "stack_samples", "tensor_parallel_options"]
