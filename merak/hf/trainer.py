@@ -90,6 +90,9 @@ class MerakTrainer:
         self.eval_data = eval_data if eval_data is not None else eval_dataset
         self.processing_class = processing_class
         self.state_grid = groups.get_state() if groups.is_initialized() else groups.init(1, 1, 1)
+        if not logging.getLogger().handlers:  # a plain script: show merak's progress and summary on rank 0
+            logging.basicConfig(level=logging.INFO if self.state_grid.rank == 0 else logging.WARNING,
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
         if model is not None and self.args.lora_config:
             from merak.lora import apply_lora
 
