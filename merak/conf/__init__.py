@@ -1,1 +1,23 @@
-"""Shared Hydra config groups (parallel/, trainer/, launcher/), found through pkg://merak.conf."""
+"""Shared Hydra config groups (parallel/, trainer/, launcher/, hydra/launcher/), found through
+pkg://merak.conf.
+
+Hydra imports this package when it reads the search path, before any value is resolved, so the
+resolvers the shared configs use are registered here:
+
+``${merak_tasks_per_node:DP,TP,PP,NODES}``
+    dp*tp*pp / nodes, the SLURM tasks per node of a layout (hydra/launcher/merak_slurm.yaml).
+"""
+
+from omegaconf import OmegaConf
+
+
+def tasks_per_node(dp: int, tp: int, pp: int, nodes: int) -> int:
+    """One SLURM task per rank, spread evenly over ``nodes``."""
+    world = int(dp) * int(tp) * int(pp)
+    if int(nodes) < 1 or world % int(nodes):
+        raise ValueError(f"parallel.dp*tp*pp = {dp}*{tp}*{pp} = {world} ranks cannot be spread evenly over "
+                         f"hydra.launcher.nodes={nodes}; change the nodes or set hydra.launcher.tasks_per_node")
+    return world // int(nodes)
+
+
+OmegaConf.register_new_resolver("merak_tasks_per_node", tasks_per_node, replace=True)
