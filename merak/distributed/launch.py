@@ -72,6 +72,10 @@ def _entry(local_rank: int, fn: Callable, world_size: int, port: int, args: tupl
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
     })
+    # Workers share the machine's cores (one thread each unless OMP_NUM_THREADS says otherwise). This also
+    # keeps a forked worker out of the parent's OpenMP thread pool, which does not survive fork: a parent
+    # that had computed with several threads left children that hang in their first parallel region.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     fn(*args)
 
 
