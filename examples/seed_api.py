@@ -49,6 +49,7 @@ def main(recipe: str) -> None:
     """Parse the seeds' command line and train ``recipe``'s model with MerakTrainer."""
     import importlib
 
+    import torch
     from transformers import HfArgumentParser
 
     example, args = HfArgumentParser((ExampleArguments, merak.MerakArguments)).parse_args_into_dataclasses()
@@ -59,8 +60,6 @@ def main(recipe: str) -> None:
     cfg = _recipe_config(recipe, example)
     prepared = spec.prepare_data(cfg.data, cfg.model)  # every process tokenizes; the cache is written atomically
     dataset = spec.load_dataset(prepared, cfg.model)
-    import torch
-
     torch.manual_seed(args.seed)  # the same initial weights in every process
     trainer = merak.MerakTrainer(model=spec.build_model(cfg.model), args=args, train_data=dataset,
                                  compute_loss=spec.loss_fn, tp_plan=spec.tensor_parallel_plan(cfg.model),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from merak.distributed import groups
+from merak.lora import unwrap_peft
 
 
 @dataclass(frozen=True)
@@ -95,18 +96,8 @@ class _Llama:
 DECODERS = {"gpt2": _Gpt2, "llama": _Llama, "mistral": _Llama, "qwen2": _Llama, "qwen3": _Llama}
 
 
-def _unwrap(model: nn.Module) -> tuple[nn.Module, str]:
-    """The Hugging Face model inside a peft wrapper, and its name prefix in the wrapper."""
-    base = getattr(model, "get_base_model", None)
-    if callable(base) and type(model).__name__.startswith("Peft"):
-        inner = base()
-        prefix = next(name for name, module in model.named_modules() if module is inner)
-        return inner, prefix + "."
-    return model, ""
-
-
 def _decoder(model: nn.Module):
-    inner, prefix = _unwrap(model)
+    inner, prefix = unwrap_peft(model)
     model_type = getattr(getattr(inner, "config", None), "model_type", None)
     if model_type not in DECODERS or not hasattr(inner, "lm_head"):
         raise GenerationError(f"text generation through the pipeline supports causal LMs of types "
@@ -148,7 +139,7 @@ def _sample(logits: torch.Tensor, options: GenerationOptions, generator: torch.G
 @contextlib.contextmanager
 def _eval_sdpa(model: nn.Module, modules: list[nn.Module]):
     """Eval mode and SDPA attention (causal without a mask) for the duration of generation."""
-    config = _unwrap(model)[0].config
+    config = unwrap_peft(model)[0].config
     previous = config._attn_implementation
     training = [(m, m.training) for m in modules]
     config._attn_implementation = "sdpa"

@@ -21,6 +21,16 @@ from merak.distributed import groups
 logger = logging.getLogger(__name__)
 
 
+def unwrap_peft(model: nn.Module) -> tuple[nn.Module, str]:
+    """The model inside a peft wrapper and its name prefix there (``model`` and "" when not wrapped)."""
+    base = getattr(model, "get_base_model", None)
+    if callable(base) and type(model).__name__.startswith("Peft"):
+        inner = base()
+        prefix = next(name for name, module in model.named_modules() if module is inner)
+        return inner, prefix + "."
+    return model, ""
+
+
 def apply_lora(model: nn.Module, path: str, *, adapter_name: str = "default") -> nn.Module:
     """``model`` wrapped by peft with a LoRA adapter from ``path`` (a JSON config or a saved adapter)."""
     from peft import LoraConfig, PeftModel, get_peft_model

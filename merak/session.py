@@ -29,7 +29,7 @@ from merak.config import (
     warmup_steps,
     zero_options,
 )
-from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
+from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.groups import ParallelState
 from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions, StepResult
@@ -347,4 +347,4 @@ def _flops_report(flops_per_step: float | None, step_time_s: float | None, world
 
 
 __all__ = ["TrainingSession", "assemble_worker", "example_inputs", "recompute_options", "sharding_options",
-           "stack_samples", "tensor_parallel_options"]
+           "tensor_parallel_options"]

@@ -139,8 +139,8 @@ class MerakArguments(TrainingArguments):
                             "embedding and output layer) are kept identical across stages; leave it False")
         if self.tp_overlapping_level == 3:
             problems.append("tp_overlapping_level=3 (rewriting the whole model) is not supported; use 0, 1 or 2")
-        if _optimizer_name(self.optim) not in OPTIMIZER_ALIASES:
-            problems.append(f"optim={_optimizer_name(self.optim)!r}: merak implements "
+        if _enum_value(self.optim) not in OPTIMIZER_ALIASES:
+            problems.append(f"optim={_enum_value(self.optim)!r}: merak implements "
                             f"{', '.join(sorted(OPTIMIZER_ALIASES))}")
         if self.eval_iters is not None and self.eval_iters < 1:
             problems.append(f"eval_iters={self.eval_iters}: use a positive number or None (the whole set)")
@@ -157,7 +157,8 @@ class MerakArguments(TrainingArguments):
         return problems
 
 
-def _optimizer_name(value) -> str:
+def _enum_value(value) -> str:
+    """The string of a Hugging Face enum field (optim, lr_scheduler_type) or of a plain string."""
     return getattr(value, "value", value)
 
 
@@ -166,8 +167,8 @@ def trainer_settings(args: MerakArguments, *, total_steps_hint: int | None = Non
     known = {f.name for f in dataclasses.fields(TrainerSettings)}
     values = {name: getattr(args, name) for name in known if hasattr(args, name)}
     values["train_schedule"] = SCHEDULE_ALIASES.get(args.train_schedule, args.train_schedule)
-    values["lr_scheduler_type"] = _optimizer_name(args.lr_scheduler_type)
-    values["optim"] = OPTIMIZER_ALIASES.get(_optimizer_name(args.optim), _optimizer_name(args.optim))
+    values["lr_scheduler_type"] = _enum_value(args.lr_scheduler_type)
+    values["optim"] = OPTIMIZER_ALIASES.get(_enum_value(args.optim), _enum_value(args.optim))
     values["output_dir"] = os.path.abspath(args.output_dir)
     values["save_steps"] = _steps(args.save_steps, total_steps_hint)
     values["logging_steps"] = _steps(args.logging_steps, total_steps_hint)

@@ -28,9 +28,9 @@ def is_causal_lm(model: nn.Module) -> bool:
     """Whether ``model`` is a Hugging Face causal language model (its labels are the inputs, shifted)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    base = getattr(model, "get_base_model", None)
-    model = base() if callable(base) and type(model).__name__.startswith("Peft") else model
-    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    from merak.lora import unwrap_peft
+
+    return type(unwrap_peft(model)[0]).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 class LabelLoss:

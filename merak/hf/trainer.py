@@ -97,11 +97,11 @@ class MerakTrainer:
             from merak.lora import apply_lora
 
             model = apply_lora(model, self.args.lora_config, adapter_name=self.args.adapter_name)
-        probe = model if model is not None else None
         self.model = model
+        self._from_init = model_init is not None
         label_name = (self.args.label_names or ["labels"])[0]
         self.loss = compute_loss or LabelLoss(loss_fn, label_name=label_name,
-                                              shift=probe is not None and is_causal_lm(probe))
+                                              shift=model is not None and is_causal_lm(model))
         self.collate = data_collator or default_collate
         self.spec = RecipeSpec(
             name=type(model).__name__ if model is not None else "model_init",
@@ -110,7 +110,7 @@ class MerakTrainer:
             load_dataset=lambda _prepared, _model: self._require_train_data(), collate=self.collate,
             leaf_modules=tuple(leaf_modules), tp_plan=tp_plan if tp_plan is not None else user_plan(),
             tokens_per_sample=lambda _cfg: self._tokens_per_sample())
-        self.settings = self._settings(model_init is not None)
+        self.settings = self._settings()
         # DefaultFlowCallback keeps the control flags the built-in callbacks read; merak decides logging and
         # evaluation itself, stops at max_steps, and saves only with save=True.
         handlers = [DefaultFlowCallback, *([PrinterCallback] if self.args.disable_tqdm else [])]
@@ -136,7 +136,7 @@ class MerakTrainer:
         ids = sample.get("input_ids")
         return int(ids.numel()) if ids is not None else 1
 
-    def _settings(self, from_init: bool):
+    def _settings(self):
         args, grid = self.args, self.state_grid.grid
         problems = args.problems()
         if args.parallel_vocab and grid.tp > 1 and isinstance(self.loss, LabelLoss) and self.loss.loss_fn:
@@ -147,25 +147,35 @@ class MerakTrainer:
                             "tensor-parallel plan): use dp and pp")
         if problems:
             raise ConfigError("invalid MerakArguments:\n  - " + "\n  - ".join(problems))
-        trainer = trainer_settings(args)
-        if not from_init:
+        settings = self._resolve(trainer_settings(args))
+        if args.logging_steps < 1 or args.save_steps < 1:  # Hugging Face: a fraction of the run's steps
+            steps = total_steps(settings, self._train_plan(settings).steps_per_epoch)
+            settings = self._resolve(trainer_settings(args, total_steps_hint=steps))
+        return settings
+
+    def _resolve(self, trainer: dict):
+        """Run settings from a trainer section, validated like a recipe's."""
+        grid = self.state_grid.grid
+        if not self._from_init:
             trainer["init_device"] = "cpu"  # the model exists already
         cfg = OmegaConf.create({
             "trainer": trainer, "parallel": {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp},
-            "launcher": {"backend": args.backend, "timeout_s": args.timeout_s},
+            "launcher": {"backend": self.args.backend, "timeout_s": self.args.timeout_s},
             "model": {"name": self.spec.name}, "data": {}})
-        settings = resolve_settings(self.spec, cfg, world_size=grid.world_size)
-        return settings
+        return resolve_settings(self.spec, cfg, world_size=grid.world_size)
 
     def is_world_process_zero(self) -> bool:
         return self.state_grid.rank == 0
 
-    def _steps(self) -> int:
-        settings = self.settings
-        plan = BatchPlan(num_samples=len(self._require_train_data()),
+    def _train_plan(self, settings=None) -> BatchPlan:
+        """How the training data is cut into global batches (the whole dataset, every rank alike)."""
+        settings = settings or self.settings
+        return BatchPlan(num_samples=len(self._require_train_data()),
                          micro_batch_size=settings.trainer.per_device_train_batch_size,
                          num_microbatches=settings.num_microbatches, dp_size=settings.grid.dp)
-        return total_steps(settings, plan.steps_per_epoch)
+
+    def _steps(self) -> int:
+        return total_steps(self.settings, self._train_plan().steps_per_epoch)
 
     def _session(self) -> TrainingSession:
         if self.session is None:
@@ -191,12 +201,16 @@ class MerakTrainer:
         ``do_eval``; saves checkpoints when ``save`` is set (and an adapter with LoRA).
         """
         if resume_from_checkpoint is not None:
+            if self.session is not None:
+                raise ValueError("resume_from_checkpoint must be given to the first train()/evaluate() call: "
+                                 "this trainer's model is built already")
             self.args.resume_from_checkpoint = resume_from_checkpoint
-            self.settings = self._settings(self.settings.trainer.init_device != "cpu")
+            self.settings = self._settings()
         session = self._session()
         self.state.global_step = session.step
         self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
         logging_steps = max(1, self.settings.trainer.logging_steps)
+        steps_per_epoch = self._train_plan().steps_per_epoch
         eval_every = self._eval_every()
 
         def before(step: int) -> None:
@@ -204,7 +218,7 @@ class MerakTrainer:
 
         def after(step: int, result, record) -> bool:
             self.state.global_step = step
-            self.state.epoch = step / max(1, self._steps_per_epoch())
+            self.state.epoch = step / steps_per_epoch
             self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
             if step % logging_steps == 0:
                 self.log({"loss": result.loss, "learning_rate": result.learning_rate,
@@ -232,9 +246,6 @@ class MerakTrainer:
         if self.summary is not None:
             logger.info("\n%s", format_summary(self.summary))
         return self.summary
-
-    def _steps_per_epoch(self) -> int:
-        return self.session.loader.plan.steps_per_epoch if self.session and self.session.loader else self._steps()
 
     def _eval_every(self) -> int | None:
         strategy = getattr(self.args.eval_strategy, "value", self.args.eval_strategy)
@@ -284,7 +295,8 @@ class MerakTrainer:
         """Logits and labels for every sample of whole evaluation steps, in dataset order, on every
         rank; with ``args.text_generation`` the generated token ids instead (see :meth:`generate`)."""
         if self.args.text_generation:
-            prompts = [list(map(int, _Samples(test_dataset)[i]["input_ids"])) for i in range(len(test_dataset))]
+            samples = _Samples(test_dataset)
+            prompts = [samples[i]["input_ids"].tolist() for i in range(len(samples))]
             generated = self.generate(prompts)
             width = max(len(g) for g in generated)
             padded = np.full((len(generated), width), -100, dtype=np.int64)

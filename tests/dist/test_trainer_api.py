@@ -164,8 +164,7 @@ def test_lora_trains_only_adapters_and_round_trips(tmp_path):
     assert result["frozen_changed"] == []
     assert result["trainable"] and all("lora_" in name for name in result["trainable"])
     adapter = os.path.join(output_dir, "adapter")
-    assert sorted(os.listdir(adapter)) == ["README.md", "adapter_config.json", "adapter_model.safetensors"] or \
-        {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(adapter))
     from safetensors.torch import load_file
 
     tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
