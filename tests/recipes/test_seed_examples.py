@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -29,8 +30,16 @@ def test_run_gpt_seed_command_under_torchrun(tmp_path):
                "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "4", "--max_steps", "2",
                "--pp", "2", "--disable_tqdm", "true"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # Its own session, so a timeout stops torchrun's workers too, not only torchrun.
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == 0, stderr[-3000:]
     with open(out / "summary.json", encoding="utf-8") as handle:
         summary = json.load(handle)
     assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 2}
@@ -38,4 +47,4 @@ def test_run_gpt_seed_command_under_torchrun(tmp_path):
     with open(out / "metrics.jsonl", encoding="utf-8") as handle:
         steps = [json.loads(line)["step"] for line in handle]
     assert steps == [1, 2]
-    assert "run summary" in done.stderr
+    assert "run summary" in stderr
