@@ -12,7 +12,9 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 
+import torch
 from transformers import TrainingArguments
 
 from merak.config import TrainerSettings
@@ -122,6 +124,17 @@ class MerakArguments(TrainingArguments):
     backend: str = _doc("torch.distributed backend: auto (gloo on CPU, nccl with CUDA), gloo or nccl.",
                         default="auto")
     timeout_s: float = _doc("A collective waiting longer fails instead of hanging.", default=600.0)
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        # merak owns the process group (merak.init, with its backend and timeout): unlike
+        # TrainingArguments, building the arguments must not start accelerate's, which under torchrun
+        # variables waits for a rendezvous.
+        self.distributed_state = None
+        self._n_gpu = 1 if torch.cuda.is_available() and not self.use_cpu else 0
+        if self._n_gpu:
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cpu")
 
     def __post_init__(self):
         if self.output_dir is None:

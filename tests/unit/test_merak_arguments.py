@@ -38,6 +38,18 @@ def test_settings_map_hugging_face_names_onto_merak_ones():
     assert set(values) <= known
 
 
+def test_building_the_arguments_starts_no_process_group(monkeypatch):
+    """Under torchrun's variables TrainingArguments would start accelerate's process group and wait for
+    peers; merak.init owns the group, so building MerakArguments must return at once."""
+    import torch.distributed as dist
+
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    args = make()
+    assert args.device.type in ("cpu", "cuda") and not dist.is_initialized()
+
+
 @pytest.mark.parametrize(("fields", "fragment"), [
     ({"split_inputs": True}, "split_inputs=True is not supported"),
     ({"no_tie_modules": True}, "no_tie_modules=True is not supported"),
