@@ -14,8 +14,12 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    # setenv first, so monkeypatch records each variable's state and also undoes what
+    # _adopt_slurm_environment writes to os.environ directly (delenv of an unset name records nothing,
+    # and RANK/WORLD_SIZE left behind made later tests join a world that does not exist).
     for name in LAUNCH_VARS:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 

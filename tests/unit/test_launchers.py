@@ -89,8 +89,12 @@ def test_submitit_writes_one_task_per_rank_into_the_sbatch_script(tmp_path, monk
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    # setenv first, so monkeypatch records each variable's state and also undoes what
+    # _adopt_slurm_environment writes to os.environ directly (delenv of an unset name records nothing,
+    # and RANK/WORLD_SIZE left behind made later tests join a world that does not exist).
     for name in SLURM_VARS:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
