@@ -148,12 +148,17 @@ def _lines_up_to(path: str, step: int) -> list[str]:
     return kept
 
 
-def write_json_atomic(path: str, payload: dict) -> None:
-    """Write JSON so that readers see the old file or the new one, never half of one."""
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` so that readers see the old file or the new one, never half of one."""
     temporary = f"{path}.tmp.{os.getpid()}"
     with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2)
+        handle.write(text)
     os.replace(temporary, path)
+
+
+def write_json_atomic(path: str, payload: dict) -> None:
+    """Write JSON so that readers see the old file or the new one, never half of one."""
+    write_text_atomic(path, json.dumps(payload, indent=2))
 
 
 def format_summary(summary: dict) -> str:

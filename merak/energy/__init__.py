@@ -1,0 +1,8 @@
+"""Energy-aware pipeline training: GPU backends, instruction profiles, frequency plans, zeus.
+
+- :mod:`merak.energy.device`: the GPU interface; :mod:`~merak.energy.nvml` and
+  :mod:`~merak.energy.simulated` implement it.
+- :mod:`merak.energy.profile_csv`: the instruction profile file (Merak-Zeus's format).
+- :mod:`merak.energy.dag` and :mod:`merak.energy.planner`: the time-energy frontier of a
+  schedule's step, and per-instruction clock plans.
+"""
