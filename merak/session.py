@@ -162,6 +162,8 @@ class TrainingSession:
             self.loader = MicrobatchLoader(dataset, plan, collate=spec.collate, device=state.device)
         self.metrics: MetricsWriter | None = None
         self.saved: list[str] = []
+        # Collective callables whose dicts (rank 0's) join the run summary, e.g. the energy report.
+        self.summary_sections: list[Callable[[], dict]] = []
 
     @property
     def feeds_data(self) -> bool:
@@ -293,6 +295,7 @@ class TrainingSession:
                  "peak_rss_bytes": peak_rss_bytes(), **engine.memory_report()}
         everyone = groups.gather_from_all(local)
         flops_per_step = engine.model_flops_per_step()
+        sections = [section() for section in self.summary_sections]
         if self.state.rank != 0:
             return None
         stages = []
@@ -322,6 +325,8 @@ class TrainingSession:
                           "skipped_steps": sum(r.skipped for r in records)},
             **(extra or {}),
         }
+        for section in sections:
+            summary.update(section)
         if timeline is not None:
             summary["timeline"] = timeline
         write_json_atomic(os.path.join(settings.output_dir, "summary.json"), summary)

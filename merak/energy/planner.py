@@ -11,11 +11,12 @@ subject to the step's critical path being at most ``T``. Its steps:
 
 1. Per (stage, instruction), keep the options that are Pareto-optimal in (time, c).
 2. Relax each instruction's cost to the lower convex hull of its options and solve the
-   resulting linear program (start times, and how far into each hull segment each duration
-   goes) with HiGHS. This is the exact continuous optimum: a lower bound.
+   resulting linear program (start times, how far into each hull segment each duration goes,
+   and the step time, charged ``S * p2p_power`` per second, at most ``T``) with HiGHS. This is
+   the exact continuous optimum: a lower bound.
 3. Round every duration down to the slowest option that fits in it (never lengthening a path),
-   then give instructions that still have slack their next slower option while the critical
-   path stays within ``T``, cheapest saving first.
+   then, greedily, give the instruction whose next slower option saves the most energy (a
+   longer step counted) that option, while the step stays within ``T``.
 
 The frontier sweeps ``T`` from the all-fastest critical path to the point past which slowing
 down no longer saves energy, and keeps the Pareto-optimal (time, energy) points.
@@ -156,7 +157,7 @@ class FrequencyPlanner:
         return self.critical_path([c.times[0] for c in self.node_choices])
 
     def slowest_useful_time(self) -> float:
-        """The step time with every instruction at its cheapest option (slower saves nothing)."""
+        """The step time with every instruction at its cheapest option (no deadline past it saves more)."""
         return self.critical_path([c.times[c.hull[-1]] for c in self.node_choices])
 
     # -- solving --------------------------------------------------------------------------
@@ -196,29 +197,33 @@ class FrequencyPlanner:
             vals.append(-1.0)
             rhs.append(-base[before])
             row += 1
-        sinks = [i for i in range(n) if not self._succ[i]]
-        for node in sinks:  # start + duration <= deadline (right-hand side set per solve)
+        step_var = num_vars  # the step time T, charged S * p2p_power per second
+        for node in (i for i in range(n) if not self._succ[i]):  # start + duration - T <= 0
             add_finish(row, node)
+            rows.append(row)
+            cols.append(step_var)
+            vals.append(-1.0)
+            rhs.append(-base[node])
             row += 1
-        matrix = coo_matrix((vals, (rows, cols)), shape=(row, num_vars)).tocsr()
+        matrix = coo_matrix((vals, (rows, cols)), shape=(row, num_vars + 1)).tocsr()
         bounds = [(0, None)] * n + [(0, length) for length in lengths]
-        cost = np.concatenate([np.zeros(n), np.array(slopes)])
-        self._program = (matrix, np.array(rhs), base[sinks], base, bounds, cost, columns)
+        cost = np.concatenate([np.zeros(n), np.array(slopes), [self.graph.num_stages * self.p2p_power]])
+        self._program = (matrix, np.array(rhs), base, bounds, cost, columns)
 
-    def _relaxed_durations(self, deadline: float) -> np.ndarray:
+    def _relaxed(self, deadline: float) -> tuple[np.ndarray, float]:
+        """The LP optimum's node durations and step time (at most ``deadline``)."""
         from scipy.optimize import linprog
 
         if self._program is None:
             self._build_program()
-        matrix, edge_rhs, sink_base, base, bounds, cost, columns = self._program
-        b = np.concatenate([edge_rhs, deadline - sink_base])
-        result = linprog(cost, A_ub=matrix, b_ub=b, bounds=bounds, method="highs")
+        matrix, rhs, base, bounds, cost, columns = self._program
+        result = linprog(cost, A_ub=matrix, b_ub=rhs, bounds=[*bounds, (0, deadline)], method="highs")
         if result.status != 0:
             raise RuntimeError(f"the frequency LP failed at deadline {deadline:.6f} s: {result.message}")
         durations = base.copy()
         n = len(self.graph.nodes)
-        np.add.at(durations, np.array(columns, dtype=int), result.x[n:])
-        return durations
+        np.add.at(durations, np.array(columns, dtype=int), result.x[n:-1])
+        return durations, float(result.x[-1])
 
     def solve(self, deadline: float) -> PlanPoint:
         """The least-energy plan whose step takes at most ``deadline`` seconds.
@@ -229,7 +234,7 @@ class FrequencyPlanner:
         fastest = self.fastest_time()
         if deadline < fastest * (1 - 1e-9):
             raise ValueError(f"deadline {deadline:.6f} s is shorter than the fastest possible step ({fastest:.6f} s)")
-        relaxed = self._relaxed_durations(deadline)
+        relaxed, _ = self._relaxed(deadline)
         picks = []
         for c, duration in zip(self.node_choices, relaxed):
             fits = np.nonzero(c.times <= duration * (1 + 1e-9) + 1e-12)[0]
@@ -237,18 +242,26 @@ class FrequencyPlanner:
         return self.point(self._reclaim(picks, deadline), deadline)
 
     def _reclaim(self, picks: list[int], deadline: float) -> list[int]:
-        """Slow down instructions that still have slack, biggest saving per second first."""
+        """Greedy improvement: repeatedly give the instruction whose next slower option saves the most
+        energy per second of its own that option, counting the longer step it may cause (``S * p2p_power`` per second),
+        while the step stays within ``deadline``. Extending one instruction by ``x`` lengthens the
+        step by ``max(0, x - float)``, its float computed against the current step time."""
         durations = np.array([c.times[k] for c, k in zip(self.node_choices, picks)])
+        step_power = self.graph.num_stages * self.p2p_power
         while True:
-            slack = self._floats(durations, deadline)
-            best, best_rate = None, 0.0
+            step = self.critical_path(durations)
+            slack = self._floats(durations, step)
+            best, best_gain = None, 1e-12
             for node, (c, k) in enumerate(zip(self.node_choices, picks)):
                 if k + 1 >= len(c.times):
                     continue
                 extra = c.times[k + 1] - c.times[k]
-                saving = c.costs[k] - c.costs[k + 1]
-                if extra <= slack[node] + 1e-12 and saving > 0 and saving / extra > best_rate:
-                    best, best_rate = node, saving / extra
+                longer = max(0.0, extra - slack[node])
+                if step + longer > deadline * (1 + 1e-12):
+                    continue
+                gain = (c.costs[k] - c.costs[k + 1] - step_power * longer) / extra
+                if gain > best_gain:
+                    best, best_gain = node, gain
             if best is None:
                 return picks
             picks[best] += 1
@@ -258,7 +271,9 @@ class FrequencyPlanner:
         """Pareto-optimal plans from the fastest step to the least-energy one, fastest first."""
         started = time.perf_counter()
         fastest, slowest = self.fastest_time(), self.slowest_useful_time()
-        deadlines = np.linspace(fastest, slowest, max(2, num_points)) if slowest > fastest else [fastest]
+        # Past the relaxed optimum's own step time a longer step only adds blocked energy.
+        end = min(slowest, self._relaxed(slowest)[1] * 1.02) if slowest > fastest else fastest
+        deadlines = np.linspace(fastest, end, max(2, num_points)) if end > fastest else [fastest]
         points = [self.solve(float(t)) for t in deadlines]
         points.sort(key=lambda p: (p.iteration_time, p.energy))
         kept: list[PlanPoint] = []

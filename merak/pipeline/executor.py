@@ -124,6 +124,7 @@ class PipelineExecutor:
         # (for the run summary's model FLOPs and MFU).
         self.chunk_flops: dict[int, int] = {}
         self.outputs: dict[int, object] = {}
+        self.current_instruction: ins.Instruction | None = None
 
     @property
     def forward_flops(self) -> int | None:
@@ -183,6 +184,7 @@ class PipelineExecutor:
     # -- dispatch ----------------------------------------------------------------
 
     def _dispatch(self, instruction: ins.Instruction) -> None:
+        self.current_instruction = instruction  # for listeners that need more than the name
         kind = type(instruction)
         if kind in ins.FORWARD_TYPES or kind is ins.RecomputeForward:
             self._forward(instruction)

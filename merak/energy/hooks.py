@@ -1,0 +1,137 @@
+"""Pipeline listeners for energy: simulated compute, measuring, and executing frequency plans.
+
+They follow the zeus ``Callback`` protocol the executor calls (``on_step_begin``,
+``on_instruction_begin(name)``, ``on_instruction_end(name)``, ``on_step_end``). A worker's
+list is ordered: whatever sets the clock (a :class:`FrequencyPlanHook` or zeus's
+``PipelineFrequencyOptimizer``), then :class:`SimulatedCompute` (on a simulated GPU), then
+:class:`InstructionMeter`, so the meter sees each instruction's full simulated duration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from merak.energy.device import GPUDevice
+from merak.energy.simulated import SimulatedGPU
+from merak.pipeline.hooks import PipelineHook
+
+
+class PlanMismatchError(RuntimeError):
+    """The instructions a stage runs differ from its frequency plan."""
+
+
+class SimulatedCompute(PipelineHook):
+    """Makes each compute instruction take as long on the CPU as on ``device`` at its locked clock.
+
+    Args:
+        device: the simulated GPU.
+        work_seconds: ``work_seconds(name)``: the duration, at the highest clock, of the
+            instruction now ending.
+    """
+
+    def __init__(self, device: SimulatedGPU, work_seconds: Callable[[str], float]) -> None:
+        self.device, self.work_seconds = device, work_seconds
+
+    def on_instruction_begin(self, name: str) -> None:
+        self.device.begin_compute()
+
+    def on_instruction_end(self, name: str) -> None:
+        self.device.end_compute(self.work_seconds(name))
+
+
+@dataclass
+class StepMeasurement:
+    """Time and energy of one step on one GPU, and of each of its compute instructions in order."""
+
+    time: float
+    energy: float
+    instructions: list[tuple[str, float, float]] = field(default_factory=list)  # (name, seconds, joules)
+
+    def breakdown(self) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+        """``({name: [seconds, ...]}, {name: [joules, ...]})`` in execution order."""
+        times: dict[str, list[float]] = {}
+        energies: dict[str, list[float]] = {}
+        for name, seconds, joules in self.instructions:
+            times.setdefault(name, []).append(seconds)
+            energies.setdefault(name, []).append(joules)
+        return times, energies
+
+
+class InstructionMeter(PipelineHook):
+    """Measures every step and compute instruction with ``device`` (synchronizing around each).
+
+    ``steps`` keeps every finished step's :class:`StepMeasurement`.
+    """
+
+    def __init__(self, device: GPUDevice, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.device, self.clock = device, clock
+        self.steps: list[StepMeasurement] = []
+        self._step: tuple[float, float] | None = None
+        self._instruction: tuple[float, float] | None = None
+        self._current: list[tuple[str, float, float]] = []
+
+    def _read(self) -> tuple[float, float]:
+        self.device.synchronize()
+        return self.clock(), self.device.energy()
+
+    def on_step_begin(self) -> None:
+        self._current = []
+        self._step = self._read()
+
+    def on_instruction_begin(self, name: str) -> None:
+        self._instruction = self._read()
+
+    def on_instruction_end(self, name: str) -> None:
+        now, joules = self._read()
+        start, start_joules = self._instruction
+        self._current.append((name, now - start, joules - start_joules))
+
+    def on_step_end(self) -> None:
+        now, joules = self._read()
+        start, start_joules = self._step
+        self.steps.append(StepMeasurement(now - start, joules - start_joules, self._current))
+
+
+class FrequencyPlanHook(PipelineHook):
+    """Runs one stage's frequency plan: before each compute instruction, lock its clock.
+
+    Args:
+        device: the GPU whose clock is set.
+        plan: ``[(instruction, MHz), ...]`` for one step, in execution order.
+        stage: the stage (for messages).
+
+    Raises (during the step):
+        PlanMismatchError: an instruction's name differs from the plan's, or the step runs
+            more or fewer compute instructions than the plan lists.
+    """
+
+    def __init__(self, device: GPUDevice, plan: Sequence[tuple[str, int]], stage: int) -> None:
+        self.device, self.plan, self.stage = device, list(plan), stage
+        supported = set(device.supported_clocks())
+        unsupported = sorted({mhz for _, mhz in self.plan if mhz not in supported})
+        if unsupported:
+            raise PlanMismatchError(f"stage {stage}'s plan uses clocks {unsupported} MHz that {device.name} does "
+                                    "not support")
+        self._next = 0
+
+    def on_step_begin(self) -> None:
+        self._next = 0
+
+    def on_instruction_begin(self, name: str) -> None:
+        if self._next >= len(self.plan):
+            raise PlanMismatchError(f"stage {self.stage} runs more compute instructions than its plan's "
+                                    f"{len(self.plan)} (the plan was made for fewer microbatches or another "
+                                    "schedule)")
+        expected, mhz = self.plan[self._next]
+        if expected != name:
+            raise PlanMismatchError(f"stage {self.stage}'s compute instruction #{self._next} is {name!r} but its "
+                                    f"plan says {expected!r} (the plan was made for another schedule)")
+        self.device.set_clock(mhz)
+        self._next += 1
+
+    def on_step_end(self) -> None:
+        if self._next != len(self.plan):
+            raise PlanMismatchError(f"stage {self.stage} ran {self._next} compute instructions but its plan lists "
+                                    f"{len(self.plan)} (the plan was made for more microbatches or another schedule)")

@@ -1,0 +1,84 @@
+"""Profile mode: time and energy of every compute instruction at every supported clock.
+
+With one microbatch per step, each step runs every stage's forward and backward (and the
+recompute instructions of the Merak schedules) once. For each supported clock, highest first,
+every rank locks its GPU to it, runs ``num_warmup_steps`` steps, then measures
+``num_prof_steps`` steps, and averages each instruction's time and energy. Past half of the
+clock list, once every rank has seen its forward+backward energy rise for 5 clocks in a row
+(the energy minimum is behind), profiling stops early. Rank 0 writes the CSV
+(:mod:`merak.energy.profile_csv`) in the run directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+
+from merak.distributed import groups
+from merak.energy.profile_csv import ProfileRow, profile_file_name, write_profile
+from merak.report import write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+RISES_TO_STOP = 5
+
+
+def _step_averages(steps) -> dict[str, tuple[float, float]]:
+    """{name: (mean seconds, mean joules)} over all instances of each instruction in ``steps``."""
+    times: dict[str, list[float]] = {}
+    energies: dict[str, list[float]] = {}
+    for step in steps:
+        for name, seconds, joules in step.instructions:
+            times.setdefault(name, []).append(seconds)
+            energies.setdefault(name, []).append(joules)
+    return {name: (statistics.fmean(times[name]), statistics.fmean(energies[name])) for name in times}
+
+
+def run_profile(session, runtime) -> dict | None:
+    """Profile ``session``'s stages on ``runtime.device``; returns the profile summary on rank 0."""
+    settings, state, trainer = session.settings, session.state, session.settings.trainer
+    device, meter = runtime.device, runtime.meter
+    clocks = device.supported_clocks()
+    per_clock = trainer.num_warmup_steps + trainer.num_prof_steps
+    coords = state.coordinates
+    rows: list[ProfileRow] = []
+    started, step, rises, last_energy, profiled = time.perf_counter(), 0, 0, None, 0
+    try:
+        for position, clock in enumerate(clocks):
+            device.set_clock(clock)
+            for _ in range(per_clock):
+                microbatches = session.loader.load_step(step) if session.loader else None
+                session.engine.train_step(microbatches)
+                step += 1
+            averages = _step_averages(meter.steps[-trainer.num_prof_steps:])
+            rows += [ProfileRow(state.rank, coords.dp, coords.pp, coords.tp, name, clock, seconds, joules)
+                     for name, (seconds, joules) in averages.items()]
+            profiled += 1
+            energy = sum(joules for _, joules in averages.values())
+            rises = rises + 1 if last_energy is not None and energy > last_energy else 0
+            last_energy = energy
+            done = position + 1 >= len(clocks) / 2 and rises >= RISES_TO_STOP
+            if all(groups.gather_from_all(done)):
+                logger.info("energy rose for %d clocks in a row on every rank: stopping at %d MHz", rises, clock)
+                break
+    finally:
+        device.reset_clock()
+    everyone = groups.gather_from_all(rows)
+    if state.rank != 0:
+        return None
+    grid = settings.grid
+    name = profile_file_name(model=str(settings.model_cfg.get("name", "model")), partition_method=trainer.partition_method,
+                             dp=grid.dp, pp=grid.pp, tp=grid.tp, micro_batch_size=trainer.per_device_train_batch_size)
+    path = os.path.join(settings.output_dir, name)
+    write_profile(path, [row for part in everyone for row in part])
+    summary = {"profile": path, "device": device.name, "clocks_profiled": profiled, "clocks_supported": len(clocks),
+               "highest_clock": clocks[0], "lowest_clock_profiled": clocks[profiled - 1],
+               "steps": step, "rows": sum(len(part) for part in everyone),
+               "layout": {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp}, "schedule": trainer.train_schedule,
+               "seconds": time.perf_counter() - started}
+    write_json_atomic(os.path.join(settings.output_dir, "summary.json"), summary)
+    logger.info("wrote the instruction profile %s (%d clocks from %d MHz down to %d MHz)", path, profiled,
+                clocks[0], clocks[profiled - 1])
+    return summary
