@@ -104,7 +104,7 @@ class TrainerSettings:
     pfo_server_url: str | None = None
     energy_device: str = "auto"
     simulated_gpu: str = "A100"
-    simulated_tflops: float = 0.02
+    simulated_tflops: float = 0.004
     frequency_plan: str | None = None
 
 

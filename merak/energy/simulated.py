@@ -156,7 +156,7 @@ class SimulatedGPU(GPUDevice):
             self.overruns += 1
             if self.overruns == 1:
                 logger.warning("the CPU work of an instruction took %.1f ms, longer than the simulated %s would "
-                               "(%.1f ms): lower energy.simulated_tflops so the simulated GPU is the bottleneck",
+                               "(%.1f ms): lower trainer.simulated_tflops so the simulated GPU is the bottleneck",
                                elapsed * 1e3, self.spec.name, target * 1e3)
         duration = max(target, elapsed)
         self._joules += self.spec.busy_power(clock) * duration
