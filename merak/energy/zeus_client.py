@@ -112,7 +112,10 @@ class ZeusClient:
     def report(self, steps) -> None:
         """POST a ProfilingResult of ``steps`` to ``/result/{job_id}``."""
         import httpx
-        from zeus.optimizer.pipeline_frequency.common import REPORT_PROFILING_RESULT_URL, ProfilingResult
+        from zeus.optimizer.pipeline_frequency.common import (
+            REPORT_PROFILING_RESULT_URL,
+            ProfilingResult,
+        )
 
         times, energies = {}, {}
         for step in steps:

@@ -24,7 +24,10 @@ SCHEDULER_NAME = "MerakPlan3D"
 
 def _scheduler_class():
     from zeus.optimizer.pipeline_frequency.common import FrequencySchedule
-    from zeus.optimizer.pipeline_frequency.server.scheduler import FrequencyScheduler, make_3d_parallel
+    from zeus.optimizer.pipeline_frequency.server.scheduler import (
+        FrequencyScheduler,
+        make_3d_parallel,
+    )
 
     class MerakPlan(FrequencyScheduler):
         """Serves the per-stage plans of a merak (or lowtime) plan file, every iteration the same."""
