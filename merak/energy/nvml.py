@@ -15,7 +15,7 @@ What each method maps to:
   a coarse trapezoid integral of ``nvmlDeviceGetPowerUsage`` taken between calls.
 * :meth:`power` -- ``nvmlDeviceGetPowerUsage`` (mW).
 
-On machines without NVIDIA GPUs use ``energy.device=simulated`` instead.
+On machines without NVIDIA GPUs use ``trainer.energy_device=simulated`` instead.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class NVMLDevice(GPUDevice):
             raise RuntimeError(
                 f"NVML is unavailable ({type(err).__name__}: {err}); NVMLDevice needs an NVIDIA "
                 "GPU, its driver and the nvidia-ml-py package. On machines without NVIDIA GPUs "
-                "use energy.device=simulated.") from err
+                "use trainer.energy_device=simulated.") from err
         self._nvml = pynvml
         self._open = True
         try:

@@ -23,7 +23,7 @@ def _server_problem(url: str) -> str | None:
         httpx.get(url.rstrip("/") + "/docs", timeout=5.0)
     except httpx.HTTPError as error:
         return (f"trainer.pfo_server_url={url!r}: cannot reach the zeus server ({type(error).__name__}: {error}); "
-                "start it first (merak-energy serve --plan PLAN.py)")
+                "start it first (merak-energy serve PLAN.py)")
     return None
 
 
