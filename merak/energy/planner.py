@@ -180,31 +180,24 @@ class FrequencyPlanner:
             segments_of[node].append(n + k)
         base = np.array([c.times[c.hull[0]] for c in self.node_choices])
 
-        def add_finish(row: int, node: int) -> None:
-            rows.append(row)
-            cols.append(node)
-            vals.append(1.0)
-            for var in segments_of[node]:
+        def finish_before(node: int, column: int) -> None:
+            """One row: start + duration of ``node`` - variable ``column`` <= 0 (the base time moved right)."""
+            row = len(rhs)
+            for var in (node, *segments_of[node]):
                 rows.append(row)
                 cols.append(var)
                 vals.append(1.0)
-
-        row = 0
-        for before, after in self.graph.edges:  # start_b + duration_b - start_a <= 0
-            add_finish(row, before)
             rows.append(row)
-            cols.append(after)
-            vals.append(-1.0)
-            rhs.append(-base[before])
-            row += 1
-        step_var = num_vars  # the step time T, charged S * p2p_power per second
-        for node in (i for i in range(n) if not self._succ[i]):  # start + duration - T <= 0
-            add_finish(row, node)
-            rows.append(row)
-            cols.append(step_var)
+            cols.append(column)
             vals.append(-1.0)
             rhs.append(-base[node])
-            row += 1
+
+        for before, after in self.graph.edges:  # an edge: ``before`` finishes before ``after`` starts
+            finish_before(before, after)
+        step_var = num_vars  # the step time T, charged S * p2p_power per second
+        for node in (i for i in range(n) if not self._succ[i]):  # a last instruction finishes within T
+            finish_before(node, step_var)
+        row = len(rhs)
         matrix = coo_matrix((vals, (rows, cols)), shape=(row, num_vars + 1)).tocsr()
         bounds = [(0, None)] * n + [(0, length) for length in lengths]
         cost = np.concatenate([np.zeros(n), np.array(slopes), [self.graph.num_stages * self.p2p_power]])

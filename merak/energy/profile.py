@@ -30,9 +30,10 @@ def _step_averages(steps) -> dict[str, tuple[float, float]]:
     times: dict[str, list[float]] = {}
     energies: dict[str, list[float]] = {}
     for step in steps:
-        for name, seconds, joules in step.instructions:
-            times.setdefault(name, []).append(seconds)
-            energies.setdefault(name, []).append(joules)
+        step_times, step_energies = step.breakdown()
+        for name in step_times:
+            times.setdefault(name, []).extend(step_times[name])
+            energies.setdefault(name, []).extend(step_energies[name])
     return {name: (statistics.fmean(times[name]), statistics.fmean(energies[name])) for name in times}
 
 
