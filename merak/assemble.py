@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from merak.pipeline.stage import StageModule
 from merak.shard.plan import PipelinePlan, ShardingOptions, plan_pipeline
@@ -89,25 +89,6 @@ def default_input_names(model: nn.Module, example: Mapping[str, torch.Tensor]) -
     return names
 
 
-def retarget_devices(module: nn.Module, device: torch.device) -> None:
-    """Point device arguments that a meta-device capture baked into graphs at ``device``."""
-    meta = torch.device("meta")
-
-    def swap(value):
-        return device if isinstance(value, torch.device) and value == meta else value
-
-    for graph_module in module.modules():
-        if not isinstance(graph_module, fx.GraphModule):
-            continue
-        changed = False
-        for node in graph_module.graph.nodes:
-            args, kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
-            if args != node.args or kwargs != node.kwargs:
-                node.args, node.kwargs, changed = args, kwargs, True
-        if changed:
-            graph_module.recompile()
-
-
 def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, options: ShardingOptions,
              num_stages: int, num_microbatches: int, stage_id: int | Sequence[int], device: torch.device,
              example_inputs: Mapping[str, torch.Tensor],
@@ -162,7 +143,5 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         local = (stage_id,) if isinstance(stage_id, int) else tuple(stage_id)
         params = [p for s in local for p in stages[s].parameters()]
         count = materialize(model, params, seed=seed, device=device, init=init, also_in=stages)
-        for s in local:
-            retarget_devices(stages[s], torch.device(device))
         logger.info("materialized stage %s: %s parameters", ",".join(map(str, local)), f"{count:,}")
     return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta, tp_plan=tp_plan)

@@ -5,7 +5,8 @@ payload (a dict: model inputs by name for the first shard, crossing values by
 node name after that), and returns the dict of values crossing its end; the
 last shard returns the model's output. Values a later shard needs are passed
 through every shard in between. Parameters are shared with the captured module
-(never copied), so tied weights stay one object.
+(never copied), so tied weights stay one object. No shard holds the device it
+was captured on (merak.trace.devices).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from merak.shard.graph import GraphUnits
+from merak.trace.devices import attach_anchor, follow_stage_device, new_anchor
 
 
 class RebuildOutput(nn.Module):
@@ -49,6 +51,9 @@ def build_shards(units: GraphUnits, cuts: Sequence[int]) -> list[fx.GraphModule]
     captured = units.captured
     input_names = dict(zip(units.placeholders, captured.input_names))
     bounds = [0, *cuts, len(units)]
+    # One device anchor for all shards, also held by the captured module so that helpers which
+    # swap its buffers (measuring a meta-built model) move the anchor with them.
+    anchor = attach_anchor(captured.module, new_anchor())
     shards = []
     for index in range(len(bounds) - 1):
         start, stop = bounds[index], bounds[index + 1]
@@ -70,7 +75,9 @@ def build_shards(units: GraphUnits, cuts: Sequence[int]) -> list[fx.GraphModule]
             graph.output(fx.map_arg(units.output_node.args[0], lookup))
         else:
             graph.output({_key(v, input_names): env[v] for v in units.crossing_values(stop)})
-        shards.append(fx.GraphModule(captured.module, graph, f"Shard{index}"))
+        shard = fx.GraphModule(captured.module, graph, f"Shard{index}")
+        follow_stage_device(shard, anchor)
+        shards.append(shard)
     return shards
 
 
