@@ -70,6 +70,7 @@ class TrainerSettings:
     pipeline_chunks: int | None = None
     dealloc_pipeoutput: bool = False
     wall_clock_breakdown: bool = False
+    measure_activation_memory: bool = False
     # Optimizer, ZeRO and mixed precision (merak.optim.distributed, merak.optim.precision).
     optim: str = "adamw_torch"
     zero_optimization: bool = False

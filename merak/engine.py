@@ -115,6 +115,9 @@ class PipelineEngine:
         record_timeline: record every instruction's start and end (``wall_clock_breakdown``).
         zero: ZeRO stage, buckets and gradient pre/post scaling.
         precision: fp16/bf16 and loss scaling.
+        measure_activations: count every tensor saved for backward to report the exact peak of saved
+            activations (a Python hook per saved tensor: for diagnosis, not for speed). On CUDA the
+            allocator's own peak is reported either way.
     """
 
     def __init__(self, *, model: nn.Module, stages: Sequence[nn.Module],
@@ -124,7 +127,7 @@ class PipelineEngine:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, recompute: RecomputeOptions = RecomputeOptions(),
                  num_chunks: int = 1, dropout_seed: int | None = None, dealloc_pipeoutput: bool = False,
                  record_timeline: bool = False, zero: ZeroOptions = ZeroOptions(),
-                 precision: PrecisionOptions = PrecisionOptions()) -> None:
+                 precision: PrecisionOptions = PrecisionOptions(), measure_activations: bool = False) -> None:
         grid, coords = state.grid, state.coordinates
         if len(stages) != grid.pp * num_chunks:
             raise ValueError(f"got {len(stages)} stages for pp={grid.pp} x {num_chunks} chunks")
@@ -203,7 +206,8 @@ class PipelineEngine:
                            ins.OptimizerStep: self._optimizer_step},
             hooks=[*hooks, _GradientsReady(self.optimizer)], dropout_seed=seed_of,
             free_sent_outputs=dealloc_pipeoutput, record_timeline=record_timeline,
-            compute_dtype=precision.dtype, loss_scale=lambda: self.optimizer.loss_scale)
+            compute_dtype=precision.dtype, loss_scale=lambda: self.optimizer.loss_scale,
+            measure_activations=measure_activations)
         self._last_outcome = None
         self._eval_instructions = None
 
@@ -358,12 +362,17 @@ class PipelineEngine:
         return dict(zip(names, self.optimizer.gradient_pieces(), strict=True))
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state held by this rank."""
+        """Bytes of parameters, gradients and optimizer state held by this rank; the peak of saved
+        activations when they were measured, and on CUDA the allocator's peak."""
         def nbytes(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         params = [p for _, p in self._param_names]
-        return {"parameter_bytes": nbytes(params), **self.optimizer.memory_report(),
-                "peak_activation_bytes": self.executor.meter.peak_bytes}
+        report = {"parameter_bytes": nbytes(params), **self.optimizer.memory_report()}
+        if self.executor.meter is not None:
+            report["peak_activation_bytes"] = self.executor.meter.peak_bytes
+        if self.state.device.type == "cuda":
+            report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.state.device)
+        return report
 
 
 def _model_info(model: nn.Module) -> dict | None:

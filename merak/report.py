@@ -198,16 +198,22 @@ def format_summary(summary: dict) -> str:
                         if precision["dtype"] == "float16" else ""))
     lines += [
         f"  wall time          {summary['wall_time_s']:,.1f} s",
-        "  memory per stage (MiB, max over the stage's ranks; activations: saved for backward, at peak):",
-        "    stage  params(M)  parameters  gradients  master  optimizer  activations  peak RSS",
+        "  memory per stage (MiB, max over the stage's ranks; activations: saved for backward, at peak, with "
+        "trainer.measure_activation_memory=true; GPU: the allocator's peak):",
+        "    stage  params(M)  parameters  gradients  master  optimizer  activations  peak RSS  GPU peak",
     ]
     for stage in summary["stages"]:
         lines.append(
             f"    {stage['stage']:>5}  {stage['num_parameters'] / 1e6:>9.2f}  {_mib(stage['parameter_bytes']):>10}"
             f"  {_mib(stage['gradient_bytes']):>9}  {_mib(stage.get('master_weight_bytes', 0)):>6}"
             f"  {_mib(stage['optimizer_state_bytes']):>9}"
-            f"  {_mib(stage.get('peak_activation_bytes', 0)):>11}  {_mib(stage['peak_rss_bytes']):>8}")
+            f"  {_mib_or_dash(stage.get('peak_activation_bytes')):>11}  {_mib(stage['peak_rss_bytes']):>8}"
+            f"  {_mib_or_dash(stage.get('peak_allocated_bytes')):>8}")
     return "\n".join(lines)
+
+
+def _mib_or_dash(value: int | None) -> str:
+    return "-" if value is None else _mib(value)
 
 
 def _human(count: float, unit: str = "") -> str:

@@ -145,7 +145,8 @@ class TrainingSession:
             optimizer=optimizer_options(settings, steps), recompute=recompute_options(settings),
             num_chunks=pipeline_chunks(trainer), dropout_seed=trainer.seed, hooks=hooks,
             dealloc_pipeoutput=trainer.dealloc_pipeoutput, record_timeline=trainer.wall_clock_breakdown,
-            zero=zero_options(trainer), precision=precision_options(trainer))
+            zero=zero_options(trainer), precision=precision_options(trainer),
+            measure_activations=trainer.measure_activation_memory)
         del built  # the engine keeps this rank's stage only
         grid = settings.grid
         # Dropout masks differ between replicas and stages, but not within a tensor-parallel group,

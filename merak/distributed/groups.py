@@ -111,7 +111,13 @@ def _start_process_group(grid: RankGrid, backend: str, timeout_s: float) -> None
         )
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Small bookkeeping collectives (the step's loss, gradient-norm scalars, gathered reports) run on
+        # CPU tensors; gloo carries those, NCCL everything on the GPU.
+        backend = NCCL_WITH_CPU
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"
 
 
 def _new_groups(rank_lists: list[list[int]], rank: int):
@@ -150,7 +156,7 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, *, backend: str | None = None,
                 f"dp*tp*pp = {grid.world_size} but the process group has {dist.get_world_size()} ranks"
             )
     rank = dist.get_rank() if dist.is_initialized() else 0
-    device = (torch.device("cuda", torch.cuda.current_device()) if chosen == "nccl"
+    device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in chosen
               else torch.device("cpu"))
     state = ParallelState(grid=grid, rank=rank, coordinates=grid.coordinates(rank),
                           backend=chosen, device=device)

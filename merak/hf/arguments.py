@@ -62,6 +62,8 @@ class MerakArguments(TrainingArguments):
     seq_length: int | None = _doc("Sequence length (default: from the model config).", default=None)
     num_heads: int | None = _doc("Attention heads (default: from the model config).", default=None)
     wall_clock_breakdown: bool = _doc("Record every instruction's time; write timeline.png/json.", default=False)
+    measure_activation_memory: bool = _doc("Count every tensor saved for backward to report the exact peak of "
+                                           "saved activations per stage (costs host time).", default=False)
     shard_count: int | None = _doc("Number of graph shards (default 2 x num_layers).", default=None)
     prescale_gradients: bool = _doc("Divide gradients by dp before the all-reduce.", default=False)
     gradient_predivide_factor: float = _doc("Divide by this before the reduction and by dp/this after.",

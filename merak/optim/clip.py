@@ -17,8 +17,11 @@ def global_grad_norm(grads: Sequence[torch.Tensor | None], *, group, group_size:
     """
     # float64 accumulation keeps the norm exact to ~1e-15 (an fp32 norm of a large
     # embedding is off by ~1e-6); vector_norm does it without a float64 copy.
-    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float64) for g in grads if g is not None]
-    squares = torch.stack(norms).square().sum().cpu() if norms else torch.zeros((), dtype=torch.float64)
+    # One fused kernel per device and dtype, not one per gradient.
+    present = [g.detach() for g in grads if g is not None]
+    norms = torch._foreach_norm(present, 2, dtype=torch.float64) if present else []
+    squares = torch.stack([n.to(norms[0].device) for n in norms]).square().sum().cpu() if norms \
+        else torch.zeros((), dtype=torch.float64)
     if group_size > 1:
         dist.all_reduce(squares, group=group)
     return squares.sqrt()

@@ -305,9 +305,7 @@ class DistributedOptimizer:
         if max_grad_norm > 0 and norm + 1e-6 > max_grad_norm:
             factor *= max_grad_norm / (norm + 1e-6)
         if factor != 1.0:
-            for grad in grads:
-                if grad is not None:
-                    grad.mul_(factor)
+            torch._foreach_mul_([g for g in grads if g is not None], factor)
         self.optimizer.step()
         self.scaler.update(False)
         self._publish()
@@ -319,8 +317,7 @@ class DistributedOptimizer:
             return
         with torch.no_grad():
             if not self.sharded:
-                for param, master in zip(self.params, self.master):
-                    param.copy_(master.view(param.shape))
+                torch._foreach_copy_(self.params, [m.view(p.shape) for m, p in zip(self.master, self.params)])
                 return
             for bucket in self._buckets(range(len(self.params)), self.zero.allgather_bucket_size):
                 self._all_gather_bucket(bucket)

@@ -39,7 +39,10 @@ def make_optimizer(params: Iterable[tuple[torch.Tensor, bool]], *, kind: str, le
               {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     if kind == "adamw_torch":
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps)
+        # On the GPU one fused kernel updates every tensor (torch's own default there is foreach).
+        tensors = decay + no_decay
+        fused = bool(tensors) and all(t.is_cuda and t.is_floating_point() for t in tensors)
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, eps=eps, **({"fused": True} if fused else {}))
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=learning_rate)
     if kind == "adafactor":

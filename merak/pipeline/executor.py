@@ -12,6 +12,7 @@ by (chunk, microbatch).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,7 +30,7 @@ from merak.distributed.p2p import PointToPoint
 from merak.pipeline import instructions as ins
 from merak.pipeline.hooks import HookList, PipelineHook
 from merak.pipeline.memory import ActivationMeter, active_meter
-from merak.pipeline.recompute import checkpointing, microbatch_seed
+from merak.pipeline.recompute import checkpointing, has_random_operations, microbatch_seed
 
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
 Key = tuple[int, int]  # (chunk, microbatch)
@@ -89,6 +90,9 @@ class PipelineExecutor:
         compute_dtype: the dtype of floating-point data fed to the first stage (fp16/bf16
             runs); the last stage's outputs reach ``loss_fn`` in float32.
         loss_scale: the current fp16 loss scale (the backward starts from this gradient).
+        measure_activations: file every tensor autograd saves (a Python hook per saved tensor) to
+            report the exact peak of saved activations; off, nothing runs per saved tensor. Forced on
+            by ``free_sent_outputs``, which must know what the backward still reads.
     """
 
     def __init__(self, *, stage: nn.Module | None = None, stages: Mapping[int, nn.Module] | None = None,
@@ -97,7 +101,8 @@ class PipelineExecutor:
                  loss_fn: LossFn, step_handlers: Mapping[type, Callable[[], None]],
                  hooks: Sequence[PipelineHook] = (), dropout_seed: Callable[[int, int], int] | None = None,
                  free_sent_outputs: bool = False, record_timeline: bool = False,
-                 compute_dtype: torch.dtype = torch.float32, loss_scale: Callable[[], float] | None = None) -> None:
+                 compute_dtype: torch.dtype = torch.float32, loss_scale: Callable[[], float] | None = None,
+                 measure_activations: bool = False) -> None:
         if (stage is None) == (stages is None):
             raise ValueError("give either stage or stages")
         self.stages = dict(stages) if stages is not None else {0: stage}
@@ -118,7 +123,9 @@ class PipelineExecutor:
         self.loss_scale = loss_scale
         self.timeline: list[tuple[ins.Instruction, float, float]] = []
         params = {id(p): p for module in self.stages.values() for p in module.parameters()}
-        self.meter = ActivationMeter(params.values())
+        self.meter = ActivationMeter(params.values()) if measure_activations or free_sent_outputs else None
+        # Reseeding the RNG before every part costs host time; stages without random operations skip it.
+        self._reseeds = {chunk: has_random_operations(module) for chunk, module in self.stages.items()}
         self.step_index = 0
         # Forward FLOPs of one microbatch in each local chunk, counted on the chunk's first forward
         # (for the run summary's model FLOPs and MFU).
@@ -164,7 +171,7 @@ class PipelineExecutor:
         clock = time.perf_counter
         self.hooks.on_step_begin()
         try:
-            with active_meter(self.meter):
+            with active_meter(self.meter) if self.meter is not None else contextlib.nullcontext():
                 for instruction in instructions:
                     start = clock()
                     self._dispatch(instruction)
@@ -179,7 +186,8 @@ class PipelineExecutor:
         self.step_index += 1
         if not self._is_last(self.num_chunks - 1):
             return None
-        return float(sum(loss.item() for loss in losses.values()))
+        # One host-device synchronisation per step, not one per microbatch.
+        return float(torch.stack(list(losses.values())).sum()) if losses else 0.0
 
     # -- dispatch ----------------------------------------------------------------
 
@@ -218,13 +226,15 @@ class PipelineExecutor:
         key = (chunk, m)
         stage, inputs = self.stages[chunk], step.inputs[key]
         kind = type(instruction)
-        seed = self.dropout_seed(self.step_index, m) if self.dropout_seed is not None else None
+        seed = self.dropout_seed(self.step_index, m) \
+            if self.dropout_seed is not None and self._reseeds[chunk] else None
         self.hooks.on_instruction_begin(ins.INSTRUCTION_NAMES[kind])
-        if kind is ins.RecomputeForward:
-            self.meter.release(key)  # the pre-checkpointed run kept only the inputs, filed again below
-        with microbatch_seed(seed), self.meter.saving(key):
-            if not self._is_first(chunk):
-                self.meter.keep(key, inputs)
+        meter = self.meter
+        if meter is not None and kind is ins.RecomputeForward:
+            meter.release(key)  # the pre-checkpointed run kept only the inputs, filed again below
+        with microbatch_seed(seed), meter.saving(key) if meter is not None else contextlib.nullcontext():
+            if meter is not None and not self._is_first(chunk):
+                meter.keep(key, inputs)
             if kind is ins.PreCheckpointForward:
                 # Only the inputs are kept; the outputs still carry a graph, so the next stage
                 # learns which of them need gradients.
@@ -285,7 +295,7 @@ class PipelineExecutor:
                 lambda leaf: by_id.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None, inputs)
         if not self._is_first(chunk):
             step.input_grads[key] = input_grads
-        if whole:
+        if whole and self.meter is not None:
             self.meter.release(key)
         self.hooks.on_instruction_end(name)
 
@@ -297,7 +307,8 @@ class PipelineExecutor:
         else:
             weights, param_groups = self._step.param_groups.pop(key)
             stage_backward_weight(iter(weights), param_groups)
-        self.meter.release(key)
+        if self.meter is not None:
+            self.meter.release(key)
         self.hooks.on_instruction_end(ins.INSTRUCTION_NAMES[ins.BackwardWeight])
 
     # -- communication -----------------------------------------------------------

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import fx, nn
 
 # What the stage forward currently runs: "configured" (the stage's checkpointing) or "none".
 _state = {"checkpointing": "configured", "seed": None}
@@ -146,3 +147,84 @@ def _cuda_state():
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.get_rng_state()
     return None
+
+
+# Python-level random functions fx may record (aten operators carry the nondeterministic_seeded tag).
+_RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.normal,
+                     torch.multinomial, torch.rand_like, torch.randn_like, torch.randint_like}
+_DROPOUT_FUNCTIONS = {nn.functional.dropout, nn.functional.dropout1d, nn.functional.dropout2d,
+                      nn.functional.dropout3d, nn.functional.alpha_dropout, nn.functional.feature_alpha_dropout,
+                      torch.dropout}
+
+
+def _dropout_is_active(node: fx.Node) -> bool:
+    """A dropout call draws random numbers unless its probability is 0 or it is in eval mode."""
+    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+    training = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True))
+    return not (isinstance(p, (int, float)) and p == 0) and training is not False
+
+
+def _operator_draws(op: torch._ops.OpOverload, node: fx.Node) -> bool:
+    """A seeded aten operator draws unless its dropout probability is 0 (dropout, attention) or it
+    runs in eval mode (``train=False``)."""
+    for index, argument in enumerate(op._schema.arguments):
+        if argument.name not in ("p", "dropout_p", "train"):
+            continue
+        if argument.name in node.kwargs:
+            value = node.kwargs[argument.name]
+        elif index < len(node.args):
+            value = node.args[index]
+        else:
+            value = argument.default_value
+        if argument.name == "train" and value is False:
+            return False
+        if argument.name != "train" and isinstance(value, (int, float)) and value == 0:
+            return False
+    return True
+
+
+def _node_is_random(graph_module: fx.GraphModule, node: fx.Node) -> bool:
+    target = node.target
+    if node.op == "call_function":
+        if isinstance(target, torch._ops.OpOverload):
+            return torch.Tag.nondeterministic_seeded in target.tags and _operator_draws(target, node)
+        if target in _DROPOUT_FUNCTIONS:
+            return _dropout_is_active(node)
+        return target in _RANDOM_FUNCTIONS
+    if node.op == "call_method":
+        return target in ("bernoulli_", "uniform_", "normal_", "random_", "exponential_", "geometric_",
+                          "cauchy_", "log_normal_", "bernoulli")
+    if node.op == "call_module":
+        return _module_is_random(graph_module.get_submodule(target))
+    return False
+
+
+def _module_is_random(module: nn.Module) -> bool:
+    """A module kept whole by capture: random when it is dropout with p > 0, or when it is not one of
+    torch.nn's own modules (its forward cannot be read; assume it may draw)."""
+    if isinstance(module, fx.GraphModule):
+        return any(_node_is_random(module, node) for node in module.graph.nodes)
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    if not type(module).__module__.startswith("torch.nn."):
+        return True
+    return any(_module_is_random(child) for child in module.children())
+
+
+def has_random_operations(stage: nn.Module) -> bool:
+    """Whether running ``stage`` may draw random numbers, so that its parts need reseeding.
+
+    Captured graphs are read node by node (dropout with p = 0 does not count); a stage made of
+    anything else is assumed to draw.
+    """
+    parts = getattr(stage, "parts", None)
+    if parts is None:
+        return True
+    for part in parts:
+        graphs = [part] if isinstance(part, fx.GraphModule) else list(part.children())
+        if not graphs or not all(isinstance(g, fx.GraphModule) or type(g).__name__ == "RebuildOutput"
+                                 for g in graphs):
+            return True
+        if any(_module_is_random(g) for g in graphs if isinstance(g, fx.GraphModule)):
+            return True
+    return False

@@ -6,7 +6,8 @@ node name after that), and returns the dict of values crossing its end; the
 last shard returns the model's output. Values a later shard needs are passed
 through every shard in between. Parameters are shared with the captured module
 (never copied), so tied weights stay one object. No shard holds the device it
-was captured on (merak.trace.devices).
+was captured on (merak.trace.devices), and each is made lean for the host
+(merak.trace.simplify).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from merak.shard.graph import GraphUnits
 from merak.trace.devices import attach_anchor, follow_stage_device, new_anchor
+from merak.trace.simplify import simplify_shard
 
 
 class RebuildOutput(nn.Module):
@@ -77,6 +79,7 @@ def build_shards(units: GraphUnits, cuts: Sequence[int]) -> list[fx.GraphModule]
             graph.output({_key(v, input_names): env[v] for v in units.crossing_values(stop)})
         shard = fx.GraphModule(captured.module, graph, f"Shard{index}")
         follow_stage_device(shard, anchor)
+        simplify_shard(shard)
         shards.append(shard)
     return shards
 

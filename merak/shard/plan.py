@@ -25,6 +25,7 @@ from merak.shard.build import shard_modules
 from merak.shard.graph import GraphUnits
 from merak.shard.split import ShardingError, split_units
 from merak.trace.capture import capture
+from merak.trace.simplify import simplify_captured
 from merak.tensor_parallel.comm import simulated_groups
 from merak.trace.meta import buffers_on_meta, has_meta_parameters
 
@@ -225,6 +226,7 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
         example_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
     captured = capture(model, example_inputs, method=options.trace_method, input_names=options.input_names,
                        leaf_modules=options.leaf_modules)
+    simplify_captured(captured.module)
     units = GraphUnits(captured)
     if not len(units):
         raise ShardingError(f"the captured graph of {type(model).__name__} has no operations to shard")

@@ -56,7 +56,8 @@ def _train(state, built, schedule: str, recompute: RecomputeOptions, chunks: int
            dealloc: bool = False) -> list[dict]:
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                             schedule=schedule, num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS,
-                            recompute=recompute, num_chunks=chunks, dropout_seed=SEED, dealloc_pipeoutput=dealloc)
+                            recompute=recompute, num_chunks=chunks, dropout_seed=SEED, dealloc_pipeoutput=dealloc,
+                            measure_activations=True)
     dataset = data.load(tokens, model_cfg)
     plan = BatchPlan(num_samples=len(dataset), micro_batch_size=MICRO_BATCH, num_microbatches=MICROBATCHES, seed=SEED)
     loader = MicrobatchLoader(dataset, plan)
