@@ -273,7 +273,8 @@ class PipelineEngine:
             microbatches: this rank's microbatches on the first and last stage; None elsewhere.
         """
         for chunk in self.chunks.values():
-            chunk.train()
+            if not chunk.training:  # train() walks every submodule: only when something switched it off
+                chunk.train()
         self.optimizer.zero_grad()
         learning_rate = self.optimizer.optimizer.param_groups[0]["lr"]
         local_loss = self.executor.run(self.instructions, microbatches)

@@ -85,28 +85,80 @@ def stack_samples(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, to
     return {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in samples[0]}
 
 
+class _StepMicrobatches(torch.utils.data.Sampler):
+    """The microbatch index lists of a plan, step after step from ``first_step`` (endless)."""
+
+    def __init__(self, plan: BatchPlan, first_step: int) -> None:
+        self.plan, self.first_step = plan, first_step
+
+    def __iter__(self):
+        step = self.first_step
+        while True:
+            yield from self.plan.microbatch_indices(step)
+            step += 1
+
+
 class MicrobatchLoader:
     """Loads a step's microbatches for this rank from an indexable dataset.
+
+    With ``num_workers`` > 0, a ``torch.utils.data.DataLoader`` prepares the microbatches of the
+    next steps in worker processes while the current one trains, in the plan's order. On CUDA
+    batches are pinned and copied with ``non_blocking=True``, so the host queues the copy and
+    goes on; the copy runs on the device's stream before the step's kernels that read it.
 
     Args:
         dataset: anything with ``__getitem__(int) -> dict of tensors``.
         plan: the :class:`BatchPlan` of this rank.
         collate: turns a list of samples into one batch dict.
         device: where batches are placed.
+        num_workers: worker processes preparing batches ahead (0: made when asked, in this process).
+        pin_memory: page-locked host batches for asynchronous copies (only used with CUDA).
+        prefetch_steps: steps each worker prepares ahead.
     """
 
     def __init__(self, dataset, plan: BatchPlan,
                  collate: Callable[[Sequence], dict[str, torch.Tensor]] = stack_samples,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, num_workers: int = 0, pin_memory: bool = True,
+                 prefetch_steps: int = 2) -> None:
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be >= 0")
         self.dataset = dataset
         self.plan = plan
         self.collate = collate
         self.device = torch.device(device)
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory and self.device.type == "cuda"
+        self.prefetch_steps = prefetch_steps
+        self._iterator = None
+        self._next_step: int | None = None
+
+    def _batches_from(self, step: int):
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=_StepMicrobatches(self.plan, step), collate_fn=self.collate,
+            num_workers=self.num_workers, pin_memory=self.pin_memory,
+            prefetch_factor=self.prefetch_steps * self.plan.num_microbatches if self.num_workers else None)
+        return iter(loader)
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def load_step(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The microbatches of ``step`` (0-based over the whole run)."""
-        batches = []
-        for indices in self.plan.microbatch_indices(step):
-            batch = self.collate([self.dataset[i] for i in indices])
-            batches.append({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
-        return batches
+        if self.num_workers == 0:
+            batches = []
+            for indices in self.plan.microbatch_indices(step):
+                batch = self.collate([self.dataset[i] for i in indices])
+                if self.pin_memory:
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                batches.append(self._to_device(batch))
+            return batches
+        if step != self._next_step:  # first call, or a jump (resume): restart the workers at ``step``
+            self.close()
+            self._iterator = self._batches_from(step)
+        self._next_step = step + 1
+        return [self._to_device(next(self._iterator)) for _ in range(self.plan.num_microbatches)]
+
+    def close(self) -> None:
+        """Stop the worker processes (a later load_step starts new ones)."""
+        self._iterator = None
+        self._next_step = None

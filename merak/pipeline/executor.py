@@ -88,7 +88,8 @@ class PipelineExecutor:
             whatever backward needs (``dealloc_pipeoutput``).
         record_timeline: keep (instruction, start, end) of every instruction of the last step.
         compute_dtype: the dtype of floating-point data fed to the first stage (fp16/bf16
-            runs); the last stage's outputs reach ``loss_fn`` in float32.
+            runs); the last stage's outputs reach ``loss_fn`` in float32, unless the loss is marked
+            with ``merak.tensor_parallel.cross_entropy.accepts_half_precision`` (then as they are).
         loss_scale: the current fp16 loss scale (the backward starts from this gradient).
         measure_activations: file every tensor autograd saves (a Python hook per saved tensor) to
             report the exact peak of saved activations; off, nothing runs per saved tensor. Forced on
@@ -120,6 +121,7 @@ class PipelineExecutor:
         self.free_sent_outputs = free_sent_outputs
         self.record_timeline = record_timeline
         self.compute_dtype = compute_dtype
+        self._cast_outputs = compute_dtype != torch.float32 and not getattr(loss_fn, "accepts_half_precision", False)
         self.loss_scale = loss_scale
         self.timeline: list[tuple[ins.Instruction, float, float]] = []
         params = {id(p): p for module in self.stages.values() for p in module.parameters()}
@@ -252,7 +254,7 @@ class PipelineExecutor:
                 outputs = stage(inputs)
             if self._is_last(chunk):
                 batch = step.batches[key] if kind is ins.PreCheckpointForward else step.batches.pop(key)
-                if self.compute_dtype != torch.float32:
+                if self._cast_outputs:
                     outputs = _cast_floats(outputs, torch.float32)
                 if self._keep_outputs:
                     self.outputs[m] = outputs

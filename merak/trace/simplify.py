@@ -18,7 +18,7 @@ small its kernel. Two rewrites take out work that eager PyTorch does not do:
   computed once and kept as non-persistent buffers (so they move with the
   stage); floating-point ones are left alone, because casting the model to
   fp16/bf16 would cast a buffer but not what the graph computes.
-- *Dead code.* Values nothing reads are not computed.
+- *Dead code.* Pure values nothing reads are not computed.
 """
 
 from __future__ import annotations
@@ -97,14 +97,32 @@ CONSTANT_PREFIX = "_merak_constant_"
 MAX_CONSTANT_BYTES = 256 * 2**20
 
 
-def _is_foldable(node: fx.Node, constant: set[fx.Node]) -> bool:
-    if node.op != "call_function" or not all(arg in constant for arg in node.all_input_nodes):
+def _is_pure(node: fx.Node) -> bool:
+    """A call whose only effect is its result: a functional aten operator that draws no random
+    numbers, or getitem/getattr. Methods and modules (``bernoulli_`` on a tensor, say) never are."""
+    if node.op != "call_function":
         return False
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return (torch.Tag.nondeterministic_seeded not in target.tags and not target._schema.is_mutable
                 and not node.is_impure())
-    return target is operator.getitem
+    return target in (operator.getitem, getattr)
+
+
+def remove_dead_values(graph: fx.Graph) -> int:
+    """Erase pure calls whose results nothing reads (fx's own dead-code pass would also erase
+    in-place methods such as ``bernoulli_`` that fx traces record). Returns how many."""
+    removed = 0
+    for node in reversed(list(graph.nodes)):
+        if not node.users and (_is_pure(node) or node.op == "get_attr"):
+            graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+def _is_foldable(node: fx.Node, constant: set[fx.Node]) -> bool:
+    return (_is_pure(node) and node.target is not getattr
+            and all(arg in constant for arg in node.all_input_nodes))
 
 
 def _on_cpu(value):
@@ -149,7 +167,7 @@ def fold_constants(module: fx.GraphModule) -> int:
         node.replace_all_uses_with(replacement)
         folded += 1
     if folded:
-        graph.eliminate_dead_code()
+        remove_dead_values(graph)
         module.recompile()
     return folded
 
@@ -198,7 +216,7 @@ def use_fused_attention(module: fx.GraphModule) -> int:
         node.args, node.kwargs = tuple(args), kwargs
         changed += 1
     if changed:
-        module.graph.eliminate_dead_code()
+        remove_dead_values(module.graph)
         module.recompile()
     return changed
 
@@ -217,7 +235,7 @@ def simplify_shard(module: fx.GraphModule) -> None:
         if name.startswith(CONSTANT_PREFIX):
             module._non_persistent_buffers_set.add(name)
     flatten_attribute_paths(module)
-    if module.graph.eliminate_dead_code():
+    if remove_dead_values(module.graph):
         module.recompile()
 
 
@@ -228,5 +246,6 @@ def _free_name(module: nn.Module) -> str:
     return f"{CONSTANT_PREFIX}{index}"
 
 
-__all__ = ["drop_inactive_dropout", "flatten_attribute_paths", "fold_constants", "simplify_captured",
+__all__ = ["drop_inactive_dropout", "flatten_attribute_paths", "fold_constants", "remove_dead_values",
+           "simplify_captured",
            "simplify_shard", "use_fused_attention"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from merak.tensor_parallel.cross_entropy import cross_entropy
+from merak.tensor_parallel.cross_entropy import accepts_half_precision, cross_entropy
 from transformers import BertConfig, BertForMaskedLM
 
 
@@ -30,6 +30,7 @@ def tokens_per_sample(model_cfg) -> int:
     return int(model_cfg.seq_length)
 
 
+@accepts_half_precision
 def masked_lm_loss(output, batch) -> torch.Tensor:
     """Mean cross-entropy over the masked positions (labels of -100 elsewhere are ignored).
 

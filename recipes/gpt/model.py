@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from merak.tensor_parallel.cross_entropy import cross_entropy
+from merak.tensor_parallel.cross_entropy import accepts_half_precision, cross_entropy
 
 
 def build_model(model_cfg) -> GPT2LMHeadModel:
@@ -30,6 +30,7 @@ def tokens_per_sample(model_cfg) -> int:
     return int(model_cfg.seq_length)
 
 
+@accepts_half_precision
 def causal_lm_loss(output, batch) -> torch.Tensor:
     """Mean next-token cross-entropy: position t predicts token t + 1.
 

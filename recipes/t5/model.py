@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import T5Config, T5ForConditionalGeneration
 
-from merak.tensor_parallel.cross_entropy import cross_entropy
+from merak.tensor_parallel.cross_entropy import accepts_half_precision, cross_entropy
 
 
 def build_model(model_cfg) -> T5ForConditionalGeneration:
@@ -40,6 +40,7 @@ def tokens_per_sample(model_cfg) -> int:
     return int(model_cfg.source_length) + int(model_cfg.target_length)
 
 
+@accepts_half_precision
 def seq2seq_loss(output, batch) -> torch.Tensor:
     """Mean cross-entropy of the decoder's predictions against ``labels`` (-100 is ignored).
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from merak.tensor_parallel.cross_entropy import accepts_half_precision
+
 
 def logits_of(output) -> torch.Tensor:
     """The logits in a model output: a tensor (torchvision, timm), a ModelOutput/dict with
@@ -18,6 +20,7 @@ def logits_of(output) -> torch.Tensor:
     raise TypeError(f"cannot find logits in a model output of type {type(output).__name__}")
 
 
+@accepts_half_precision
 def cross_entropy_loss(output, batch) -> torch.Tensor:
     """Mean cross-entropy of the class logits ``[batch, num_classes]`` against ``batch['labels']``."""
     logits = logits_of(output)
