@@ -71,6 +71,9 @@ class TrainerSettings:
     dealloc_pipeoutput: bool = False
     wall_clock_breakdown: bool = False
     measure_activation_memory: bool = False
+    # Data loading (merak.data.batching.MicrobatchLoader).
+    dataloader_num_workers: int | None = None
+    dataloader_pin_memory: bool = True
     # Optimizer, ZeRO and mixed precision (merak.optim.distributed, merak.optim.precision).
     optim: str = "adamw_torch"
     zero_optimization: bool = False
@@ -196,6 +199,9 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     if launcher.backend not in ("auto", "gloo", "nccl"):
         problems.append(f"launcher.backend={launcher.backend!r}; use auto, gloo or nccl")
     _positive_int(launcher.threads_per_rank, "launcher.threads_per_rank", problems)
+    workers = trainer.dataloader_num_workers
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
+        problems.append(f"trainer.dataloader_num_workers={workers!r} must be null (automatic) or an integer >= 0")
     num_microbatches = trainer.gradient_accumulation_steps
     batch_ok = trainer.global_batch_size is None or _positive_int(
         trainer.global_batch_size, "trainer.global_batch_size", problems)

@@ -118,6 +118,8 @@ class PipelineEngine:
         measure_activations: count every tensor saved for backward to report the exact peak of saved
             activations (a Python hook per saved tensor: for diagnosis, not for speed). On CUDA the
             allocator's own peak is reported either way.
+        channels_last: keep 4-D weights channels-last (convolutional models on a GPU). Not with
+            fp32 ZeRO, whose optimizer updates flat views of the parameters.
     """
 
     def __init__(self, *, model: nn.Module, stages: Sequence[nn.Module],
@@ -127,7 +129,8 @@ class PipelineEngine:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, recompute: RecomputeOptions = RecomputeOptions(),
                  num_chunks: int = 1, dropout_seed: int | None = None, dealloc_pipeoutput: bool = False,
                  record_timeline: bool = False, zero: ZeroOptions = ZeroOptions(),
-                 precision: PrecisionOptions = PrecisionOptions(), measure_activations: bool = False) -> None:
+                 precision: PrecisionOptions = PrecisionOptions(), measure_activations: bool = False,
+                 channels_last: bool = False) -> None:
         grid, coords = state.grid, state.coordinates
         if len(stages) != grid.pp * num_chunks:
             raise ValueError(f"got {len(stages)} stages for pp={grid.pp} x {num_chunks} chunks")
@@ -136,6 +139,11 @@ class PipelineEngine:
         self.num_stages = grid.pp
         self.num_chunks = num_chunks
         self.chunks = {c: stages[c * grid.pp + self.stage_id].to(state.device) for c in range(num_chunks)}
+        flat_views = zero.stage >= 1 and grid.dp > 1 and precision.dtype == torch.float32
+        self.channels_last = channels_last and not flat_views
+        if self.channels_last:
+            for chunk in self.chunks.values():
+                chunk.to(memory_format=torch.channels_last)
         self.stage = self.chunks[0]
         self.options = optimizer
         self.bucket_bytes = bucket_bytes

@@ -54,6 +54,8 @@ class RecipeSpec:
         tp_plan: how the model splits for tensor parallelism: a TPPlan, or
             ``(model_cfg) -> TPPlan`` when it depends on the model option (None: tp must be 1).
         collate: ``(list of samples) -> dict of tensors``, one microbatch (default: stack each field).
+        channels_last: a convolutional model: on CUDA its weights and 4-D inputs are kept in the
+            channels-last layout the tensor-core convolutions read.
     """
 
     name: str
@@ -72,6 +74,7 @@ class RecipeSpec:
     build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None
     tp_plan: TPPlan | Callable[[Any], TPPlan] | None = None
     collate: Callable[[Sequence], Mapping[str, torch.Tensor]] = stack_samples
+    channels_last: bool = False
 
     def tensor_parallel_plan(self, model_cfg) -> TPPlan | None:
         """The TP plan for ``model_cfg`` (see ``tp_plan``)."""

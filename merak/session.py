@@ -146,7 +146,10 @@ class TrainingSession:
             num_chunks=pipeline_chunks(trainer), dropout_seed=trainer.seed, hooks=hooks,
             dealloc_pipeoutput=trainer.dealloc_pipeoutput, record_timeline=trainer.wall_clock_breakdown,
             zero=zero_options(trainer), precision=precision_options(trainer),
-            measure_activations=trainer.measure_activation_memory)
+            measure_activations=trainer.measure_activation_memory,
+            channels_last=spec.channels_last and state.device.type == "cuda")
+        if spec.channels_last and state.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest convolution once
         del built  # the engine keeps this rank's stage only
         grid = settings.grid
         # Dropout masks differ between replicas and stages, but not within a tensor-parallel group,
@@ -160,11 +163,17 @@ class TrainingSession:
             plan = BatchPlan(num_samples=len(dataset), micro_batch_size=trainer.per_device_train_batch_size,
                              num_microbatches=settings.num_microbatches, dp_size=grid.dp,
                              dp_rank=state.coordinates.dp, seed=trainer.seed)
-            self.loader = MicrobatchLoader(dataset, plan, collate=spec.collate, device=state.device)
+            self.loader = self._loader(dataset, plan)
         self.metrics: MetricsWriter | None = None
         self.saved: list[str] = []
         # Collective callables whose dicts (rank 0's) join the run summary, e.g. the energy report.
         self.summary_sections: list[Callable[[], dict]] = []
+
+    def _loader(self, dataset, plan: BatchPlan) -> MicrobatchLoader:
+        trainer = self.settings.trainer
+        return MicrobatchLoader(dataset, plan, collate=self.spec.collate, device=self.state.device,
+                                num_workers=loader_workers(trainer.dataloader_num_workers, self.state.device),
+                                pin_memory=trainer.dataloader_pin_memory, channels_last=self.engine.channels_last)
 
     @property
     def feeds_data(self) -> bool:
@@ -240,6 +249,8 @@ class TrainingSession:
             if trainer.save and (self.step % trainer.save_steps == 0 or self.step == self.steps or stop):
                 self.save()
         self.metrics.close()
+        if self.loader is not None:
+            self.loader.close()
         timeline = write_timelines(self.engine, schedule=trainer.train_schedule, output_dir=settings.output_dir,
                                    rank=self.state.rank) if trainer.wall_clock_breakdown else None
         return self.write_summary(timeline)
@@ -255,8 +266,7 @@ class TrainingSession:
                          num_microbatches=settings.num_microbatches, dp_size=settings.grid.dp,
                          dp_rank=self.state.coordinates.dp, shuffle=False)
         steps = plan.steps_per_epoch if eval_iters is None else min(eval_iters, plan.steps_per_epoch)
-        loader = MicrobatchLoader(dataset, plan, collate=self.spec.collate, device=self.state.device) \
-            if self.feeds_data else None
+        loader = self._loader(dataset, plan) if self.feeds_data else None
         for step in range(steps):
             yield plan, (loader.load_step(step) if loader else None)
 
@@ -332,6 +342,14 @@ class TrainingSession:
             summary["timeline"] = timeline
         write_json_atomic(os.path.join(settings.output_dir, "summary.json"), summary)
         return summary
+
+
+def loader_workers(setting: int | None, device: torch.device) -> int:
+    """Data-loader worker processes: the setting, else 2 on CUDA (batches made while the GPU computes)
+    and 0 on the CPU (where workers would take cores from the training processes)."""
+    if setting is not None:
+        return setting
+    return 2 if device.type == "cuda" else 0
 
 
 def _model_name(model_cfg) -> str:

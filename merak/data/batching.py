@@ -114,12 +114,13 @@ class MicrobatchLoader:
         num_workers: worker processes preparing batches ahead (0: made when asked, in this process).
         pin_memory: page-locked host batches for asynchronous copies (only used with CUDA).
         prefetch_steps: steps each worker prepares ahead.
+        channels_last: 4-D floating-point fields (images) in the channels-last layout.
     """
 
     def __init__(self, dataset, plan: BatchPlan,
                  collate: Callable[[Sequence], dict[str, torch.Tensor]] = stack_samples,
                  device: torch.device | str = "cpu", *, num_workers: int = 0, pin_memory: bool = True,
-                 prefetch_steps: int = 2) -> None:
+                 prefetch_steps: int = 2, channels_last: bool = False) -> None:
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers} must be >= 0")
         self.dataset = dataset
@@ -129,6 +130,7 @@ class MicrobatchLoader:
         self.num_workers = num_workers
         self.pin_memory = pin_memory and self.device.type == "cuda"
         self.prefetch_steps = prefetch_steps
+        self.channels_last = channels_last
         self._iterator = None
         self._next_step: int | None = None
 
@@ -140,7 +142,11 @@ class MicrobatchLoader:
         return iter(loader)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        moved = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        if self.channels_last:
+            moved = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 and v.is_floating_point()
+                     else v for k, v in moved.items()}
+        return moved
 
     def load_step(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The microbatches of ``step`` (0-based over the whole run)."""

@@ -15,4 +15,5 @@ SPEC = RecipeSpec(
     example_inputs=parallel.example_inputs,
     split_points=parallel.SPLIT_POINTS,
     tp_plan=parallel.TP_PLAN,
+    channels_last=True,
 )

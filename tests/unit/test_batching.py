@@ -161,3 +161,38 @@ def test_zero_micro_batch_size_is_a_value_error():
 def test_dp_rank_out_of_range_is_rejected():
     with pytest.raises(ValueError):
         BatchPlan(num_samples=10, micro_batch_size=1, num_microbatches=1, dp_size=2, dp_rank=2)
+
+
+def test_prefetching_workers_load_the_same_microbatches_in_order_and_follow_a_jump():
+    """Worker processes prepare steps ahead; what load_step returns is what the plan says, also after the
+    caller jumps (a resume) or goes back, and across an epoch boundary."""
+    plan = BatchPlan(num_samples=30, micro_batch_size=3, num_microbatches=2, dp_size=2, dp_rank=1, seed=11)
+    in_process = MicrobatchLoader(ToyDataset(30), plan)
+    prefetching = MicrobatchLoader(ToyDataset(30), plan, num_workers=2, prefetch_steps=2)
+    try:
+        for step in (0, 1, 2, 3, 7, 8, 2, 3):
+            want, got = in_process.load_step(step), prefetching.load_step(step)
+            assert [b["input_ids"][:, 0].tolist() for b in got] == [b["input_ids"][:, 0].tolist() for b in want]
+            assert all(torch.equal(g["label"], w["label"]) for g, w in zip(got, want))
+    finally:
+        prefetching.close()
+
+
+def test_channels_last_applies_to_images_only():
+    class Images:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"x": torch.randn(3, 4, 4), "labels": torch.tensor(i)}
+
+    plan = BatchPlan(num_samples=4, micro_batch_size=2, num_microbatches=1, shuffle=False)
+    batch = MicrobatchLoader(Images(), plan, channels_last=True).load_step(0)[0]
+    assert batch["x"].is_contiguous(memory_format=torch.channels_last) and not batch["x"].is_contiguous()
+    assert batch["labels"].tolist() == [0, 1]
+
+
+def test_negative_workers_are_rejected():
+    plan = BatchPlan(num_samples=4, micro_batch_size=2, num_microbatches=1)
+    with pytest.raises(ValueError, match="num_workers"):
+        MicrobatchLoader(ToyDataset(4), plan, num_workers=-1)
