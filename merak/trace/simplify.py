@@ -129,6 +129,25 @@ def _on_cpu(value):
     return torch.device("cpu") if isinstance(value, torch.device) else value
 
 
+def _writes(node: fx.Node) -> bool:
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    return node.op == "call_method" and str(node.target).endswith("_")
+
+
+def _written_constants(graph: fx.Graph) -> set[fx.Node]:
+    """Values an in-place operation may write (T5's ``relative_buckets += ...``), with everything they
+    may be views of: folding them into a buffer would make the write accumulate across forwards."""
+    blocked: set[fx.Node] = set()
+    pending = [arg for node in graph.nodes if _writes(node) for arg in node.all_input_nodes]
+    while pending:
+        node = pending.pop()
+        if node not in blocked:
+            blocked.add(node)
+            pending.extend(node.all_input_nodes)
+    return blocked
+
+
 def fold_constants(module: fx.GraphModule) -> int:
     """Compute once what depends on no input and no parameter; keep its integer and boolean results.
 
@@ -141,9 +160,10 @@ def fold_constants(module: fx.GraphModule) -> int:
         How many values were replaced by buffers.
     """
     graph = module.graph
+    blocked = _written_constants(graph)
     constant: set[fx.Node] = set()
     for node in graph.nodes:
-        if _is_foldable(node, constant):
+        if node not in blocked and _is_foldable(node, constant):
             constant.add(node)
     frontier = [n for n in constant if any(u not in constant for u in n.users)]
     values: dict[fx.Node, object] = {}

@@ -134,3 +134,21 @@ def test_half_precision_cast_leaves_the_anchor_alone():
     stage = built.stages[0].to(torch.bfloat16)
     anchors = [b for name, b in stage.named_buffers() if name.endswith(ANCHOR)]
     assert anchors and all(a.dtype == torch.uint8 and a.numel() == 0 for a in anchors)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_simplified_stages_reproduce_the_eager_model_on_every_call(recipe):
+    """Folded masks, dropped no-op dropout, fused attention and flat attribute paths change no number, and a
+    folded value is never written by the graph (T5's ``relative_buckets += ...`` once accumulated into it)."""
+    spec, _, built, example = _assemble(recipe, "toy")
+    model = built.model.eval()  # toys have no dropout; eval also keeps batch-norm statistics still
+    for stage in built.stages:
+        stage.eval()
+    names = spec.input_names or list(example)
+    with torch.no_grad():
+        expected = _first_tensor(model(**{k: example[k] for k in names}))
+        for _ in range(3):
+            payload = {k: example[k] for k in names}
+            for stage in built.stages:
+                payload = stage(payload)
+            torch.testing.assert_close(_first_tensor(payload), expected, rtol=1e-5, atol=1e-6)

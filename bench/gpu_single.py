@@ -1,0 +1,202 @@
+"""merak on one GPU against a plain PyTorch loop: the same model, batch and optimizer, bf16.
+
+For each recipe model, both loops of ``recipe_loops.py`` train on ``cuda``:
+
+* plain: the recipe's ``build_model`` in fp32 under ``torch.autocast(bfloat16)``, fused AdamW,
+  ``clip_grad_norm_(1.0)``, a ``DataLoader`` with pinned memory and the same workers;
+* merak: ``train.py parallel=single trainer.bf16=true`` (bf16 weights, fp32 master weights and
+  optimizer state), recomputation off as in the plain loop.
+
+Each loop runs ``--warmup`` untimed and ``--steps`` timed iterations (whole iterations: data,
+forward, backward, step; each ends with the loss read back, one synchronisation), then is freed
+before the other starts (a 1.3 B model twice would not fit beside its activations). Reported per
+model: median step time, samples and tokens per second, MFU (model FLOPs: 3 x the forward FLOPs
+counted by ``torch.utils.flop_counter`` on one microbatch of the plain model, over the GPU's dense
+bf16 peak), the allocator's peak memory, and merak / plain. Every recipe's model runs, so a crash
+shows here too (the row says so and the others go on).
+
+Runs on the GPU machine's stack (torch 2.11, transformers 5.17, Python 3.12) with hydra/omegaconf
+carried as wheels (ENVIRONMENT.md):
+
+    python bench/gpu_single.py [--model gpt2 --model vit-base ...] [--warmup 3 --steps 10] [--json out.json]
+
+``--smoke`` runs the same code on the CPU with each recipe's toy model (a test of the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # first: sets OMP_NUM_THREADS before torch starts threads
+import torch
+from recipe_loops import MerakLoop, PlainLoop
+
+logger = logging.getLogger("bench.gpu_single")
+
+# model option -> (recipe, overrides). Batches: ENVIRONMENT.md's GPU table where it has one.
+MODELS = {
+    "gpt2": ("gpt", ["model=gpt2", "trainer.per_device_train_batch_size=8", "trainer.gradient_accumulation_steps=4"]),
+    "gpt3-xl": ("gpt", ["model=gpt3-xl", "trainer.per_device_train_batch_size=8",
+                        "trainer.gradient_accumulation_steps=2"]),
+    "bert-base-uncased": ("bert", ["model=bert-base-uncased", "trainer.per_device_train_batch_size=8",
+                                   "trainer.gradient_accumulation_steps=4"]),
+    "t5-base": ("t5", ["model=t5-base", "trainer.per_device_train_batch_size=8",
+                       "trainer.gradient_accumulation_steps=4"]),
+    "vit-base": ("vit", ["model=vit-base", "trainer.per_device_train_batch_size=32",
+                         "trainer.gradient_accumulation_steps=1", "data.num_samples=8192"]),
+    "swin-tiny": ("swin", ["model=swin-tiny", "trainer.per_device_train_batch_size=32",
+                           "trainer.gradient_accumulation_steps=1", "data.num_samples=8192"]),
+    "wide-resnet50_2": ("wide_resnet", ["model=wide-resnet50_2", "trainer.per_device_train_batch_size=32",
+                                        "trainer.gradient_accumulation_steps=1", "data.num_samples=8192"]),
+}
+DEFAULT_MODELS = ("gpt2", "gpt3-xl", "bert-base-uncased", "vit-base", "wide-resnet50_2")
+COMMON = ["trainer.activation_checkpointing=false", "trainer.max_steps=100000"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", choices=sorted(MODELS),
+                        help=f"repeatable (default: {', '.join(DEFAULT_MODELS)}); 'all' of them with --all")
+    parser.add_argument("--all", action="store_true", help="every model above (all six recipes)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=4, help="data-loader workers of both loops")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers to this JSON file")
+    parser.add_argument("--smoke", action="store_true", help="CPU, toy models, fp32: check the script runs")
+    return parser.parse_args(argv)
+
+
+def _device(args) -> str:
+    return "cpu" if args.smoke else "cuda"
+
+
+def _overrides(name: str, args) -> list[str]:
+    recipe, overrides = MODELS[name]
+    if args.smoke:  # the toy model of the recipe, two small microbatches, fp32
+        overrides = ["model=toy", "trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=2"]
+    return [*overrides, *COMMON]
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _forward_flops(plain: PlainLoop) -> float:
+    """Forward FLOPs of one microbatch of the plain model (matmuls, convolutions, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    batch = plain._to_device(plain.spec.collate([plain.dataset[i] for i in plain.plan.microbatch_indices(0)[0]]))
+    inputs = {name: batch[name] for name in plain._input_names(batch)}
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), torch.autocast(plain.device.type, dtype=plain.dtype, enabled=plain.dtype != torch.float32), \
+            counter:
+        plain.model(**inputs)
+    return float(counter.get_total_flops())
+
+
+def _timed(loop, args) -> tuple[float, float]:
+    """Median seconds per iteration and the allocator's peak bytes (0 on the CPU)."""
+    cuda = not args.smoke
+    loop.run(args.warmup)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = loop.run(args.steps)
+    if cuda:
+        torch.cuda.synchronize()
+    return common.median(times), float(torch.cuda.max_memory_allocated()) if cuda else 0.0
+
+
+def measure(name: str, args: argparse.Namespace, peak_tflops: float | None) -> dict:
+    recipe = MODELS[name][0]
+    overrides = _overrides(name, args)
+    row = {"model": name, "recipe": recipe, "overrides": overrides}
+    channels_last = recipe == "wide_resnet" and not args.smoke
+    precision = [] if args.smoke else ["trainer.bf16=true"]
+    try:
+        plain = PlainLoop(recipe, overrides, device=_device(args), dtype=torch.float32 if args.smoke else torch.bfloat16,
+                          num_workers=args.workers, channels_last=channels_last)
+        samples = plain.plan.micro_batch_size * plain.plan.num_microbatches
+        tokens = samples * plain.spec.tokens_per_sample(plain.model_cfg)
+        flops = 3 * _forward_flops(plain) * plain.plan.num_microbatches
+        row["plain_s"], row["plain_peak_bytes"] = _timed(plain, args)
+        row["plain_first_loss"] = plain.losses[0]
+        del plain
+    except Exception as error:  # a crash is a result: report it and go on with the next model
+        row["plain_error"] = f"{type(error).__name__}: {error}"
+        logger.error("plain %s failed:\n%s", name, traceback.format_exc())
+        return row
+    finally:
+        _free()
+    with tempfile.TemporaryDirectory() as output_dir:
+        try:
+            loop = MerakLoop(recipe, [*overrides, *precision, f"trainer.dataloader_num_workers={args.workers}"],
+                             output_dir)
+            try:
+                row["merak_s"], row["merak_peak_bytes"] = _timed(loop, args)
+                row["merak_first_loss"] = loop.losses[0]
+            finally:
+                loop.close()
+                del loop
+        except Exception as error:
+            row["merak_error"] = f"{type(error).__name__}: {error}"
+            logger.error("merak %s failed:\n%s", name, traceback.format_exc())
+        finally:
+            _free()
+    row.update(samples_per_step=samples, tokens_per_step=tokens, model_flops_per_step=flops)
+    for who in ("plain", "merak"):
+        if f"{who}_s" in row:
+            row[f"{who}_samples_per_s"] = samples / row[f"{who}_s"]
+            row[f"{who}_tokens_per_s"] = tokens / row[f"{who}_s"]
+            row[f"{who}_mfu"] = flops / row[f"{who}_s"] / (peak_tflops * 1e12) if peak_tflops else None
+    if "merak_s" in row:
+        row["ratio"] = row["merak_s"] / row["plain_s"]
+    return row
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    return "-" if value is None else format(value, fmt)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    common.setup_logging()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("gpu_single.py needs a CUDA device (--smoke runs it on the CPU)")
+    from merak.report import peak_tflops
+
+    peak = None if args.smoke else peak_tflops(torch.bfloat16)
+    gpu = "CPU (smoke)" if args.smoke else torch.cuda.get_device_name()
+    facts = {**common.machine_facts(), "gpu": gpu, "peak_bf16_tflops": peak}
+    names = sorted(MODELS) if args.all else (args.model or list(DEFAULT_MODELS))
+    rows = [measure(name, args, peak) for name in names]
+    table = []
+    for r in rows:
+        error = r.get("plain_error") or r.get("merak_error")
+        table.append((r["model"], _cell(r, "plain_s", ".4f"), _cell(r, "merak_s", ".4f"), _cell(r, "ratio", ".3f"),
+                      _cell(r, "plain_tokens_per_s", ",.0f"), _cell(r, "merak_tokens_per_s", ",.0f"),
+                      _cell(r, "plain_mfu", ".1%"), _cell(r, "merak_mfu", ".1%"),
+                      f"{r.get('plain_peak_bytes', 0) / 2**30:.1f} / {r.get('merak_peak_bytes', 0) / 2**30:.1f}",
+                      (error or "")[:80]))
+    print(common.format_facts(facts), f"| {facts['gpu']}, bf16 peak {peak} TFLOP/s")
+    print(common.format_table(["model", "plain s/step", "merak s/step", "merak / plain", "plain tok/s",
+                               "merak tok/s", "plain MFU", "merak MFU", "peak GiB plain / merak", "error"],
+                              table))
+    common.write_json(args.json, {"machine": facts, "args": vars(args), "results": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    main()
