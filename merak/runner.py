@@ -38,6 +38,9 @@ from merak.report import (
     write_json_atomic,
 )
 from merak.session import TrainingSession, assemble_worker
+from merak.pipeline.schedules import build_schedule
+from merak.pipeline.simulate import simulate
+from merak.pipeline.validate import ScheduleError
 from merak.shard.partition import PartitionError
 from merak.shard.split import ShardingError
 from merak.tensor_parallel.plan import TPPlanError
@@ -82,6 +85,7 @@ def run(spec, cfg) -> dict:
     if (settings.trainer.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1 \
             or pipeline_chunks(settings.trainer) > 1:
         plan_before_launch(spec, settings, prepared)  # only to fail early; workers plan again, identically
+    _warn_if_sends_must_be_buffered(settings)
     grid = settings.grid
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
                 spec.name, settings.model_cfg.get("name", "?"), grid.dp, grid.tp, grid.pp, grid.world_size,
@@ -103,6 +107,23 @@ def run(spec, cfg) -> dict:
     else:
         logger.info("\n%s", format_summary(summary))
     return summary
+
+
+def _warn_if_sends_must_be_buffered(settings: RunSettings) -> None:
+    """NCCL holds a large send until the peer receives it; schedules that rely on sends completing in
+    the background (verified on gloo only) may then hang. Warn before such a run starts on GPUs."""
+    grid, trainer = settings.grid, settings.trainer
+    if grid.pp == 1 or not torch.cuda.is_available() or settings.launcher.backend == "gloo":
+        return
+    chunks = pipeline_chunks(trainer)
+    lists = [build_schedule(name=trainer.train_schedule, stage_id=s, num_stages=grid.pp,
+                            num_microbatches=settings.num_microbatches, num_chunks=chunks) for s in range(grid.pp)]
+    try:
+        simulate(lists, sends="rendezvous")
+    except ScheduleError:
+        logger.warning("schedule %s at pp=%d needs sends that complete before the peer receives them: verified "
+                       "on gloo only, it may hang on NCCL with large activations (1f1b, ds_default and gpipe do "
+                       "not; docs/gpu.md)", trainer.train_schedule, grid.pp)
 
 
 def plan_before_launch(spec, settings: RunSettings, prepared: str):

@@ -9,7 +9,11 @@ microbatch to the next and are renegotiated, never silently reused, while the
 steady state costs one 16-byte message per transfer.
 
 Sends are posted asynchronously and return their pending works; receives
-block until the payload is complete.
+block until the payload is complete. :meth:`PointToPoint.exchange` sends and
+receives together in three batched rounds (headers, descriptions, tensors),
+each one ``batch_isend_irecv`` group: with NCCL, where a send and a receive
+with the same peer share one stream, posting them separately could leave both
+peers' sends waiting for receives queued behind them.
 """
 
 from __future__ import annotations
@@ -78,6 +82,19 @@ class PointToPoint:
     def _channel(self, table: dict[tuple[int, int], Channel], peer: int, tag: int) -> Channel:
         return table.setdefault((peer, tag), Channel())
 
+    def _outgoing(self, payload, peer: int, tag: int) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """The header, the description when it changed, and the tensors of one transfer, on the device."""
+        channel = self._channel(self._send_channels, peer, tag)
+        description, tensors = _describe(payload)
+        changed = description != channel.last_description
+        encoded = description.encode() if changed else b""
+        # Header and description are made on the CPU; NCCL needs device tensors.
+        header = torch.tensor([int(changed), len(encoded)], dtype=torch.int64).to(self.device)
+        text = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(self.device) if changed else None
+        if changed:
+            channel.last_description = description
+        return header, text, [_wire_tensor(t) for t in tensors]
+
     def post_send(self, payload, peer: int, tag: int = 0) -> list:
         """Start sending ``payload`` to global rank ``peer``; return the works to wait on.
 
@@ -85,53 +102,94 @@ class PointToPoint:
         NCCL ignores tags, so there the order of posts must agree on both sides).
         The caller must keep ``payload`` unchanged until the works complete.
         """
-        channel = self._channel(self._send_channels, peer, tag)
-        description, tensors = _describe(payload)
-        changed = description != channel.last_description
-        encoded = description.encode() if changed else b""
-        header = torch.tensor([int(changed), len(encoded)], dtype=torch.int64)
-        messages = [header]
-        if changed:
-            messages.append(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
-            channel.last_description = description
-        messages.extend(_wire_tensor(t) for t in tensors)
-        # Header and description travel on the CPU for gloo; NCCL needs device tensors.
-        return [dist.isend(m.to(self.device) if m.device != self.device else m, peer, group=self.group, tag=tag)
-                for m in messages]
+        header, text, tensors = self._outgoing(payload, peer, tag)
+        messages = [header, *([text] if text is not None else []), *tensors]
+        return [dist.isend(m, peer, group=self.group, tag=tag) for m in messages]
 
-    def recv(self, peer: int, tag: int = 0):
-        """Receive the next pytree with ``tag`` from global rank ``peer`` (blocking)."""
+    def exchange(self, sends, recvs) -> tuple[list, list]:
+        """Send and receive together, in three batched rounds: headers, descriptions, tensors.
+
+        Args:
+            sends: ``(payload, peer, tag)`` for each payload to send.
+            recvs: ``(peer, tag)`` for each payload to receive.
+
+        Returns:
+            The received payloads (in the order of ``recvs``) and the send works, which must
+            complete before the sent payloads change (as with :meth:`post_send`).
+        """
+        outgoing = [self._outgoing(payload, peer, tag) for payload, peer, tag in sends]
+        headers = [torch.empty(2, dtype=torch.int64, device=self.device) for _ in recvs]
+        pending = self._batch([(h, peer, tag) for (h, _, _), (_, peer, tag) in zip(outgoing, sends)],
+                              [(h, peer, tag) for h, (peer, tag) in zip(headers, recvs)])
+        # Headers say which receives bring a new description, and how long it is.
+        texts = [torch.empty(length, dtype=torch.uint8, device=self.device) if changed else None
+                 for changed, length in (h.tolist() for h in headers)]
+        pending += self._batch([(t, peer, tag) for (_, t, _), (_, peer, tag) in zip(outgoing, sends) if t is not None],
+                               [(t, peer, tag) for t, (peer, tag) in zip(texts, recvs) if t is not None])
+        layouts = [self._layout(peer, tag, text) for text, (peer, tag) in zip(texts, recvs)]
+        buffers = [self._buffers(layout) for layout in layouts]
+        pending += self._batch([(t, peer, tag) for (_, _, tensors), (_, peer, tag) in zip(outgoing, sends)
+                                for t in tensors],
+                               [(b, peer, tag) for wire, (peer, tag) in zip(buffers, recvs) for b in wire[1]])
+        received = [self._assemble(layout, leaves) for layout, (leaves, _) in zip(layouts, buffers)]
+        return received, pending
+
+    def _batch(self, sends, recvs) -> list:
+        """Post one batched round; wait for its receives; return its send works."""
+        ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends] + \
+              [dist.P2POp(dist.irecv, t, peer, self.group, tag) for t, peer, tag in recvs]
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        for work in works[len(sends):]:
+            work.wait()
+        return works[:len(sends)]
+
+    def _layout(self, peer: int, tag: int, text: torch.Tensor | None) -> dict:
+        """The receive channel's layout, replaced by the description in ``text`` when one came."""
         channel = self._channel(self._recv_channels, peer, tag)
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.recv(header, peer, group=self.group, tag=tag)
-        changed, length = (int(v) for v in header.tolist())
-        if changed:
-            encoded = torch.empty(length, dtype=torch.uint8, device=self.device)
-            dist.recv(encoded, peer, group=self.group, tag=tag)
-            description = json.loads(bytes(encoded.cpu().tolist()).decode())
-            channel.layout = {
-                "spec": pytree.treespec_loads(description["spec"]),
-                "leaves": description["leaves"],
-            }
+        if text is not None:
+            description = json.loads(bytes(text.cpu().tolist()).decode())
+            channel.layout = {"spec": pytree.treespec_loads(description["spec"]), "leaves": description["leaves"]}
         elif channel.layout is None:
             raise RuntimeError(f"received a payload from rank {peer} before its description")
-        layout = channel.layout
-        leaves, pending = [], []
+        return channel.layout
+
+    def _buffers(self, layout: dict) -> tuple[list, list[torch.Tensor]]:
+        """The payload's leaves (empty tensors to receive into, plain values as described) and
+        the wire buffers the tensors arrive in."""
+        leaves, wire = [], []
         for note in layout["leaves"]:
             if "tensor" not in note:
                 leaves.append(note["value"])
                 continue
-            dtype_name, shape, requires_grad = note["tensor"]
+            dtype_name, shape, _ = note["tensor"]
             dtype = _DTYPES[dtype_name]
-            wire_dtype = torch.uint8 if dtype == torch.bool else dtype
-            buffer = torch.empty(shape, dtype=wire_dtype, device=self.device)
-            pending.append(dist.irecv(buffer, peer, group=self.group, tag=tag))
+            buffer = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
+            wire.append(buffer)
             leaves.append(buffer.view(torch.bool) if dtype == torch.bool else buffer)
-        for work in pending:
-            work.wait()
+        return leaves, wire
+
+    @staticmethod
+    def _assemble(layout: dict, leaves: list):
         # A leaf that was part of the sender's autograd graph starts a graph here,
         # so backward can return its gradient.
         for note, leaf in zip(layout["leaves"], leaves):
             if "tensor" in note and note["tensor"][2]:
                 leaf.requires_grad_(True)
         return pytree.tree_unflatten(leaves, layout["spec"])
+
+    def recv(self, peer: int, tag: int = 0):
+        """Receive the next pytree with ``tag`` from global rank ``peer`` (blocking)."""
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        dist.recv(header, peer, group=self.group, tag=tag)
+        changed, length = (int(v) for v in header.tolist())
+        text = None
+        if changed:
+            text = torch.empty(length, dtype=torch.uint8, device=self.device)
+            dist.recv(text, peer, group=self.group, tag=tag)
+        layout = self._layout(peer, tag, text)
+        leaves, wire = self._buffers(layout)
+        for work in [dist.irecv(buffer, peer, group=self.group, tag=tag) for buffer in wire]:
+            work.wait()
+        return self._assemble(layout, leaves)

@@ -331,26 +331,35 @@ class PipelineExecutor:
         return 2 * boundary + (0 if isinstance(op, (ins.SendActivation, ins.RecvActivation)) else 1)
 
     def _exchange(self, ops: Sequence[ins.P2POp]) -> None:
-        # Post every send first, then block on receives: a peer that runs the
-        # matching operations one at a time can then never wait on us.
         step = self._step
+        sends, recvs = [], []
         for op in ops:
             key = (op.chunk, op.microbatch)
             if isinstance(op, ins.SendActivation):
-                # post_send detaches what it transmits; the requires_grad flags it
-                # announces tell the next stage which inputs need gradients back.
-                outputs = step.outputs[key]
-                self._post(outputs, op)
-                if self.free_sent_outputs:
-                    self._release_outputs(key, outputs)
+                # Sending detaches what it transmits; the requires_grad flags it announces
+                # tell the next stage which inputs need gradients back.
+                sends.append((op, step.outputs[key]))
             elif isinstance(op, ins.SendGrad):
-                self._post(step.input_grads.pop(key), op)
-        for op in ops:
-            key = (op.chunk, op.microbatch)
-            if isinstance(op, ins.RecvActivation):
-                step.inputs[key] = self.p2p.recv(self._peer(op), tag=self._tag(op))
-            elif isinstance(op, ins.RecvGrad):
-                step.grads[key] = self.p2p.recv(self._peer(op), tag=self._tag(op))
+                sends.append((op, step.input_grads.pop(key)))
+            else:
+                recvs.append(op)
+        if len(ops) > 1:
+            # An Exchange: every send and receive in batched rounds, so that neither peer's send
+            # waits on a receive queued behind it (NCCL runs both on one stream per pair).
+            received, works = self.p2p.exchange([(payload, self._peer(op), self._tag(op)) for op, payload in sends],
+                                                [(self._peer(op), self._tag(op)) for op in recvs])
+            step.pending.append(([payload for _, payload in sends], works))
+        else:
+            for op, payload in sends:
+                self._post(payload, op)
+            received = [self.p2p.recv(self._peer(op), tag=self._tag(op)) for op in recvs]
+        if self.free_sent_outputs:
+            for op, payload in sends:
+                if isinstance(op, ins.SendActivation):
+                    self._release_outputs((op.chunk, op.microbatch), payload)
+        for op, value in zip(recvs, received):
+            target = step.inputs if isinstance(op, ins.RecvActivation) else step.grads
+            target[(op.chunk, op.microbatch)] = value
 
     def _release_outputs(self, key: Key, outputs) -> None:
         """Point sent output tensors at a one-element placeholder; the transfer keeps its own

@@ -64,7 +64,7 @@ def exchange_worker(out_path: str) -> None:
             previous = None
             for _ in payloads:
                 got = p2p.recv(0)
-                layout = p2p._recv_channels[0].layout
+                layout = p2p._recv_channels[(0, 0)].layout  # (peer, tag)
                 new_layout.append(layout is not previous)
                 previous = layout
                 received.append(got)
@@ -138,6 +138,51 @@ def test_pytree_exchange(tmp_path):
     for i, flags in enumerate(result["requires_grad"]):
         if i != 5:
             assert not any(flags), i
+
+
+def batched_exchange_worker(out_path: str) -> None:
+    """Both ranks send and receive in the same exchange calls (the 1F1B Exchange), on two channels at once,
+    with shapes changing between calls; then rank 0 sends once more with a plain post_send that rank 1
+    receives inside an exchange."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        rank, peer = dist.get_rank(), 1 - dist.get_rank()
+        p2p = PointToPoint(torch.device("cpu"))
+        payloads = make_payloads()
+        mine = payloads if rank == 0 else list(reversed(payloads))
+        received = []
+        for index, payload in enumerate(mine):
+            extra = {"index": index, "rank": rank}
+            got, works = p2p.exchange([(payload, peer, 0), (extra, peer, 1)], [(peer, 0), (peer, 1)])
+            for work in works:
+                work.wait()
+            received.append(got)
+        if rank == 0:
+            for work in p2p.post_send(payloads[2], peer, tag=0):
+                work.wait()
+        else:
+            got, _ = p2p.exchange([], [(peer, 0)])
+            received.append(got)
+        torch.save(received, f"{out_path}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_batched_exchange_both_ways_matches_post_send_and_recv(tmp_path):
+    out = str(tmp_path / "exchanged")
+    spawn_workers(batched_exchange_worker, world_size=2, args=(out,), start_method="fork")
+    expected = make_payloads()
+    for rank in (0, 1):
+        received = torch.load(f"{out}.{rank}", weights_only=False)
+        theirs = list(reversed(expected)) if rank == 0 else expected
+        for index, (got, want) in enumerate(zip(received, theirs)):
+            assert_same_tree(got[0], want, f"rank {rank} call {index}")
+            assert got[1] == {"index": index, "rank": 1 - rank}
+        if rank == 1:
+            assert len(received) == len(expected) + 1
+            assert_same_tree(received[-1][0], expected[2], "post_send received by an exchange")
 
 
 @pytest.mark.parametrize("payload,message", [
