@@ -377,7 +377,7 @@ class PipelineEngine:
             return sum(t.numel() * t.element_size() for t in tensors)
         params = [p for _, p in self._param_names]
         report = {"parameter_bytes": nbytes(params), **self.optimizer.memory_report()}
-        if self.executor.meter is not None:
+        if self.executor.meter.peak_bytes is not None:
             report["peak_activation_bytes"] = self.executor.meter.peak_bytes
         if self.state.device.type == "cuda":
             report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.state.device)

@@ -12,7 +12,6 @@ by (chunk, microbatch).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -29,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from merak.distributed.p2p import PointToPoint
 from merak.pipeline import instructions as ins
 from merak.pipeline.hooks import HookList, PipelineHook
-from merak.pipeline.memory import ActivationMeter, active_meter
+from merak.pipeline.memory import ActivationMeter, NoMeter, active_meter
 from merak.pipeline.recompute import checkpointing, has_random_operations, microbatch_seed
 
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
@@ -125,7 +124,7 @@ class PipelineExecutor:
         self.loss_scale = loss_scale
         self.timeline: list[tuple[ins.Instruction, float, float]] = []
         params = {id(p): p for module in self.stages.values() for p in module.parameters()}
-        self.meter = ActivationMeter(params.values()) if measure_activations or free_sent_outputs else None
+        self.meter = ActivationMeter(params.values()) if measure_activations or free_sent_outputs else NoMeter()
         # Reseeding the RNG before every part costs host time; stages without random operations skip it.
         self._reseeds = {chunk: has_random_operations(module) for chunk, module in self.stages.items()}
         self.step_index = 0
@@ -173,7 +172,7 @@ class PipelineExecutor:
         clock = time.perf_counter
         self.hooks.on_step_begin()
         try:
-            with active_meter(self.meter) if self.meter is not None else contextlib.nullcontext():
+            with active_meter(self.meter):
                 for instruction in instructions:
                     start = clock()
                     self._dispatch(instruction)
@@ -231,12 +230,11 @@ class PipelineExecutor:
         seed = self.dropout_seed(self.step_index, m) \
             if self.dropout_seed is not None and self._reseeds[chunk] else None
         self.hooks.on_instruction_begin(ins.INSTRUCTION_NAMES[kind])
-        meter = self.meter
-        if meter is not None and kind is ins.RecomputeForward:
-            meter.release(key)  # the pre-checkpointed run kept only the inputs, filed again below
-        with microbatch_seed(seed), meter.saving(key) if meter is not None else contextlib.nullcontext():
-            if meter is not None and not self._is_first(chunk):
-                meter.keep(key, inputs)
+        if kind is ins.RecomputeForward:
+            self.meter.release(key)  # the pre-checkpointed run kept only the inputs, filed again below
+        with microbatch_seed(seed), self.meter.saving(key):
+            if not self._is_first(chunk):
+                self.meter.keep(key, inputs)
             if kind is ins.PreCheckpointForward:
                 # Only the inputs are kept; the outputs still carry a graph, so the next stage
                 # learns which of them need gradients.
@@ -297,7 +295,7 @@ class PipelineExecutor:
                 lambda leaf: by_id.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None, inputs)
         if not self._is_first(chunk):
             step.input_grads[key] = input_grads
-        if whole and self.meter is not None:
+        if whole:
             self.meter.release(key)
         self.hooks.on_instruction_end(name)
 
@@ -309,8 +307,7 @@ class PipelineExecutor:
         else:
             weights, param_groups = self._step.param_groups.pop(key)
             stage_backward_weight(iter(weights), param_groups)
-        if self.meter is not None:
-            self.meter.release(key)
+        self.meter.release(key)
         self.hooks.on_instruction_end(ins.INSTRUCTION_NAMES[ins.BackwardWeight])
 
     # -- communication -----------------------------------------------------------

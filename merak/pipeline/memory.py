@@ -94,6 +94,26 @@ class ActivationMeter:
         self.peak_bytes = 0
 
 
+class NoMeter:
+    """Stands in for :class:`ActivationMeter` when activations are not measured: nothing runs per
+    saved tensor, and there is no peak to report (``peak_bytes`` is None)."""
+
+    peak_bytes = None
+    current_key = None
+
+    def saving(self, key: object) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def keep(self, key: object, payload) -> None:
+        pass
+
+    def release(self, key: object) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
 # The meter of the step being run; StageModule reports checkpoint inputs to it.
 _active: dict[str, ActivationMeter | None] = {"meter": None}
 

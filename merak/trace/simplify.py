@@ -1,7 +1,7 @@
 """Leaner graphs: less Python per forward, the same numbers.
 
 A captured graph runs as generated Python; each node costs host time however
-small its kernel. Two rewrites take out work that eager PyTorch does not do:
+small its kernel. These rewrites take out work that eager PyTorch does not do:
 
 - *Flat attribute paths.* ``torch.export`` reads a parameter as
   ``getattr(self.vit.layers, "0").attention.q_proj.weight``: six
@@ -27,7 +27,6 @@ import operator
 
 import torch
 from torch import fx, nn
-
 
 _DROPOUT_OPERATORS = {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
                       torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default}
@@ -59,7 +58,7 @@ def flatten_attribute_paths(module: fx.GraphModule) -> int:
             continue
         target = str(node.target)
         owner_path, attribute = target.rsplit(".", 1) if node.op == "get_attr" else (target, None)
-        if "." not in owner_path and node.op == "call_module":
+        if "." not in owner_path:  # a direct child: already one lookup
             continue
         owner = module.get_submodule(owner_path)
         alias = _flat_name(module, owner_path, taken)
@@ -165,7 +164,8 @@ def fold_constants(module: fx.GraphModule) -> int:
     for node in graph.nodes:
         if node not in blocked and _is_foldable(node, constant):
             constant.add(node)
-    frontier = [n for n in constant if any(u not in constant for u in n.users)]
+    # In graph order, so every process names the buffers alike.
+    frontier = [n for n in graph.nodes if n in constant and any(u not in constant for u in n.users)]
     values: dict[fx.Node, object] = {}
     with torch.no_grad():
         for node in graph.nodes:
