@@ -13,7 +13,8 @@ block until the payload is complete. :meth:`PointToPoint.exchange` sends and
 receives together in three batched rounds (headers, descriptions, tensors),
 each one ``batch_isend_irecv`` group: with NCCL, where a send and a receive
 with the same peer share one stream, posting them separately could leave both
-peers' sends waiting for receives queued behind them.
+peers' sends waiting for receives queued behind them. (gloo does not need it,
+and there the rounds cost a round trip per exchange.)
 """
 
 from __future__ import annotations
@@ -71,11 +72,16 @@ class PointToPoint:
     Args:
         device: where received tensors are allocated.
         group: process group used for p2p (None: the default group).
+        batched_exchange: whether a send and a receive with the same neighbour go through
+            :meth:`exchange`'s batched rounds (the executor's choice for an ``Exchange``). NCCL needs
+            them; with gloo, whose sends never wait on the peer, posting sends and then receiving
+            saves a round trip per exchange. Default: batched on CUDA devices (NCCL).
     """
 
-    def __init__(self, device: torch.device, group=None) -> None:
+    def __init__(self, device: torch.device, group=None, batched_exchange: bool | None = None) -> None:
         self.device = device
         self.group = group
+        self.batched_exchange = torch.device(device).type == "cuda" if batched_exchange is None else batched_exchange
         self._send_channels: dict[tuple[int, int], Channel] = {}
         self._recv_channels: dict[tuple[int, int], Channel] = {}
 

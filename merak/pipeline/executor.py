@@ -340,13 +340,15 @@ class PipelineExecutor:
                 sends.append((op, step.input_grads.pop(key)))
             else:
                 recvs.append(op)
-        if len(ops) > 1:
-            # An Exchange: every send and receive in batched rounds, so that neither peer's send
-            # waits on a receive queued behind it (NCCL runs both on one stream per pair).
+        if len(ops) > 1 and self.p2p.batched_exchange:
+            # An Exchange on NCCL: every send and receive in batched rounds, so that neither peer's
+            # send waits on a receive queued behind it (NCCL runs both on one stream per pair).
             received, works = self.p2p.exchange([(payload, self._peer(op), self._tag(op)) for op, payload in sends],
                                                 [(self._peer(op), self._tag(op)) for op in recvs])
             step.pending.append(([payload for _, payload in sends], works))
         else:
+            # Post every send first, then block on receives: a peer that runs the matching
+            # operations one at a time can then never wait on us (gloo sends complete on their own).
             for op, payload in sends:
                 self._post(payload, op)
             received = [self.p2p.recv(self._peer(op), tag=self._tag(op)) for op in recvs]

@@ -53,11 +53,13 @@ def _cases() -> list[tuple[str, str, str]]:
 
 
 def _train(state, built, schedule: str, recompute: RecomputeOptions, chunks: int, model_cfg, tokens: str,
-           dealloc: bool = False) -> list[dict]:
+           dealloc: bool = False, batched_exchange: bool = False) -> list[dict]:
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                             schedule=schedule, num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS,
                             recompute=recompute, num_chunks=chunks, dropout_seed=SEED, dealloc_pipeoutput=dealloc,
                             measure_activations=True)
+    if engine.executor.p2p is not None:
+        engine.executor.p2p.batched_exchange = batched_exchange  # NCCL's batched rounds, here on gloo
     dataset = data.load(tokens, model_cfg)
     plan = BatchPlan(num_samples=len(dataset), micro_batch_size=MICRO_BATCH, num_microbatches=MICROBATCHES, seed=SEED)
     loader = MicrobatchLoader(dataset, plan)
@@ -90,6 +92,9 @@ def _run_world(out_dir: str, pp: int, model_cfg, tokens: str) -> None:
         built[1].model.load_state_dict(initial[1])
         results["1f1b-full-dealloc"] = _train(state, built[1], "1f1b", RECOMPUTE["ratio"], 1, model_cfg, tokens,
                                               dealloc=True)
+        built[1].model.load_state_dict(initial[1])
+        results["1f1b-batched-exchange"] = _train(state, built[1], "1f1b", RECOMPUTE["none"], 1, model_cfg, tokens,
+                                                  batched_exchange=True)
         torch.save(results, Path(out_dir) / f"rank{state.rank}.pt")
     finally:
         groups.shutdown()
@@ -122,7 +127,7 @@ def test_every_schedule_and_recompute_mode_matches_one_process(pp, tmp_path, ref
     model_cfg = _model_cfg(toy_model_cfg)
     spawn_workers(_run_world, world_size=pp, args=(str(tmp_path), pp, model_cfg, toy_tokens))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(pp)]
-    for case in [c for c, _, _ in _cases()] + ["1f1b-full-dealloc"]:
+    for case in [c for c, _, _ in _cases()] + ["1f1b-full-dealloc", "1f1b-batched-exchange"]:
         seen = set()
         for rank, results in enumerate(ranks):
             seen |= assert_steps_match(results[case], reference, f"{case} pp={pp} rank {rank}",
