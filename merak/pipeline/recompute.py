@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from merak.shard.build import RebuildOutput
+
 # What the stage forward currently runs: "configured" (the stage's checkpointing) or "none".
 _state = {"checkpointing": "configured", "seed": None}
 
@@ -222,8 +224,7 @@ def has_random_operations(stage: nn.Module) -> bool:
         return True
     for part in parts:
         graphs = [part] if isinstance(part, fx.GraphModule) else list(part.children())
-        if not graphs or not all(isinstance(g, fx.GraphModule) or type(g).__name__ == "RebuildOutput"
-                                 for g in graphs):
+        if not graphs or not all(isinstance(g, (fx.GraphModule, RebuildOutput)) for g in graphs):
             return True
         if any(_module_is_random(g) for g in graphs if isinstance(g, fx.GraphModule)):
             return True
