@@ -139,6 +139,7 @@ class TrainingSession:
                                 tp_rank=state.coordinates.tp)
         self.model = built.model  # the full model object: this rank's stage modules are its modules
         self.plan = built.plan
+        convolutional_on_gpu = spec.channels_last and state.device.type == "cuda"
         self.engine = PipelineEngine(
             model=built.model, stages=built.stages, loss_fn=spec.loss_fn, state=state,
             schedule=trainer.train_schedule, num_microbatches=settings.num_microbatches, total_steps=steps,
@@ -146,9 +147,8 @@ class TrainingSession:
             num_chunks=pipeline_chunks(trainer), dropout_seed=trainer.seed, hooks=hooks,
             dealloc_pipeoutput=trainer.dealloc_pipeoutput, record_timeline=trainer.wall_clock_breakdown,
             zero=zero_options(trainer), precision=precision_options(trainer),
-            measure_activations=trainer.measure_activation_memory,
-            channels_last=spec.channels_last and state.device.type == "cuda")
-        if spec.channels_last and state.device.type == "cuda":
+            measure_activations=trainer.measure_activation_memory, channels_last=convolutional_on_gpu)
+        if convolutional_on_gpu:
             torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest convolution once
         del built  # the engine keeps this rank's stage only
         grid = settings.grid

@@ -136,7 +136,7 @@ class PointToPoint:
         buffers = [self._buffers(layout) for layout in layouts]
         pending += self._batch([(t, peer, tag) for (_, _, tensors), (_, peer, tag) in zip(outgoing, sends)
                                 for t in tensors],
-                               [(b, peer, tag) for wire, (peer, tag) in zip(buffers, recvs) for b in wire[1]])
+                               [(b, peer, tag) for (_, wire), (peer, tag) in zip(buffers, recvs) for b in wire])
         received = [self._assemble(layout, leaves) for layout, (leaves, _) in zip(layouts, buffers)]
         return received, pending
 

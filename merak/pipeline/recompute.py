@@ -29,6 +29,7 @@ import torch
 from torch import fx, nn
 
 from merak.shard.build import RebuildOutput
+from merak.trace.simplify import DROPOUT_CALLS, is_inactive_dropout
 
 # What the stage forward currently runs: "configured" (the stage's checkpointing) or "none".
 _state = {"checkpointing": "configured", "seed": None}
@@ -154,16 +155,12 @@ def _cuda_state():
 # Python-level random functions fx may record (aten operators carry the nondeterministic_seeded tag).
 _RANDOM_FUNCTIONS = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.bernoulli, torch.normal,
                      torch.multinomial, torch.rand_like, torch.randn_like, torch.randint_like}
-_DROPOUT_FUNCTIONS = {nn.functional.dropout, nn.functional.dropout1d, nn.functional.dropout2d,
-                      nn.functional.dropout3d, nn.functional.alpha_dropout, nn.functional.feature_alpha_dropout,
-                      torch.dropout}
 
 
 def _dropout_is_active(node: fx.Node) -> bool:
     """A dropout call draws random numbers unless its probability is 0 or it is in eval mode."""
-    p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
     training = node.kwargs.get("training", node.kwargs.get("train", node.args[2] if len(node.args) > 2 else True))
-    return not (isinstance(p, (int, float)) and p == 0) and training is not False
+    return not is_inactive_dropout(node) and training is not False
 
 
 def _operator_draws(op: torch._ops.OpOverload, node: fx.Node) -> bool:
@@ -190,7 +187,7 @@ def _node_is_random(graph_module: fx.GraphModule, node: fx.Node) -> bool:
     if node.op == "call_function":
         if isinstance(target, torch._ops.OpOverload):
             return torch.Tag.nondeterministic_seeded in target.tags and _operator_draws(target, node)
-        if target in _DROPOUT_FUNCTIONS:
+        if target in DROPOUT_CALLS:
             return _dropout_is_active(node)
         return target in _RANDOM_FUNCTIONS
     if node.op == "call_method":

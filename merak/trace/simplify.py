@@ -28,9 +28,11 @@ import operator
 import torch
 from torch import fx, nn
 
-_DROPOUT_OPERATORS = {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
-                      torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default}
-_DROPOUT_FUNCTIONS = {nn.functional.dropout, torch.dropout}
+# Dropout as fx (functions) and export (aten operators) record it; the probability is the second argument.
+DROPOUT_CALLS = {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
+                 torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default,
+                 nn.functional.dropout, nn.functional.dropout1d, nn.functional.dropout2d, nn.functional.dropout3d,
+                 nn.functional.alpha_dropout, nn.functional.feature_alpha_dropout, torch.dropout}
 
 
 def _flat_name(module: fx.GraphModule, path: str, taken: dict[str, str]) -> str:
@@ -72,8 +74,9 @@ def flatten_attribute_paths(module: fx.GraphModule) -> int:
     return changed
 
 
-def _is_inactive_dropout(node: fx.Node) -> bool:
-    if node.op != "call_function" or (node.target not in _DROPOUT_OPERATORS and node.target not in _DROPOUT_FUNCTIONS):
+def is_inactive_dropout(node: fx.Node) -> bool:
+    """A dropout call whose probability is the constant 0: it returns its input."""
+    if node.op != "call_function" or node.target not in DROPOUT_CALLS:
         return False
     p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
     return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
@@ -83,7 +86,7 @@ def drop_inactive_dropout(module: fx.GraphModule) -> int:
     """Replace dropout nodes with probability 0 by their input. Returns how many were removed."""
     removed = 0
     for node in list(module.graph.nodes):
-        if _is_inactive_dropout(node):
+        if is_inactive_dropout(node):
             node.replace_all_uses_with(node.args[0] if node.args else node.kwargs["input"])
             module.graph.erase_node(node)
             removed += 1
@@ -266,6 +269,6 @@ def _free_name(module: nn.Module) -> str:
     return f"{CONSTANT_PREFIX}{index}"
 
 
-__all__ = ["drop_inactive_dropout", "flatten_attribute_paths", "fold_constants", "remove_dead_values",
+__all__ = ["DROPOUT_CALLS", "drop_inactive_dropout", "is_inactive_dropout", "flatten_attribute_paths", "fold_constants", "remove_dead_values",
            "simplify_captured",
            "simplify_shard", "use_fused_attention"]
