@@ -71,6 +71,11 @@ class TrainerSettings:
     dealloc_pipeoutput: bool = False
     wall_clock_breakdown: bool = False
     measure_activation_memory: bool = False
+    # Compiled stages (merak.pipeline.compiled); the first three are Hugging Face's names.
+    torch_compile: bool = False
+    torch_compile_backend: str | None = None
+    torch_compile_mode: str | None = None
+    cuda_graphs: bool = False
     # Data loading (merak.data.batching.MicrobatchLoader).
     dataloader_num_workers: int | None = None
     dataloader_pin_memory: bool = True
@@ -219,6 +224,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     problems.extend(_tensor_parallel_problems(spec.tensor_parallel_plan(cfg.model), trainer, grid))
     problems.extend(_optimizer_problems(trainer, grid))
     problems.extend(_checkpoint_problems(trainer))
+    problems.extend(_compile_problems(trainer, launcher))
     if grid and trainer.train_schedule in schedule_names():
         from merak.energy.settings import energy_problems
 
@@ -327,6 +333,36 @@ def _schedule_problems(trainer: TrainerSettings, grid: RankGrid | None, num_micr
     if pipeline_chunks(trainer) > 1 and trainer.trace_method is None:
         problems.append("interleaved schedules cut the model into pp x pipeline_chunks pieces: they need a "
                         "captured graph (trace_method=fx or dynamo)")
+    return problems
+
+
+def compile_options(trainer: TrainerSettings):
+    """The compiled-stage settings. As in Hugging Face's TrainingArguments, naming a backend or a mode
+    turns compilation on."""
+    from merak.pipeline.compiled import CompileOptions
+
+    enabled = bool(trainer.torch_compile or trainer.torch_compile_backend or trainer.torch_compile_mode)
+    return CompileOptions(enabled=enabled, backend=trainer.torch_compile_backend or "inductor",
+                          mode=trainer.torch_compile_mode, cuda_graphs=trainer.cuda_graphs)
+
+
+def _compile_problems(trainer: TrainerSettings, launcher: LauncherSettings) -> list[str]:
+    import torch
+
+    try:
+        options = compile_options(trainer)
+    except ValueError as error:
+        return [f"trainer.{error}"]
+    problems = []
+    if options.enabled:
+        from torch._dynamo import list_backends
+
+        if options.backend not in list_backends(exclude_tags=()):
+            problems.append(f"trainer.torch_compile_backend={options.backend!r} is not a torch.compile backend; "
+                            f"choose one of {', '.join(list_backends())}")
+    if options.uses_cuda_graphs and (not torch.cuda.is_available() or launcher.backend == "gloo"):
+        problems.append("trainer.cuda_graphs=true (or a torch_compile_mode with CUDA graphs) needs CUDA devices; "
+                        "this run trains on the CPU")
     return problems
 
 

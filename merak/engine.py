@@ -22,6 +22,7 @@ from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors
 from merak.optim.precision import PrecisionOptions
 from merak.optim.schedule import build_lr_scheduler, make_optimizer
 from merak.pipeline import instructions as ins
+from merak.pipeline.compiled import CompileClock, CompileOptions
 from merak.pipeline.executor import PipelineExecutor
 from merak.pipeline.hooks import PipelineHook
 from merak.pipeline.recompute import (
@@ -120,6 +121,7 @@ class PipelineEngine:
             allocator's own peak is reported either way.
         channels_last: keep 4-D weights channels-last (convolutional models on a GPU). Not with
             fp32 ZeRO, whose optimizer updates flat views of the parameters.
+        compile: compile every stage's parts with ``torch.compile`` (merak.pipeline.compiled).
     """
 
     def __init__(self, *, model: nn.Module, stages: Sequence[nn.Module],
@@ -130,7 +132,7 @@ class PipelineEngine:
                  num_chunks: int = 1, dropout_seed: int | None = None, dealloc_pipeoutput: bool = False,
                  record_timeline: bool = False, zero: ZeroOptions = ZeroOptions(),
                  precision: PrecisionOptions = PrecisionOptions(), measure_activations: bool = False,
-                 channels_last: bool = False) -> None:
+                 channels_last: bool = False, compile: CompileOptions = CompileOptions()) -> None:
         grid, coords = state.grid, state.coordinates
         if len(stages) != grid.pp * num_chunks:
             raise ValueError(f"got {len(stages)} stages for pp={grid.pp} x {num_chunks} chunks")
@@ -197,6 +199,9 @@ class PipelineEngine:
                                            num_microbatches=num_microbatches, num_chunks=num_chunks)
         self.num_microbatches = num_microbatches
         self._configure_checkpointing(recompute, schedule_info(schedule).last_stage_checkpoints)
+        self.compile_options = compile
+        self.compile_clock = CompileClock()
+        self._compile_stages(compile)
         wraps = num_chunks > 1  # the chain runs around the ranks: the last rank's next is the first
         prev_rank = grid.stage_rank(state.rank, (self.stage_id - 1) % grid.pp) \
             if self.stage_id > 0 or wraps else None
@@ -258,6 +263,33 @@ class PipelineEngine:
             module.configure_checkpointing(CheckpointOptions(
                 parts=checkpointed_parts(ratio, len(module.parts)), num_layers=options.checkpoint_num_layers))
 
+    def _compile_stages(self, options: CompileOptions) -> None:
+        """Hand each local chunk's parts to torch.compile (after the move and the cast: compiled graphs
+        are specialised to their tensors' device and dtype)."""
+        if options.uses_cuda_graphs and self.state.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this stage runs on {self.state.device}")
+        splits_backward = any(isinstance(i, ins.BackwardInput) for i in self.instructions)
+        for chunk, module in self.chunks.items():
+            if hasattr(module, "compile_parts"):
+                module.compile_parts(options, where=f"stage {chunk * self.num_stages + self.stage_id}",
+                                     retains_graph=splits_backward)
+            elif options.enabled:
+                logger.warning("stage %d is a %s, not a StageModule: it runs eagerly", self.stage_id,
+                               type(module).__name__)
+
+    def compile_report(self) -> dict:
+        """Whether stages were compiled, the seconds this engine's process spent compiling them, and
+        the ranges of parts that fell back to eager execution."""
+        options = self.compile_options
+        eager = {}
+        for chunk, module in self.chunks.items():
+            compiled = getattr(module, "compiled", None)
+            if compiled is not None and compiled.eager_ranges:
+                eager[f"stage {chunk * self.num_stages + self.stage_id}"] = [list(r) for r in compiled.eager_ranges]
+        return {"enabled": options.enabled, "backend": options.backend if options.enabled else None,
+                "mode": options.effective_mode, "cuda_graphs": options.uses_cuda_graphs,
+                "compile_s": self.compile_clock.seconds() if options.enabled else 0.0, "eager_ranges": eager}
+
     # -- set-up ------------------------------------------------------------------
 
     def _synchronize_initial_weights(self) -> None:
@@ -283,6 +315,9 @@ class PipelineEngine:
         for chunk in self.chunks.values():
             if not chunk.training:  # train() walks every submodule: only when something switched it off
                 chunk.train()
+        if self.compile_options.uses_cuda_graphs:
+            # A new step: outputs of the last step's graph replays may be overwritten now.
+            torch.compiler.cudagraph_mark_step_begin()
         self.optimizer.zero_grad()
         learning_rate = self.optimizer.optimizer.param_groups[0]["lr"]
         local_loss = self.executor.run(self.instructions, microbatches)

@@ -196,6 +196,13 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  precision          {precision['dtype']}, ZeRO stage {precision['zero_stage']}"
                      + (f", loss scale {precision['loss_scale']:g}, {precision['skipped_steps']} steps skipped"
                         if precision["dtype"] == "float16" else ""))
+    compiled = summary.get("compile")
+    if compiled and compiled.get("enabled"):
+        eager = ", some parts eager (see summary.json)" if compiled.get("eager_ranges") else ""
+        lines.append(f"  compiled stages    {compiled['backend']}"
+                     + (f" mode {compiled['mode']}" if compiled.get("mode") else "")
+                     + (", CUDA graphs" if compiled.get("cuda_graphs") else "")
+                     + f", {compiled['compile_s']:,.1f} s compiling (slowest rank){eager}")
     lines += [
         f"  wall time          {summary['wall_time_s']:,.1f} s",
         "  memory per stage (MiB, max over the stage's ranks; activations: saved for backward, at peak, with "

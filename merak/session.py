@@ -24,6 +24,7 @@ from merak.checkpoint.load import LoadOptions
 from merak.checkpoint.save import SaveOptions
 from merak.config import (
     RunSettings,
+    compile_options,
     pipeline_chunks,
     precision_options,
     warmup_steps,
@@ -147,7 +148,8 @@ class TrainingSession:
             num_chunks=pipeline_chunks(trainer), dropout_seed=trainer.seed, hooks=hooks,
             dealloc_pipeoutput=trainer.dealloc_pipeoutput, record_timeline=trainer.wall_clock_breakdown,
             zero=zero_options(trainer), precision=precision_options(trainer),
-            measure_activations=trainer.measure_activation_memory, channels_last=convolutional_on_gpu)
+            measure_activations=trainer.measure_activation_memory, channels_last=convolutional_on_gpu,
+            compile=compile_options(trainer))
         if convolutional_on_gpu:
             torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest convolution once
         del built  # the engine keeps this rank's stage only
@@ -305,6 +307,7 @@ class TrainingSession:
                  "num_parameters": sum(p.numel() for _, p in engine.named_parameters()),
                  "peak_rss_bytes": peak_rss_bytes(), **engine.memory_report()}
         everyone = groups.gather_from_all(local)
+        compile_reports = groups.gather_from_all(engine.compile_report())
         flops_per_step = engine.model_flops_per_step()
         sections = [section() for section in self.summary_sections]
         if self.state.rank != 0:
@@ -329,6 +332,7 @@ class TrainingSession:
             "recompute": {"activation_checkpointing": settings.trainer.activation_checkpointing,
                           "activation_checkpoint_ratio": settings.trainer.activation_checkpoint_ratio,
                           "pipeline_chunks": engine.num_chunks},
+            "compile": _merged_compile_report(compile_reports),
             "ranks": sorted(everyone, key=lambda r: r["rank"]),
             "checkpoints": {"resumed_from": self.resume, "saved": list(self.saved)},
             "precision": {"dtype": str(engine.optimizer.precision.dtype).removeprefix("torch."),
@@ -350,6 +354,14 @@ def loader_workers(setting: int | None, device: torch.device) -> int:
     if setting is not None:
         return setting
     return 2 if device.type == "cuda" else 0
+
+
+def _merged_compile_report(reports: list[dict]) -> dict:
+    """Every rank's compile report as one: the slowest rank's compile time, every rank's eager ranges."""
+    eager = {}
+    for report in reports:
+        eager.update(report["eager_ranges"])
+    return reports[0] | {"compile_s": max(r["compile_s"] for r in reports), "eager_ranges": eager}
 
 
 def _model_name(model_cfg) -> str:

@@ -126,6 +126,8 @@ class MerakArguments(TrainingArguments):
     backend: str = _doc("torch.distributed backend: auto (gloo on CPU, nccl with CUDA), gloo or nccl.",
                         default="auto")
     timeout_s: float = _doc("A collective waiting longer fails instead of hanging.", default=600.0)
+    cuda_graphs: bool = _doc("Replay compiled stages as CUDA graphs (needs torch_compile and CUDA).",
+                             default=False)
 
     @cached_property
     def _setup_devices(self) -> torch.device:

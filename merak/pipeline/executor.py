@@ -27,6 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from merak.distributed.p2p import PointToPoint
 from merak.pipeline import instructions as ins
+from merak.pipeline.compiled import eager_execution
 from merak.pipeline.hooks import HookList, PipelineHook
 from merak.pipeline.memory import ActivationMeter, NoMeter, active_meter
 from merak.pipeline.recompute import checkpointing, has_random_operations, microbatch_seed
@@ -245,7 +246,7 @@ class PipelineExecutor:
                     outputs = stage(inputs)
             elif chunk not in self.chunk_flops:
                 counter = FlopCounterMode(display=False)
-                with counter:
+                with counter, eager_execution():  # dynamo does not trace under a counting mode
                     outputs = stage(inputs)
                 self.chunk_flops[chunk] = counter.get_total_flops()
             else:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from merak.pipeline import memory, recompute
+from merak.pipeline.compiled import CompiledParts, CompileOptions, running_eagerly
 from merak.shard.partition import uniform_boundaries
 
 
@@ -35,6 +36,13 @@ class StageModule(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.first_part = first_part
         self.checkpoint_options = recompute.CheckpointOptions()
+        self.compiled: CompiledParts | None = None
+
+    def compile_parts(self, options: CompileOptions, where: str = "stage", *, retains_graph: bool = False) -> None:
+        """Run the parts through ``torch.compile`` (merak.pipeline.compiled.CompiledParts); call it after
+        the stage was moved and cast. Disabled options switch compilation off again."""
+        self.compiled = CompiledParts(self.parts, options, where, retains_graph=retains_graph) \
+            if options.enabled else None
 
     def configure_checkpointing(self, options: recompute.CheckpointOptions) -> None:
         """Checkpoint the first ``options.parts`` parts in chunks of ``options.num_layers``."""
@@ -47,19 +55,22 @@ class StageModule(nn.Module):
         options = self.checkpoint_options
         checkpointed = options.parts if recompute.checkpointing_mode() == "configured" and torch.is_grad_enabled() \
             else 0
-        # The seed is an argument, so the recomputation inside the backward (after the
-        # microbatch's seeding context has ended) reseeds exactly as the first run did.
+        # The seed and the choice of compiled code are arguments, so the recomputation inside the
+        # backward (after the microbatch's contexts have ended) runs exactly as the first run did.
         seed = recompute.current_seed()
+        compiled = self.compiled if not running_eagerly() else None
         for start in range(0, checkpointed, options.num_layers):
             stop = min(start + options.num_layers, checkpointed)
             memory.note_kept(payload)  # the checkpoint keeps its inputs for the recomputation
-            payload = checkpoint(self._run, start, stop, payload, seed, use_reentrant=False)
-        return self._run(checkpointed, len(self.parts), payload, seed)
+            payload = checkpoint(self._run, start, stop, payload, seed, compiled, use_reentrant=False)
+        return self._run(checkpointed, len(self.parts), payload, seed, compiled)
 
-    def _run(self, start: int, stop: int, payload, seed: int | None):
+    def _run(self, start: int, stop: int, payload, seed: int | None, compiled: CompiledParts | None):
+        if compiled is not None and seed is None:
+            return compiled.run(start, stop, payload)  # nothing to reseed: one graph for the range
         for index in range(start, stop):
             recompute.reseed_part(seed, self.first_part + index)
-            payload = self.parts[index](payload)
+            payload = self.parts[index](payload) if compiled is None else compiled.run(index, index + 1, payload)
         return payload
 
 

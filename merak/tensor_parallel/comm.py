@@ -170,6 +170,54 @@ def _resize(x: Tensor, dim: int, factor: float) -> list[int]:
     return shape
 
 
+# -- the raw collectives as operators without autograd ------------------------------------------
+# Backward formulas call these, never torch.distributed directly: a compiled backward then holds one
+# opaque call per collective instead of a traced c10d call bound to a process group object.
+
+@torch.library.custom_op("merak::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: Tensor, name: str) -> Tensor:
+    """:func:`all_reduce` (sum) as an operator."""
+    return all_reduce(x, name)
+
+
+@tp_all_reduce.register_fake
+def _(x, name):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("merak::tp_all_gather", mutates_args=())
+def tp_all_gather(x: Tensor, name: str, dim: int) -> Tensor:
+    """:func:`all_gather` as an operator."""
+    return all_gather(x, name, dim)
+
+
+@tp_all_gather.register_fake
+def _(x, name, dim):
+    return x.new_empty(_resize(x, dim, group_size(name)))
+
+
+@torch.library.custom_op("merak::tp_reduce_scatter", mutates_args=())
+def tp_reduce_scatter(x: Tensor, name: str, dim: int) -> Tensor:
+    """:func:`reduce_scatter` as an operator."""
+    return reduce_scatter(x, name, dim)
+
+
+@tp_reduce_scatter.register_fake
+def _(x, name, dim):
+    return x.new_empty(_resize(x, dim, 1 / group_size(name)))
+
+
+@torch.library.custom_op("merak::tp_own_chunk", mutates_args=())
+def tp_own_chunk(x: Tensor, name: str, dim: int) -> Tensor:
+    """:func:`own_chunk` as an operator (the rank is read when it runs, not when it is traced)."""
+    return own_chunk(x, name, dim)
+
+
+@tp_own_chunk.register_fake
+def _(x, name, dim):
+    return x.new_empty(_resize(x, dim, 1 / group_size(name)))
+
+
 # -- operators --------------------------------------------------------------------------------------
 
 @torch.library.custom_op("merak::copy_to_tp", mutates_args=())
@@ -183,7 +231,7 @@ def _(x, name):
     return torch.empty_like(x)
 
 
-copy_to_tp.register_autograd(lambda ctx, grad: (all_reduce(grad, ctx.name), None),
+copy_to_tp.register_autograd(lambda ctx, grad: (tp_all_reduce(grad, ctx.name), None),
                              setup_context=lambda ctx, inputs, output: setattr(ctx, "name", resolve_name(inputs[1])))
 
 
@@ -217,7 +265,7 @@ def _(x, name, dim):
     return x.new_empty(_resize(x, dim, 1 / group_size(name)))
 
 
-scatter_to_sequence.register_autograd(lambda ctx, grad: (all_gather(grad, ctx.name, ctx.dim), None, None),
+scatter_to_sequence.register_autograd(lambda ctx, grad: (tp_all_gather(grad, ctx.name, ctx.dim), None, None),
                                       setup_context=_save_name_dim)
 
 
@@ -232,7 +280,7 @@ def _(x, name, dim):
     return x.new_empty(_resize(x, dim, group_size(name)))
 
 
-gather_from_sequence.register_autograd(lambda ctx, grad: (reduce_scatter(grad, ctx.name, ctx.dim), None, None),
+gather_from_sequence.register_autograd(lambda ctx, grad: (tp_reduce_scatter(grad, ctx.name, ctx.dim), None, None),
                                        setup_context=_save_name_dim)
 
 
@@ -247,7 +295,7 @@ def _(x, name, dim):
     return x.new_empty(_resize(x, dim, group_size(name)))
 
 
-gather_to_replicated.register_autograd(lambda ctx, grad: (own_chunk(grad, ctx.name, ctx.dim), None, None),
+gather_to_replicated.register_autograd(lambda ctx, grad: (tp_own_chunk(grad, ctx.name, ctx.dim), None, None),
                                        setup_context=_save_name_dim)
 
 
@@ -262,5 +310,5 @@ def _(x, name, dim):
     return x.new_empty(_resize(x, dim, 1 / group_size(name)))
 
 
-reduce_scatter_sequence.register_autograd(lambda ctx, grad: (all_gather(grad, ctx.name, ctx.dim), None, None),
+reduce_scatter_sequence.register_autograd(lambda ctx, grad: (tp_all_gather(grad, ctx.name, ctx.dim), None, None),
                                           setup_context=_save_name_dim)

@@ -108,18 +108,35 @@ def _column_setup(ctx, inputs, output):
     ctx.sequence_dim, ctx.overlap = sequence_dim, overlap
 
 
+@torch.library.custom_op("merak::column_linear_backward", mutates_args=())
+def column_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, name: str, weight_in_out: bool,
+                           input_comm: str, sequence_dim: int, overlap: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`column_linear`: input (reduced), weight, bias (empty without a bias).
+
+    An operator of its own, so a compiled backward keeps the overlap of the input gradient's
+    reduction with the weight gradient, and holds no process group."""
+    gathered = input_comm == "gather"
+    full = comm.all_gather(x, name, sequence_dim) if gathered else x
+    grad_x = _input_grad(grad, weight, weight_in_out)
+    wait = None
+    if input_comm != "none":
+        wait = _start("reduce_scatter" if gathered else "all_reduce", grad_x, name, sequence_dim, overlap)
+    grad_weight = _weight_grad(grad, full, weight_in_out)  # overlaps the reduction when async
+    grad_bias = _bias_grad(grad) if has_bias else grad.new_empty(0)
+    return (grad_x if wait is None else wait()).contiguous(), grad_weight, grad_bias
+
+
+@column_linear_backward.register_fake
+def _(grad, x, weight, has_bias, name, weight_in_out, input_comm, sequence_dim, overlap):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            grad.new_empty(grad.shape[-1] if has_bias else 0))
+
+
 def _column_backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    gathered = ctx.input_comm == "gather"
-    full = comm.all_gather(x, ctx.name, ctx.sequence_dim) if gathered else x
-    grad_x = _input_grad(grad, weight, ctx.weight_in_out)
-    wait = None
-    if ctx.input_comm != "none":
-        wait = _start("reduce_scatter" if gathered else "all_reduce", grad_x, ctx.name, ctx.sequence_dim,
-                      ctx.overlap)
-    grad_weight = _weight_grad(grad, full, ctx.weight_in_out)  # overlaps the reduction when async
-    grad_bias = _bias_grad(grad) if ctx.has_bias else None
-    return grad_x if wait is None else wait(), grad_weight, grad_bias, None, None, None, None, None
+    grad_x, grad_weight, grad_bias = column_linear_backward(
+        grad, x, weight, ctx.has_bias, ctx.name, ctx.weight_in_out, ctx.input_comm, ctx.sequence_dim, ctx.overlap)
+    return grad_x, grad_weight, grad_bias if ctx.has_bias else None, None, None, None, None, None
 
 
 column_linear.register_autograd(_column_backward, setup_context=_column_setup)
@@ -162,14 +179,29 @@ def _row_setup(ctx, inputs, output):
     ctx.name, ctx.weight_in_out, ctx.sequence_dim = comm.resolve_name(name), weight_in_out, sequence_dim
 
 
+@torch.library.custom_op("merak::row_linear_backward", mutates_args=())
+def row_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, name: str, weight_in_out: bool,
+                        sequence_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`row_linear`: input, weight, bias (empty without a bias)."""
+    # The bias saw the reduced (with sequence parallelism: this rank's chunk of the) output.
+    grad_bias = _bias_grad(grad) if has_bias else grad.new_empty(0)
+    if sequence_dim >= 0:
+        grad = comm.all_gather(grad, name, sequence_dim)
+    return (_input_grad(grad, weight, weight_in_out).contiguous(), _weight_grad(grad, x, weight_in_out),
+            grad_bias)
+
+
+@row_linear_backward.register_fake
+def _(grad, x, weight, has_bias, name, weight_in_out, sequence_dim):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+            grad.new_empty(grad.shape[-1] if has_bias else 0))
+
+
 def _row_backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    # The bias saw the reduced (with sequence parallelism: this rank's chunk of the) output.
-    grad_bias = _bias_grad(grad) if ctx.has_bias else None
-    if ctx.sequence_dim >= 0:
-        grad = comm.all_gather(grad, ctx.name, ctx.sequence_dim)
-    grad_x = _input_grad(grad, weight, ctx.weight_in_out)
-    return grad_x, _weight_grad(grad, x, ctx.weight_in_out), grad_bias, None, None, None, None
+    grad_x, grad_weight, grad_bias = row_linear_backward(grad, x, weight, ctx.has_bias, ctx.name,
+                                                         ctx.weight_in_out, ctx.sequence_dim)
+    return grad_x, grad_weight, grad_bias if ctx.has_bias else None, None, None, None, None
 
 
 row_linear.register_autograd(_row_backward, setup_context=_row_setup)
