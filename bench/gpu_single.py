@@ -18,7 +18,12 @@ shows here too (the row says so and the others go on).
 Runs on the GPU machine's stack (torch 2.11, transformers 5.17, Python 3.12) with hydra/omegaconf
 carried as wheels (ENVIRONMENT.md):
 
-    python bench/gpu_single.py [--model gpt2 --model vit-base ...] [--warmup 3 --steps 10] [--json out.json]
+    python bench/gpu_single.py [--model gpt2 --model vit-base ...] [--warmup 3 --steps 10] [--compile]
+                               [--json out.json]
+
+``--compile`` adds both loops compiled with inductor (plain: ``model.compile()`` on the whole model;
+merak: ``trainer.torch_compile=true``, each stage's parts), their ratio and the speed-up of compiled
+merak over the plain eager loop. Compilation happens in the warm-up iterations (untimed).
 
 ``--smoke`` runs the same code on the CPU with each recipe's toy model (a test of the script itself).
 """
@@ -70,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--workers", type=int, default=4, help="data-loader workers of both loops")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to this JSON file")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time both loops compiled: plain model.compile() and merak trainer.torch_compile")
     parser.add_argument("--smoke", action="store_true", help="CPU, toy models, fp32: check the script runs")
     return parser.parse_args(argv)
 
@@ -118,56 +125,101 @@ def _timed(loop, args) -> tuple[float, float]:
     return common.median(times), float(torch.cuda.max_memory_allocated()) if cuda else 0.0
 
 
+def _plain(name: str, args, *, compiled: bool) -> PlainLoop:
+    recipe = MODELS[name][0]
+    return PlainLoop(recipe, _overrides(name, args), device=_device(args),
+                     dtype=torch.float32 if args.smoke else torch.bfloat16, num_workers=args.workers,
+                     channels_last=recipe == "wide_resnet" and not args.smoke, compile=compiled)
+
+
+def _merak(name: str, args, output_dir: str, *, compiled: bool) -> MerakLoop:
+    precision = [] if args.smoke else ["trainer.bf16=true"]
+    compile_flags = ["trainer.torch_compile=true"] if compiled else []
+    return MerakLoop(MODELS[name][0], [*_overrides(name, args), *precision, *compile_flags,
+                                       f"trainer.dataloader_num_workers={args.workers}"], output_dir)
+
+
+def _run_variant(row: dict, who: str, make, args) -> None:
+    """Time one loop into ``row`` under the prefix ``who``; a crash is a result, reported in the row."""
+    try:
+        loop = make()
+        try:
+            row[f"{who}_s"], row[f"{who}_peak_bytes"] = _timed(loop, args)
+            row[f"{who}_first_loss"] = loop.losses[0]
+        finally:
+            if hasattr(loop, "close"):
+                loop.close()
+            del loop
+    except Exception as error:  # report it and go on with the next loop
+        row[f"{who}_error"] = f"{type(error).__name__}: {error}"
+        logger.error("%s %s failed:\n%s", who, row["model"], traceback.format_exc())
+    finally:
+        _free()
+
+
+def variants(args) -> list[str]:
+    """The loops measured: plain and merak eager, and with ``--compile`` both compiled too."""
+    return ["plain", "merak", *(["plain_compiled", "merak_compiled"] if args.compile else [])]
+
+
 def measure(name: str, args: argparse.Namespace, peak_tflops: float | None) -> dict:
     recipe = MODELS[name][0]
-    overrides = _overrides(name, args)
-    row = {"model": name, "recipe": recipe, "overrides": overrides}
-    channels_last = recipe == "wide_resnet" and not args.smoke
-    precision = [] if args.smoke else ["trainer.bf16=true"]
+    row = {"model": name, "recipe": recipe, "overrides": _overrides(name, args)}
     try:
-        plain = PlainLoop(recipe, overrides, device=_device(args), dtype=torch.float32 if args.smoke else torch.bfloat16,
-                          num_workers=args.workers, channels_last=channels_last)
+        plain = _plain(name, args, compiled=False)
         samples = plain.plan.micro_batch_size * plain.plan.num_microbatches
         tokens = samples * plain.spec.tokens_per_sample(plain.model_cfg)
         flops = 3 * _forward_flops(plain) * plain.plan.num_microbatches
-        row["plain_s"], row["plain_peak_bytes"] = _timed(plain, args)
-        row["plain_first_loss"] = plain.losses[0]
         del plain
-    except Exception as error:  # a crash is a result: report it and go on with the next model
+    except Exception as error:  # a model that cannot even be built: nothing else to measure
         row["plain_error"] = f"{type(error).__name__}: {error}"
         logger.error("plain %s failed:\n%s", name, traceback.format_exc())
         return row
     finally:
         _free()
-    with tempfile.TemporaryDirectory() as output_dir:
-        try:
-            loop = MerakLoop(recipe, [*overrides, *precision, f"trainer.dataloader_num_workers={args.workers}"],
-                             output_dir)
-            try:
-                row["merak_s"], row["merak_peak_bytes"] = _timed(loop, args)
-                row["merak_first_loss"] = loop.losses[0]
-            finally:
-                loop.close()
-                del loop
-        except Exception as error:
-            row["merak_error"] = f"{type(error).__name__}: {error}"
-            logger.error("merak %s failed:\n%s", name, traceback.format_exc())
-        finally:
-            _free()
     row.update(samples_per_step=samples, tokens_per_step=tokens, model_flops_per_step=flops)
-    for who in ("plain", "merak"):
+    with tempfile.TemporaryDirectory() as output_dir:
+        for who in variants(args):
+            compiled = who.endswith("_compiled")
+            make = (lambda: _plain(name, args, compiled=compiled)) if who.startswith("plain") else \
+                (lambda: _merak(name, args, f"{output_dir}/{who}", compiled=compiled))
+            _run_variant(row, who, make, args)
+    for who in variants(args):
         if f"{who}_s" in row:
             row[f"{who}_samples_per_s"] = samples / row[f"{who}_s"]
             row[f"{who}_tokens_per_s"] = tokens / row[f"{who}_s"]
             row[f"{who}_mfu"] = flops / row[f"{who}_s"] / (peak_tflops * 1e12) if peak_tflops else None
-    if "merak_s" in row:
+    if "merak_s" in row and "plain_s" in row:
         row["ratio"] = row["merak_s"] / row["plain_s"]
+    if "merak_compiled_s" in row and "plain_compiled_s" in row:
+        row["compiled_ratio"] = row["merak_compiled_s"] / row["plain_compiled_s"]
+    if "merak_compiled_s" in row and "plain_s" in row:
+        row["speedup_over_plain_eager"] = row["plain_s"] / row["merak_compiled_s"]
     return row
 
 
 def _cell(row: dict, key: str, fmt: str) -> str:
     value = row.get(key)
     return "-" if value is None else format(value, fmt)
+
+
+def _table(rows: list[dict], args) -> tuple[list[str], list[tuple]]:
+    """Header and rows: seconds per step and MFU of each loop, the ratios, and the first error."""
+    who = variants(args)
+    header = ["model", *[f"{w} s/step" for w in who], "merak / plain"]
+    if args.compile:
+        header += ["merak_c / plain_c", "plain / merak_c"]
+    header += [*[f"{w} MFU" for w in who], "peak GiB " + " / ".join(who), "error"]
+    table = []
+    for r in rows:
+        error = next((r[f"{w}_error"] for w in who if f"{w}_error" in r), "")
+        cells = [r["model"], *[_cell(r, f"{w}_s", ".4f") for w in who], _cell(r, "ratio", ".3f")]
+        if args.compile:
+            cells += [_cell(r, "compiled_ratio", ".3f"), _cell(r, "speedup_over_plain_eager", ".2f")]
+        cells += [*[_cell(r, f"{w}_mfu", ".1%") for w in who],
+                  " / ".join(f"{r.get(f'{w}_peak_bytes', 0) / 2**30:.1f}" for w in who), error[:80]]
+        table.append(tuple(cells))
+    return header, table
 
 
 def main(argv=None) -> list[dict]:
@@ -182,18 +234,8 @@ def main(argv=None) -> list[dict]:
     facts = {**common.machine_facts(), "gpu": gpu, "peak_bf16_tflops": peak}
     names = sorted(MODELS) if args.all else (args.model or list(DEFAULT_MODELS))
     rows = [measure(name, args, peak) for name in names]
-    table = []
-    for r in rows:
-        error = r.get("plain_error") or r.get("merak_error")
-        table.append((r["model"], _cell(r, "plain_s", ".4f"), _cell(r, "merak_s", ".4f"), _cell(r, "ratio", ".3f"),
-                      _cell(r, "plain_tokens_per_s", ",.0f"), _cell(r, "merak_tokens_per_s", ",.0f"),
-                      _cell(r, "plain_mfu", ".1%"), _cell(r, "merak_mfu", ".1%"),
-                      f"{r.get('plain_peak_bytes', 0) / 2**30:.1f} / {r.get('merak_peak_bytes', 0) / 2**30:.1f}",
-                      (error or "")[:80]))
     print(common.format_facts(facts), f"| {facts['gpu']}, bf16 peak {peak} TFLOP/s")
-    print(common.format_table(["model", "plain s/step", "merak s/step", "merak / plain", "plain tok/s",
-                               "merak tok/s", "plain MFU", "merak MFU", "peak GiB plain / merak", "error"],
-                              table))
+    print(common.format_table(*_table(rows, args)))
     common.write_json(args.json, {"machine": facts, "args": vars(args), "results": rows})
     return rows
 

@@ -95,10 +95,12 @@ class PlainLoop:
             (the usual mixed-precision loop), elsewhere in fp32 with the default AdamW.
         num_workers: DataLoader workers (0: batches are made in the loop).
         channels_last: convert the model and images to channels-last (convolutional recipes on CUDA).
+        compile: ``torch.compile`` the whole model (``model.compile()``, inductor's default mode).
     """
 
     def __init__(self, recipe: str, overrides: Sequence[str], *, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, num_workers: int = 0, channels_last: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, num_workers: int = 0, channels_last: bool = False,
+                 compile: bool = False) -> None:
         from merak.config import resolve_settings
         from merak.data.batching import BatchPlan
 
@@ -115,6 +117,8 @@ class PlainLoop:
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
         self.model.train()
+        if compile:
+            self.model.compile()
         params = [p for p in self.model.parameters() if p.requires_grad]
         fused = {"fused": True} if self.device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(

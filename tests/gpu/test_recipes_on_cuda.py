@@ -1,5 +1,6 @@
 """Every recipe on one CUDA device: its default model and its toy train in bf16, and the toys' losses on
-CUDA equal the CPU's (fp32). Skipped where there is no CUDA device; their CPU proxy is
+CUDA equal the CPU's (fp32); compiled toys (trainer.torch_compile, also with CUDA graphs) track the
+eager ones. Skipped where there is no CUDA device; their CPU proxy is
 tests/unit/test_device_agnostic_capture.py (capture on the CPU, run on meta).
 
 Run on a GPU machine with ``python -m pytest -q -m gpu tests/gpu``.
@@ -70,3 +71,17 @@ def test_toy_losses_on_cuda_equal_the_cpu(recipe, tmp_path, cache_dir):
     assert "peak_allocated_bytes" not in cpu["stages"][0] and cuda["stages"][0]["peak_allocated_bytes"] > 0
     for step, (on_cpu, on_cuda) in enumerate(zip(cpu["losses"], cuda["losses"], strict=True)):
         assert on_cuda == pytest.approx(on_cpu, rel=CPU_CUDA_RTOL), f"step {step + 1}"
+
+
+@pytest.mark.parametrize("recipe", sorted(DEFAULTS))
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["compiled", "cuda-graphs"])
+def test_compiled_toy_tracks_eager_on_cuda(recipe, cuda_graphs, tmp_path, cache_dir):
+    """trainer.torch_compile (and CUDA graph replay) trains the toy to the eager losses, every range compiled."""
+    eager = _train(recipe, TOY, tmp_path / "eager", cache_dir, device="cuda")
+    flags = ["trainer.torch_compile=true", *(["trainer.cuda_graphs=true"] if cuda_graphs else [])]
+    compiled = _train(recipe, [*TOY, *flags], tmp_path / "compiled", cache_dir, device="cuda")
+    report = compiled["compile"]
+    assert report["enabled"] and report["eager_ranges"] == {} and report["compile_s"] > 0, report
+    assert report["cuda_graphs"] == cuda_graphs
+    for step, (want, got) in enumerate(zip(eager["losses"], compiled["losses"], strict=True)):
+        assert got == pytest.approx(want, rel=CPU_CUDA_RTOL), f"step {step + 1}"

@@ -1,0 +1,220 @@
+"""Compiled stages in one process: settings, ranges, recomputation, fallback and the config fields.
+
+Layouts across processes are in tests/dist/test_compiled_parity.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import merak
+from merak.config import ConfigError, compile_options, resolve_settings
+from merak.distributed import groups
+from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions
+from merak.hf.arguments import trainer_settings
+from merak.pipeline.compiled import CompiledParts, CompileOptions, eager_execution, range_module
+from merak.pipeline.recompute import CheckpointOptions
+from merak.pipeline.stage import StageModule
+from recipes.gpt.spec import SPEC as GPT
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "recipes" / "gpt" / "conf")
+
+COMPILED = CompileOptions(enabled=True)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.norm(self.linear(x)))
+
+
+class Head(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.linear(torch.relu(x))
+
+
+def compose_gpt(*overrides: str):
+    with hydra.initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return hydra.compose("train", overrides=list(overrides))
+
+
+def _parts(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [Block(8), Block(8), Block(8), Head(8)]
+
+
+def _loss(output, batch):
+    return F.mse_loss(output, batch["y"])
+
+
+class Input(nn.Module):
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, batch):
+        return self.block(batch["x"])
+
+
+@pytest.fixture
+def single_process():
+    state = groups.init()
+    yield state
+    groups.shutdown()
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="torch_compile_mode='fastest'"):
+        CompileOptions(enabled=True, mode="fastest")
+    with pytest.raises(ValueError, match="needs torch_compile=true"):
+        CompileOptions(cuda_graphs=True)
+    with pytest.raises(ValueError, match="applies to the inductor backend"):
+        CompileOptions(enabled=True, backend="aot_eager", mode="max-autotune")
+    with pytest.raises(ValueError, match="contradicts"):
+        CompileOptions(enabled=True, mode="max-autotune-no-cudagraphs", cuda_graphs=True)
+    assert CompileOptions(enabled=True, cuda_graphs=True).effective_mode == "reduce-overhead"
+    assert CompileOptions(enabled=True, mode="max-autotune", cuda_graphs=True).effective_mode == "max-autotune"
+    assert CompileOptions(enabled=True, mode="reduce-overhead").uses_cuda_graphs
+    assert not CompileOptions(enabled=True).uses_cuda_graphs
+
+
+def test_a_range_module_calls_its_parts_in_order_and_shares_them():
+    parts = _parts()
+    module = range_module(parts, 1, 3)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(module(x), parts[2](parts[1](x)), rtol=0, atol=0)
+    assert {id(p) for p in module.parameters()} == {id(p) for part in parts[1:3] for p in part.parameters()}
+
+
+def test_each_range_compiles_once_into_its_own_graph():
+    parts = _parts()
+    compiled = CompiledParts(parts, CompileOptions(enabled=True, backend="aot_eager"), "stage 0")
+    x = torch.randn(2, 8)
+    expected = parts[3](parts[2](parts[1](parts[0](x))))
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled.run(2, 4, compiled.run(0, 2, x)), expected)
+    for _ in range(3):
+        compiled.run(0, 4, x)
+    assert sorted(compiled._ranges) == [(0, 2), (0, 4), (2, 4)]
+    assert compiled.eager_ranges == []
+
+
+def test_a_range_that_cannot_compile_warns_and_runs_eagerly(caplog):
+    parts = _parts()
+    # A backend torch ships for testing: it fails on any graph with a relu (the head has one).
+    compiled = CompiledParts(parts, CompileOptions(enabled=True, backend="relu_compile_error_TESTING_ONLY"),
+                             "stage 1")
+    x = torch.randn(2, 8)
+    with caplog.at_level(logging.WARNING, logger="merak.pipeline.compiled"):
+        got = compiled.run(0, 4, x)
+        again = compiled.run(0, 4, x)
+    expected = parts[3](parts[2](parts[1](parts[0](x))))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
+    assert compiled.eager_ranges == [(0, 4)]
+    assert "stage 1: parts 0-3 cannot be compiled and run eagerly" in caplog.text
+    assert caplog.text.count("cannot be compiled") == 1  # decided once
+
+
+def _train(state, *, compile: CompileOptions, recompute: RecomputeOptions, dropout_seed=None) -> list:
+    parts = _parts()
+    net = nn.ModuleList(parts)
+    stage = StageModule([Input(parts[0]), *parts[1:]])
+    engine = PipelineEngine(model=net, stages=[stage], loss_fn=_loss, state=state, schedule="1f1b",
+                            num_microbatches=2, total_steps=3, recompute=recompute, dropout_seed=dropout_seed,
+                            optimizer=OptimizerOptions(learning_rate=0.05), compile=compile)
+    generator = torch.Generator().manual_seed(1)
+    records = []
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 3, generator=generator)
+        result = engine.train_step([{"x": x[:2], "y": y[:2]}, {"x": x[2:], "y": y[2:]}])
+        records.append((result.loss, {n: p.grad.clone() for n, p in engine.named_parameters()}))
+    return records, engine
+
+
+@pytest.mark.parametrize("recompute", [RecomputeOptions(),
+                                       RecomputeOptions(activation_checkpointing=True, checkpoint_num_layers=2)],
+                         ids=["no-recompute", "recompute-pairs"])
+def test_a_compiled_engine_trains_to_the_eager_numbers(single_process, recompute):
+    eager, _ = _train(single_process, compile=CompileOptions(), recompute=recompute)
+    compiled, engine = _train(single_process, compile=COMPILED, recompute=recompute)
+    for (loss, grads), (want_loss, want_grads) in zip(compiled, eager, strict=True):
+        assert loss == pytest.approx(want_loss, rel=1e-5)
+        for name, grad in grads.items():
+            assert float((grad - want_grads[name]).norm() / want_grads[name].norm()) < 1e-5, name
+    report = engine.compile_report()
+    assert report["enabled"] and report["backend"] == "inductor" and report["eager_ranges"] == {}
+    assert report["compile_s"] > 0
+    stage = engine.chunks[0]
+    expected = {(0, 2), (2, 4)} if recompute.activation_checkpointing else {(0, 4)}
+    assert set(stage.compiled._ranges) == expected
+
+
+def test_the_flop_count_runs_eagerly_and_its_recomputation_too(single_process):
+    """The first forward is counted under FlopCounterMode, which dynamo cannot trace: it runs eagerly,
+    and the checkpointed parts of that microbatch recompute eagerly too (the same saved tensors)."""
+    records, engine = _train(single_process, compile=COMPILED,
+                             recompute=RecomputeOptions(activation_checkpointing=True))
+    assert engine.executor.forward_flops > 0
+    assert len(records) == 3
+
+
+def test_eager_execution_leaves_later_calls_compiled():
+    parts = _parts()
+    compiled = CompiledParts(parts, CompileOptions(enabled=True, backend="aot_eager"), "stage 0")
+    x = torch.randn(2, 8)
+    torch._dynamo.reset()
+    with eager_execution():
+        compiled.run(0, 4, x)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled.run(0, 4, x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before + 1
+
+
+def test_stage_compile_switches_off_again():
+    stage = StageModule(_parts())
+    stage.compile_parts(COMPILED)
+    assert stage.compiled is not None
+    stage.configure_checkpointing(CheckpointOptions(parts=2))
+    stage.compile_parts(CompileOptions())
+    assert stage.compiled is None
+
+
+def test_config_fields_follow_hugging_face():
+    settings = resolve_settings(GPT, compose_gpt("trainer.torch_compile_mode=max-autotune-no-cudagraphs"))
+    options = compile_options(settings.trainer)
+    assert options.enabled and options.backend == "inductor" and options.mode == "max-autotune-no-cudagraphs"
+    values = trainer_settings(merak.MerakArguments(output_dir="/tmp/merak-args-test", torch_compile=True))
+    assert values["torch_compile"] is True and values["torch_compile_backend"] == "inductor"
+    assert values["cuda_graphs"] is False
+
+
+@pytest.mark.parametrize(("override", "fragment"), [
+    ("trainer.torch_compile_backend=no_such_backend", "is not a torch.compile backend"),
+    ("trainer.torch_compile_mode=fastest", "torch_compile_mode='fastest'"),
+    ("trainer.cuda_graphs=true", "needs torch_compile=true"),
+])
+def test_bad_compile_settings_are_named(override, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        resolve_settings(GPT, compose_gpt(override))
+
+
+def test_cuda_graphs_need_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="needs CUDA devices"):
+        resolve_settings(GPT, compose_gpt("trainer.torch_compile=true", "trainer.cuda_graphs=true"))
