@@ -246,5 +246,6 @@ def format_partition(report: dict) -> str:
                      f"{_human(stage['forward_flops']):>10} {_human(stage['estimated_memory_bytes'], 'B'):>9}  "
                      f"{shown}")
         if stage["sends"]:
-            lines.append(f"{'':>47}sends {', '.join(f'{k}: {v}' for k, v in stage['sends'].items())}")
+            size = f" ({_human(stage['send_bytes'], 'B')} per microbatch)" if "send_bytes" in stage else ""
+            lines.append(f"{'':>47}sends {', '.join(f'{k}: {v}' for k, v in stage['sends'].items())}{size}")
     return "\n".join(lines)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 from collections.abc import Callable
 
 import torch
@@ -76,7 +77,17 @@ def _entry(local_rank: int, fn: Callable, world_size: int, port: int, args: tupl
     # keeps a forked worker out of the parent's OpenMP thread pool, which does not survive fork: a parent
     # that had computed with several threads left children that hang in their first parallel region.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    _forget_inherited_compile_threads()
     fn(*args)
+
+
+def _forget_inherited_compile_threads() -> None:
+    """A forked worker inherits inductor's cached compile thread pool but none of its threads: its first
+    compilation would queue work that never runs. Drop the cached pool so the worker makes its own
+    (torch resets the process pool at fork, not this one)."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
 
 
 def spawn_workers(fn: Callable, *, world_size: int, args: tuple = (), start_method: str = "auto",

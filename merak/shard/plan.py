@@ -108,6 +108,7 @@ class PipelinePlan:
         return {"stage": stage_id, "shards": [first, last], "modules": list(dict.fromkeys(modules)),
                 "num_parameters": params, "forward_flops": sum(r.forward_flops for r in reports),
                 "sends": outputs if stage_id < self.num_stages - 1 else {},
+                "send_bytes": activation if stage_id < self.num_stages - 1 else 0,
                 "estimated_memory_bytes": params * BYTES_PER_TRAINED_PARAM + activation * in_flight}
 
     def to_json(self) -> dict:

@@ -50,6 +50,7 @@ class Layout:
     recompute: RecomputeOptions = RecomputeOptions()
     zero: ZeroOptions = ZeroOptions()
     dropout: float = 0.0
+    chunks: int = 1
 
     @property
     def world_size(self) -> int:
@@ -61,6 +62,7 @@ LAYOUTS = {
     "pp2-1f1b": Layout(pp=2),
     "pp2-pre_recompute_1f1b": Layout(pp=2, schedule="pre_recompute_1f1b", recompute=RATIO),
     "pp2-zb_h1": Layout(pp=2, schedule="zb_h1"),
+    "pp2-interleaved_1f1b": Layout(pp=2, schedule="interleaved_1f1b", chunks=2),
     "dp2-pp2-zero1": Layout(dp=2, pp=2, zero=ZeroOptions(stage=1)),
     "tp2-sequence-parallel": Layout(tp=2),
     # Dropout on, every part recomputed: the compiled recomputation redraws the first run's masks.
@@ -71,7 +73,8 @@ LAYOUTS = {
 
 def _model_cfg(toy_model_cfg, layout: Layout):
     cfg = vocab_padded(toy_model_cfg) if layout.tp > 1 else toy_model_cfg
-    return OmegaConf.merge(cfg, {"num_layers": 2, "dropout": layout.dropout})
+    # Interleaving cuts pp x chunks pieces: four blocks give each piece one.
+    return OmegaConf.merge(cfg, {"num_layers": 4 if layout.chunks > 1 else 2, "dropout": layout.dropout})
 
 
 def _train(state, layout: Layout, model_cfg, tokens: str) -> dict:
@@ -80,13 +83,14 @@ def _train(state, layout: Layout, model_cfg, tokens: str) -> dict:
     built = assemble(
         build=functools.partial(model.build_model, model_cfg), seed=SEED, init_device="cpu",
         options=ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS),
-        num_stages=state.grid.pp, num_microbatches=MICROBATCHES, stage_id=state.coordinates.pp, device=state.device,
+        num_stages=state.grid.pp * layout.chunks, num_microbatches=MICROBATCHES,
+        stage_id=tuple(state.coordinates.pp + c * state.grid.pp for c in range(layout.chunks)), device=state.device,
         example_inputs=parallel.example_inputs(model_cfg, micro_batch),
         tensor_parallel=TensorParallelOptions(plan=parallel.TP_PLAN, size=state.grid.tp, rank=state.coordinates.tp,
                                               sequence_parallel=state.grid.tp > 1))
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                             schedule=layout.schedule, num_microbatches=MICROBATCHES, total_steps=STEPS,
-                            optimizer=OPTIONS, recompute=layout.recompute, zero=layout.zero,
+                            optimizer=OPTIONS, recompute=layout.recompute, zero=layout.zero, num_chunks=layout.chunks,
                             dropout_seed=SEED if layout.dropout else None, compile=CompileOptions(enabled=True))
     loader = None
     if state.is_first_stage or state.is_last_stage:
@@ -152,3 +156,19 @@ def test_compiled_layout_matches_single_process(name, tmp_path, toy_model_cfg, t
                 assert error < RTOL, f"{at}: gradient of {param} off by {error:.2e}"
                 seen.add(param)
     assert seen == set(reference[0]["grads"]), name
+
+
+def _compile_fresh(out_dir: str) -> None:
+    with torch._inductor.config.patch(force_disable_caches=True, compile_threads=2):
+        value = torch.compile(lambda x: torch.sin(x) * 3 + 1)(torch.ones(4))
+    torch.save(value, Path(out_dir) / "value.pt")
+
+
+@pytest.mark.timeout(300)
+def test_a_forked_worker_compiles_after_its_parent_did(tmp_path):
+    """A parent that compiled with inductor's thread pool forks workers (merak's launcher on the CPU); the
+    worker's own compilation must not wait on the pool threads it did not inherit."""
+    with torch._inductor.config.patch(force_disable_caches=True, compile_threads=2):
+        torch.compile(lambda x: torch.cos(x) - 1)(torch.ones(4))
+    spawn_workers(_compile_fresh, world_size=1, args=(str(tmp_path),), start_method="fork")
+    torch.testing.assert_close(torch.load(tmp_path / "value.pt"), torch.sin(torch.ones(4)) * 3 + 1)

@@ -76,6 +76,24 @@ def test_same_losses_single_process_and_pipeline(tmp_path, cache_dir):
     assert runs["single"] == pytest.approx(runs["dp2_tp2_pp2"], rel=1e-6)
 
 
+@pytest.mark.timeout(600)
+def test_torch_compile_through_train_py(tmp_path, cache_dir):
+    """trainer.torch_compile=true at pp=2: the eager loss curve, every range compiled, the time reported."""
+    losses, results = {}, {}
+    for name, flags in (("eager", []), ("compiled", ["trainer.torch_compile=true"])):
+        run_dir = tmp_path / name
+        results[name] = _train([*TOY, "parallel=pp2", "trainer.max_steps=3", *flags, f"hydra.run.dir={run_dir}"],
+                               cache_dir, timeout=540)
+        assert results[name].returncode == 0, results[name].stderr[-3000:]
+        losses[name] = [m["loss"] for m in _metrics(run_dir)]
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
+    report = json.loads((tmp_path / "compiled" / "summary.json").read_text())["compile"]
+    assert report["enabled"] and report["backend"] == "inductor" and report["eager_ranges"] == {}
+    assert report["compile_s"] > 0
+    printed = results["compiled"].stdout + results["compiled"].stderr
+    assert "compiled stages    inductor" in printed and "s compiling (slowest rank)" in printed
+
+
 @pytest.mark.timeout(300)
 def test_spawn_start_method(tmp_path, cache_dir):
     """The start method used with CUDA: workers re-import everything they are given."""

@@ -130,3 +130,28 @@ def test_zero_dropout_nodes_are_removed():
     assert drop_inactive_dropout(module) == 1
     assert not any("dropout" in str(n.target) for n in module.graph.nodes)
     assert torch.equal(module(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_gpt_stages_send_the_hidden_state_alone(toy_model_cfg):
+    """Causal masks and position ids are folded into each stage: at block boundaries a GPT stage sends
+    its hidden state, mbs x S x H floats, and nothing else; no plan sends a mask."""
+    import functools
+
+    from merak.assemble import assemble
+    from merak.shard.plan import ShardingOptions
+    from recipes.gpt import model, parallel
+
+    micro_batch, cfg = 2, toy_model_cfg
+    hidden = f"float32[{micro_batch}, {cfg.seq_length}, {cfg.hidden_size}]"
+    for options, pp in ((ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS), 4),
+                        (ShardingOptions(), 3)):
+        built = assemble(build=functools.partial(model.build_model, cfg), seed=0, init_device="cpu",
+                         options=options, num_stages=pp, num_microbatches=2, stage_id=0,
+                         device=torch.device("cpu"), example_inputs=parallel.example_inputs(cfg, micro_batch),
+                         materialize_stage=False)
+        summaries = [built.plan.stage_summary(s) for s in range(pp - 1)]
+        assert all("bool" not in sent and "int64" not in sent for s in summaries for sent in s["sends"].values())
+        if options.split_method == "layer_split":
+            for summary in summaries:
+                assert list(summary["sends"].values()) == [hidden], summary["sends"]
+                assert summary["send_bytes"] == 4 * micro_batch * cfg.seq_length * cfg.hidden_size
