@@ -86,8 +86,9 @@ def _forget_inherited_compile_threads() -> None:
     compilation would queue work that never runs. Drop the cached pool so the worker makes its own
     (torch resets the process pool at fork, not this one)."""
     async_compile = sys.modules.get("torch._inductor.async_compile")
-    if async_compile is not None:
-        async_compile.AsyncCompile.pool.cache_clear()
+    pool = getattr(getattr(async_compile, "AsyncCompile", None), "pool", None)
+    if hasattr(pool, "cache_clear"):  # a private cache: absent in other torch versions, nothing to do then
+        pool.cache_clear()
 
 
 def spawn_workers(fn: Callable, *, world_size: int, args: tuple = (), start_method: str = "auto",

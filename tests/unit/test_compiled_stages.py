@@ -19,6 +19,7 @@ from merak.config import ConfigError, compile_options, resolve_settings
 from merak.distributed import groups
 from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions
 from merak.hf.arguments import trainer_settings
+from merak.optim.precision import PrecisionOptions
 from merak.pipeline.compiled import CompiledParts, CompileOptions, eager_execution, range_module
 from merak.pipeline.recompute import CheckpointOptions
 from merak.pipeline.stage import StageModule
@@ -131,19 +132,21 @@ def test_a_range_that_cannot_compile_warns_and_runs_eagerly(caplog):
     assert caplog.text.count("cannot be compiled") == 1  # decided once
 
 
-def _train(state, *, compile: CompileOptions, recompute: RecomputeOptions, dropout_seed=None) -> list:
+def _train(state, *, compile: CompileOptions, recompute: RecomputeOptions, dropout_seed=None,
+           precision: PrecisionOptions = PrecisionOptions(), measure_activations: bool = False) -> list:
     parts = _parts()
     net = nn.ModuleList(parts)
     stage = StageModule([Input(parts[0]), *parts[1:]])
     engine = PipelineEngine(model=net, stages=[stage], loss_fn=_loss, state=state, schedule="1f1b",
                             num_microbatches=2, total_steps=3, recompute=recompute, dropout_seed=dropout_seed,
-                            optimizer=OptimizerOptions(learning_rate=0.05), compile=compile)
+                            optimizer=OptimizerOptions(learning_rate=0.05), compile=compile, precision=precision,
+                            measure_activations=measure_activations)
     generator = torch.Generator().manual_seed(1)
     records = []
     for _ in range(3):
         x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 3, generator=generator)
         result = engine.train_step([{"x": x[:2], "y": y[:2]}, {"x": x[2:], "y": y[2:]}])
-        records.append((result.loss, {n: p.grad.clone() for n, p in engine.named_parameters()}))
+        records.append((result.loss, {n: p.grad.clone() for n, p in engine.named_parameters() if p.grad is not None}))
     return records, engine
 
 
@@ -163,6 +166,31 @@ def test_a_compiled_engine_trains_to_the_eager_numbers(single_process, recompute
     stage = engine.chunks[0]
     expected = {(0, 2), (2, 4)} if recompute.activation_checkpointing else {(0, 4)}
     assert set(stage.compiled._ranges) == expected
+
+
+@pytest.mark.parametrize("precision", [PrecisionOptions(bf16=True), PrecisionOptions(fp16=True, loss_scale=1024.0)],
+                         ids=["bf16", "fp16"])
+def test_half_precision_compiled_stages_track_eager(single_process, precision):
+    """Half-precision weights and activations compile (fp32 master weights and loss scaling unchanged);
+    losses agree within half-precision rounding."""
+    eager, _ = _train(single_process, compile=CompileOptions(), recompute=RecomputeOptions(), precision=precision)
+    compiled, engine = _train(single_process, compile=COMPILED, recompute=RecomputeOptions(), precision=precision)
+    assert engine.chunks[0].parts[1].linear.weight.dtype == precision.dtype
+    for (loss, _), (want, _) in zip(compiled, eager, strict=True):
+        assert loss == pytest.approx(want, rel=2e-2)
+    assert engine.compile_report()["eager_ranges"] == {}
+
+
+def test_compiled_stages_under_the_activation_meter(single_process):
+    """The exact activation meter (a saved-tensor hook) sees what compiled graphs save for backward."""
+    eager, eager_engine = _train(single_process, compile=CompileOptions(), recompute=RecomputeOptions(),
+                                 measure_activations=True)
+    compiled, engine = _train(single_process, compile=COMPILED, recompute=RecomputeOptions(),
+                              measure_activations=True)
+    for (loss, _), (want, _) in zip(compiled, eager, strict=True):
+        assert loss == pytest.approx(want, rel=1e-5)
+    assert engine.memory_report()["peak_activation_bytes"] > 0
+    assert eager_engine.memory_report()["peak_activation_bytes"] > 0
 
 
 def test_the_flop_count_runs_eagerly_and_its_recomputation_too(single_process):
