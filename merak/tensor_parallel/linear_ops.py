@@ -128,7 +128,7 @@ def column_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bo
 
 @column_linear_backward.register_fake
 def _(grad, x, weight, has_bias, name, weight_in_out, input_comm, sequence_dim, overlap):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), weight.new_empty(weight.shape),
             grad.new_empty(grad.shape[-1] if has_bias else 0))
 
 
@@ -193,7 +193,7 @@ def row_linear_backward(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool,
 
 @row_linear_backward.register_fake
 def _(grad, x, weight, has_bias, name, weight_in_out, sequence_dim):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight),
+    return (torch.empty_like(x, memory_format=torch.contiguous_format), weight.new_empty(weight.shape),
             grad.new_empty(grad.shape[-1] if has_bias else 0))
 
 
