@@ -170,69 +170,31 @@ def _resize(x: Tensor, dim: int, factor: float) -> list[int]:
     return shape
 
 
-# -- the raw collectives as operators without autograd ------------------------------------------
-# Backward formulas call these, never torch.distributed directly: a compiled backward then holds one
-# opaque call per collective instead of a traced c10d call bound to a process group object.
+# -- operators --------------------------------------------------------------------------------------
+# Each backward formula calls the mirror operator of the table above (never torch.distributed
+# directly): a compiled backward then holds one opaque call per collective, not a traced c10d call
+# bound to a process group object.
 
-@torch.library.custom_op("merak::tp_all_reduce", mutates_args=())
-def tp_all_reduce(x: Tensor, name: str) -> Tensor:
-    """:func:`all_reduce` (sum) as an operator."""
-    return all_reduce(x, name)
+def _copied(x, name):
+    return torch.empty_like(x)  # a clone keeps the strides
 
 
-@tp_all_reduce.register_fake
-def _(x, name):
+def _reduced(x, name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("merak::tp_all_gather", mutates_args=())
-def tp_all_gather(x: Tensor, name: str, dim: int) -> Tensor:
-    """:func:`all_gather` as an operator."""
-    return all_gather(x, name, dim)
-
-
-@tp_all_gather.register_fake
-def _(x, name, dim):
+def _gathered(x, name, dim):
     return x.new_empty(_resize(x, dim, group_size(name)))
 
 
-@torch.library.custom_op("merak::tp_reduce_scatter", mutates_args=())
-def tp_reduce_scatter(x: Tensor, name: str, dim: int) -> Tensor:
-    """:func:`reduce_scatter` as an operator."""
-    return reduce_scatter(x, name, dim)
-
-
-@tp_reduce_scatter.register_fake
-def _(x, name, dim):
+def _scattered(x, name, dim):
     return x.new_empty(_resize(x, dim, 1 / group_size(name)))
 
-
-@torch.library.custom_op("merak::tp_own_chunk", mutates_args=())
-def tp_own_chunk(x: Tensor, name: str, dim: int) -> Tensor:
-    """:func:`own_chunk` as an operator (the rank is read when it runs, not when it is traced)."""
-    return own_chunk(x, name, dim)
-
-
-@tp_own_chunk.register_fake
-def _(x, name, dim):
-    return x.new_empty(_resize(x, dim, 1 / group_size(name)))
-
-
-# -- operators --------------------------------------------------------------------------------------
 
 @torch.library.custom_op("merak::copy_to_tp", mutates_args=())
 def copy_to_tp(x: Tensor, name: str) -> Tensor:
     """Identity forward, all-reduce of the gradient backward (enters a tensor-parallel region)."""
     return x.clone()
-
-
-@copy_to_tp.register_fake
-def _(x, name):
-    return torch.empty_like(x)
-
-
-copy_to_tp.register_autograd(lambda ctx, grad: (tp_all_reduce(grad, ctx.name), None),
-                             setup_context=lambda ctx, inputs, output: setattr(ctx, "name", resolve_name(inputs[1])))
 
 
 @torch.library.custom_op("merak::reduce_from_tp", mutates_args=())
@@ -241,32 +203,10 @@ def reduce_from_tp(x: Tensor, name: str) -> Tensor:
     return all_reduce(x, name)
 
 
-@reduce_from_tp.register_fake
-def _(x, name):
-    return torch.empty_like(x)
-
-
-reduce_from_tp.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
-
-
-def _save_name_dim(ctx, inputs, output):
-    # The group is resolved now: backward runs on the autograd thread, which has no renames.
-    ctx.name, ctx.dim = resolve_name(inputs[1]), inputs[2]
-
-
 @torch.library.custom_op("merak::scatter_to_sequence", mutates_args=())
 def scatter_to_sequence(x: Tensor, name: str, dim: int) -> Tensor:
     """Keep this rank's chunk along ``dim`` (enter the sequence-parallel region)."""
     return own_chunk(x, name, dim)
-
-
-@scatter_to_sequence.register_fake
-def _(x, name, dim):
-    return x.new_empty(_resize(x, dim, 1 / group_size(name)))
-
-
-scatter_to_sequence.register_autograd(lambda ctx, grad: (tp_all_gather(grad, ctx.name, ctx.dim), None, None),
-                                      setup_context=_save_name_dim)
 
 
 @torch.library.custom_op("merak::gather_from_sequence", mutates_args=())
@@ -275,28 +215,10 @@ def gather_from_sequence(x: Tensor, name: str, dim: int) -> Tensor:
     return all_gather(x, name, dim)
 
 
-@gather_from_sequence.register_fake
-def _(x, name, dim):
-    return x.new_empty(_resize(x, dim, group_size(name)))
-
-
-gather_from_sequence.register_autograd(lambda ctx, grad: (tp_reduce_scatter(grad, ctx.name, ctx.dim), None, None),
-                                       setup_context=_save_name_dim)
-
-
 @torch.library.custom_op("merak::gather_to_replicated", mutates_args=())
 def gather_to_replicated(x: Tensor, name: str, dim: int) -> Tensor:
     """All-gather along ``dim``; the backward keeps the own chunk (the value feeds replicated layers)."""
     return all_gather(x, name, dim)
-
-
-@gather_to_replicated.register_fake
-def _(x, name, dim):
-    return x.new_empty(_resize(x, dim, group_size(name)))
-
-
-gather_to_replicated.register_autograd(lambda ctx, grad: (tp_own_chunk(grad, ctx.name, ctx.dim), None, None),
-                                       setup_context=_save_name_dim)
 
 
 @torch.library.custom_op("merak::reduce_scatter_sequence", mutates_args=())
@@ -305,10 +227,27 @@ def reduce_scatter_sequence(x: Tensor, name: str, dim: int) -> Tensor:
     return reduce_scatter(x, name, dim)
 
 
-@reduce_scatter_sequence.register_fake
-def _(x, name, dim):
-    return x.new_empty(_resize(x, dim, 1 / group_size(name)))
+def _save_name(ctx, inputs, output):
+    # The group is resolved now: backward runs on the autograd thread, which has no renames.
+    ctx.name = resolve_name(inputs[1])
 
 
-reduce_scatter_sequence.register_autograd(lambda ctx, grad: (tp_all_gather(grad, ctx.name, ctx.dim), None, None),
-                                          setup_context=_save_name_dim)
+def _save_name_dim(ctx, inputs, output):
+    ctx.name, ctx.dim = resolve_name(inputs[1]), inputs[2]
+
+
+for _op, _fake in ((copy_to_tp, _copied), (reduce_from_tp, _reduced), (scatter_to_sequence, _scattered),
+                   (gather_from_sequence, _gathered), (gather_to_replicated, _gathered),
+                   (reduce_scatter_sequence, _scattered)):
+    _op.register_fake(_fake)
+
+copy_to_tp.register_autograd(lambda ctx, grad: (reduce_from_tp(grad, ctx.name), None), setup_context=_save_name)
+reduce_from_tp.register_autograd(lambda ctx, grad: (grad, None), setup_context=lambda ctx, inputs, output: None)
+scatter_to_sequence.register_autograd(
+    lambda ctx, grad: (gather_from_sequence(grad, ctx.name, ctx.dim), None, None), setup_context=_save_name_dim)
+gather_from_sequence.register_autograd(
+    lambda ctx, grad: (reduce_scatter_sequence(grad, ctx.name, ctx.dim), None, None), setup_context=_save_name_dim)
+gather_to_replicated.register_autograd(
+    lambda ctx, grad: (scatter_to_sequence(grad, ctx.name, ctx.dim), None, None), setup_context=_save_name_dim)
+reduce_scatter_sequence.register_autograd(
+    lambda ctx, grad: (gather_from_sequence(grad, ctx.name, ctx.dim), None, None), setup_context=_save_name_dim)
