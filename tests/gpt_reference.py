@@ -9,6 +9,10 @@ from merak.engine import OptimizerOptions
 from merak.optim.schedule import build_lr_scheduler, build_optimizer
 from recipes.gpt import data, model
 
+# The optimizer of the layout parity tests: clipping is active on the first step, warm-up then cosine.
+PARITY_OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0,
+                                  lr_scheduler_type="cosine", warmup_steps=1)
+
 
 def train_reference(model_cfg, tokens: str, *, options: OptimizerOptions, steps: int, global_batch: int,
                     seed: int) -> list[dict]:

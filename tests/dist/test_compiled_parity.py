@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpt_reference import relative_error, train_reference, vocab_padded
+from gpt_reference import PARITY_OPTIONS, relative_error, train_reference, vocab_padded
 from omegaconf import OmegaConf
 
 from merak.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions
+from merak.engine import PipelineEngine, RecomputeOptions
 from merak.optim.distributed import ZeroOptions
 from merak.pipeline.compiled import CompileOptions
 from merak.shard.plan import ShardingOptions
@@ -36,8 +36,7 @@ SEED = 1234
 STEPS = 3
 GLOBAL_BATCH = 8
 MICROBATCHES = 4
-OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0,
-                           lr_scheduler_type="cosine", warmup_steps=1)
+OPTIONS = PARITY_OPTIONS
 RTOL = 1e-5
 
 

@@ -14,12 +14,12 @@ import torch
 
 import functools
 
-from gpt_reference import assert_steps_match, train_reference
+from gpt_reference import PARITY_OPTIONS, assert_steps_match, train_reference
 from merak.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import PipelineEngine
 from merak.shard.plan import ShardingOptions
 from recipes.gpt import data, model, parallel
 
@@ -29,8 +29,7 @@ SEED = 1234
 STEPS = 3
 GLOBAL_BATCH = 16
 SCHEDULES = ("1f1b", "ds_default", "gpipe")
-OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0,
-                           lr_scheduler_type="cosine", warmup_steps=1)
+OPTIONS = PARITY_OPTIONS
 # Each layout also exercises a different split and partition method.
 SHARDING = {
     (1, 2): ShardingOptions(split_method="farthest_min_deps", partition_method="uniform"),

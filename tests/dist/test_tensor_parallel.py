@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpt_reference import relative_error, train_reference, vocab_padded
+from gpt_reference import PARITY_OPTIONS, relative_error, train_reference, vocab_padded
 
 from merak.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import PipelineEngine
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel.options import TensorParallelOptions
 from merak.tensor_parallel.slicing import parameter_slices
@@ -29,8 +29,7 @@ SEED = 1234
 STEPS = 3
 GLOBAL_BATCH = 16
 MICROBATCHES = 4
-OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0,
-                           lr_scheduler_type="cosine", warmup_steps=1)
+OPTIONS = PARITY_OPTIONS
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 2e-6
 # name -> (dp, tp, pp, parallel_vocab, sequence_parallel, overlap level)
