@@ -21,7 +21,6 @@ from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions
 from merak.hf.arguments import trainer_settings
 from merak.optim.precision import PrecisionOptions
 from merak.pipeline.compiled import CompiledParts, CompileOptions, eager_execution, range_module
-from merak.pipeline.recompute import CheckpointOptions
 from merak.pipeline.stage import StageModule
 from recipes.gpt.spec import SPEC as GPT
 
@@ -218,7 +217,6 @@ def test_stage_compile_switches_off_again():
     stage = StageModule(_parts())
     stage.compile_parts(COMPILED)
     assert stage.compiled is not None
-    stage.configure_checkpointing(CheckpointOptions(parts=2))
     stage.compile_parts(CompileOptions())
     assert stage.compiled is None
 
