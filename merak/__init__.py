@@ -43,11 +43,19 @@ def __getattr__(name: str):
 def run(spec, cfg):
     """Validate a recipe config, launch its workers, train, and return the summary.
 
-    See :func:`merak.runner.run`.
+    See :func:`merak.runner.run`. SIGINT or SIGTERM stops every worker and ends the process
+    with one line on the log and exit status 128 + the signal number (SystemExit).
     """
+    import logging
+
+    from merak.distributed.launch import RunInterrupted
     from merak.runner import run as _run
 
-    return _run(spec, cfg)
+    try:
+        return _run(spec, cfg)
+    except RunInterrupted as interrupt:
+        logging.getLogger("merak").error("%s", interrupt)
+        raise SystemExit(interrupt.exit_code) from None
 
 
 __all__ = [

@@ -14,6 +14,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from merak.config_fields import typed_section
 from merak.distributed.topology import RankGrid
 from merak.optim.schedule import LR_SCHEDULES
 from merak.pipeline.schedules import schedule_names
@@ -83,8 +84,8 @@ class TrainerSettings:
     optim: str = "adamw_torch"
     zero_optimization: bool = False
     zero_stage: int = 1
-    zero_reduce_bucket_size: int = 500_000_000
-    zero_allgather_bucket_size: int = 500_000_000
+    zero_reduce_bucket_size: int | float = 500_000_000  # elements; DeepSpeed configs write 5e8
+    zero_allgather_bucket_size: int | float = 500_000_000
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     zero_allow_untested_optimizer: bool = False
@@ -95,6 +96,9 @@ class TrainerSettings:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    # A step whose loss or gradient norm is not finite is skipped on every rank; this many such steps
+    # in a row (fp16 overflows a smaller loss scale may cure do not count) stop the run with an error.
+    max_consecutive_skipped_steps: int = 3
     # Checkpoints (merak.checkpoint).
     save: bool = False
     save_steps: int = 500
@@ -147,11 +151,7 @@ class RunSettings:
 
 def _section(cfg: DictConfig, name: str, cls, problems: list[str]):
     values = OmegaConf.to_container(cfg.get(name) or {}, resolve=True)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    for key in unknown:
-        problems.append(f"{name}.{key} is not a known setting; known: {', '.join(sorted(known))}")
-    return cls(**{k: v for k, v in values.items() if k in known})
+    return typed_section(values, cls, name, problems)
 
 
 def _positive_int(value, field: str, problems: list[str]) -> bool:

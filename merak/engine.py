@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -89,6 +90,8 @@ class StepResult:
     learning_rate: float
     skipped: bool = False
     loss_scale: float = 1.0
+    # A skipped fp16 step that a smaller loss scale may avoid next time (see StepOutcome).
+    scale_may_cure: bool = False
 
 
 class PipelineEngine:
@@ -236,8 +239,11 @@ class PipelineEngine:
         for group in self.optimizer.optimizer.param_groups:
             group["lr"] = group["initial_lr"]
         self.lr_scheduler = self._build_lr_scheduler()
-        for _ in range(lr_scheduler_steps):
-            self.lr_scheduler.step()
+        with warnings.catch_warnings():
+            # Replaying the schedule steps no optimizer step: torch would warn that the order is wrong.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            for _ in range(lr_scheduler_steps):
+                self.lr_scheduler.step()
 
     def _tied_across_ranks(self, tied: Sequence[TiedParameter]) -> list[TiedParameter]:
         """Ties between pieces, as ties between ranks (pieces on one rank share the object)."""
@@ -323,7 +329,8 @@ class PipelineEngine:
         local_loss = self.executor.run(self.instructions, microbatches)
         outcome = self._last_outcome
         return StepResult(loss=self._global_loss(local_loss), grad_norm=outcome.grad_norm,
-                          learning_rate=learning_rate, skipped=outcome.skipped, loss_scale=outcome.loss_scale)
+                          learning_rate=learning_rate, skipped=outcome.skipped, loss_scale=outcome.loss_scale,
+                          scale_may_cure=outcome.scale_may_cure)
 
     def evaluate_step(self, microbatches: Sequence[Mapping[str, torch.Tensor]] | None, *,
                       keep_outputs: bool = False) -> tuple[float, dict[int, object]]:
@@ -385,8 +392,9 @@ class PipelineEngine:
         self.optimizer.reduce_gradients()
 
     def _optimizer_step(self) -> None:
-        self._last_outcome = self.optimizer.step(max_grad_norm=self.options.max_grad_norm)
-        if not self._last_outcome.skipped:  # a skipped fp16 step leaves the schedule where it was
+        self._last_outcome = self.optimizer.step(max_grad_norm=self.options.max_grad_norm,
+                                                 loss=self.executor.step_loss())
+        if not self._last_outcome.skipped:  # a skipped step leaves the schedule where it was
             self.lr_scheduler.step()
 
     # -- introspection -----------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import statistics
@@ -82,7 +83,7 @@ class MetricsWriter:
         if not self.enabled:
             return record
         if step % self.logging_steps == 0:
-            self._file.write(json.dumps(asdict(record)) + "\n")
+            self._file.write(json.dumps(_strict_json(asdict(record))) + "\n")
             self._file.flush()
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
@@ -117,6 +118,12 @@ class MetricsWriter:
 # (SXM parts; tensor cores for 16-bit, TF32 for float32). Matched against torch.cuda.get_device_name().
 _PEAK_TFLOPS = (("H200", {"16bit": 989.0, "float32": 494.5}), ("H100", {"16bit": 989.0, "float32": 494.5}),
                 ("A100", {"16bit": 312.0, "float32": 156.0}))
+
+
+def _strict_json(values: dict) -> dict:
+    """Non-finite numbers as null: json.dumps would write NaN and Infinity, which are not JSON."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in values.items()}
 
 
 def peak_tflops(dtype) -> float | None:

@@ -9,6 +9,7 @@ in the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -28,7 +29,7 @@ from merak.config import (
 )
 from merak.data.batching import BatchPlan
 from merak.distributed import groups
-from merak.distributed.launch import existing_world_size, spawn_workers
+from merak.distributed.launch import existing_world_size, interrupts_raise, spawn_workers
 from merak.energy.profile import run_profile
 from merak.energy.runtime import start_energy
 from merak.report import (
@@ -37,6 +38,7 @@ from merak.report import (
     peak_rss_bytes,
     write_json_atomic,
 )
+from merak.run_directory import RunDirectoryLock
 from merak.session import TrainingSession, assemble_worker
 from merak.pipeline.schedules import build_schedule
 from merak.pipeline.simulate import simulate
@@ -68,10 +70,25 @@ def run(spec, cfg) -> dict:
 
     Raises:
         ConfigError: before any worker starts, when the config cannot work.
+        merak.run_directory.RunDirectoryBusy: another run is using the output directory.
         merak.distributed.launch.WorkerFailed: when a worker fails (others are stopped).
+        merak.distributed.launch.RunInterrupted: on SIGINT or SIGTERM (workers are stopped).
     """
     outside_world = existing_world_size()
     settings = resolve_settings(spec, cfg, world_size=outside_world)
+    with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
+        return _run_locked(spec, cfg, settings, outside_world)
+
+
+def _run_directory_lock(output_dir: str, outside_world: int | None):
+    """The output directory's lock, taken by the launcher (or rank 0 of an outside launcher)."""
+    launcher_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))  # torchrun, or srun
+    if outside_world is not None and launcher_rank != "0":
+        return contextlib.nullcontext()
+    return RunDirectoryLock(output_dir)
+
+
+def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> dict:
     prepared = spec.prepare_data(settings.data_cfg, settings.model_cfg)
     num_samples = len(spec.load_dataset(prepared, settings.model_cfg))
     try:
@@ -86,6 +103,7 @@ def run(spec, cfg) -> dict:
             or pipeline_chunks(settings.trainer) > 1:
         plan_before_launch(spec, settings, prepared)  # only to fail early; workers plan again, identically
     _warn_if_sends_must_be_buffered(settings)
+    warn_about_idle_stages(settings)
     grid = settings.grid
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
                 spec.name, settings.model_cfg.get("name", "?"), grid.dp, grid.tp, grid.pp, grid.world_size,
@@ -97,7 +115,7 @@ def run(spec, cfg) -> dict:
             return {}
     else:
         spawn_workers(train_worker, world_size=grid.world_size, args=args,
-                      start_method=settings.launcher.start_method,
+                      start_method=settings.launcher.start_method, store_timeout_s=settings.launcher.timeout_s,
                       env={"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS":
                            str(settings.launcher.threads_per_rank)})
         with open(os.path.join(settings.output_dir, "summary.json"), encoding="utf-8") as handle:
@@ -107,6 +125,15 @@ def run(spec, cfg) -> dict:
     else:
         logger.info("\n%s", format_summary(summary))
     return summary
+
+
+def warn_about_idle_stages(settings: RunSettings) -> None:
+    """Fewer microbatches than pipeline stages leave most stages idle most of the step."""
+    stages, microbatches = settings.grid.pp, settings.num_microbatches
+    if microbatches < stages:
+        logger.warning("pp=%d stages but %d microbatches per step: each stage idles for most of the step; "
+                       "set trainer.gradient_accumulation_steps (or global_batch_size) to at least %d",
+                       stages, microbatches, stages)
 
 
 def _warn_if_sends_must_be_buffered(settings: RunSettings) -> None:
@@ -159,10 +186,11 @@ def _checkpoint_to_resume(settings: RunSettings) -> str | None:
     trainer = settings.trainer
     try:
         path = find_checkpoint(trainer.resume_from_checkpoint, settings.output_dir)
-        if path is not None:
-            read_manifest(path)
+        manifest = read_manifest(path) if path is not None else None
     except CheckpointError as error:
         raise ConfigError(f"invalid configuration:\n  - trainer.resume_from_checkpoint: {error}") from None
+    if manifest is not None and not trainer.finetune:
+        _warn_if_batch_changed(path, manifest, settings.global_batch_size)
     if path is None and trainer.resume_from_checkpoint not in (None, False, ""):
         if trainer.finetune:
             raise ConfigError("invalid configuration:\n  - trainer.finetune=true but no checkpoint was found "
@@ -175,6 +203,15 @@ def _checkpoint_to_resume(settings: RunSettings) -> str | None:
     if path is not None:
         logger.info("resuming from %s", path)
     return path
+
+
+def _warn_if_batch_changed(path: str, manifest: dict, global_batch_size: int) -> None:
+    """Resuming with another global batch is allowed, but the run then differs from one that kept it."""
+    saved = (manifest.get("run") or {}).get("global_batch_size")
+    if saved is not None and saved != global_batch_size:
+        logger.warning("%s was trained with a global batch of %d samples, this run uses %d: the data order and the "
+                       "learning-rate schedule continue by step, so the run does not continue as it would have "
+                       "(set trainer.global_batch_size=%d to keep it)", path, saved, global_batch_size, saved)
 
 
 def _agree_on_output_dir(settings: RunSettings, resume: str | None) -> tuple[RunSettings, str | None]:

@@ -48,6 +48,10 @@ from merak.tensor_parallel.options import TensorParallelOptions
 
 logger = logging.getLogger(__name__)
 
+class TrainingDiverged(RuntimeError):
+    """Too many steps in a row had a loss or gradient norm that is not finite; the run stops."""
+
+
 # Called after every optimizer step with (step counted from 1, the step's result, its record);
 # returning True stops training after this step.
 StepListener = Callable[[int, StepResult, StepRecord], bool]
@@ -168,6 +172,7 @@ class TrainingSession:
             self.loader = self._loader(dataset, plan)
         self.metrics: MetricsWriter | None = None
         self.saved: list[str] = []
+        self.skipped_in_a_row = 0
         # Collective callables whose dicts (rank 0's) join the run summary, e.g. the energy report.
         self.summary_sections: list[Callable[[], dict]] = []
 
@@ -246,6 +251,7 @@ class TrainingSession:
                                            grad_norm=result.grad_norm,
                                            step_time_s=time.perf_counter() - step_start,
                                            skipped=result.skipped, loss_scale=result.loss_scale)
+            self._check_finite(result)
             if on_step is not None:
                 stop = bool(on_step(self.step, result, record))
             if trainer.save and (self.step % trainer.save_steps == 0 or self.step == self.steps or stop):
@@ -256,6 +262,30 @@ class TrainingSession:
         timeline = write_timelines(self.engine, schedule=trainer.train_schedule, output_dir=settings.output_dir,
                                    rank=self.state.rank) if trainer.wall_clock_breakdown else None
         return self.write_summary(timeline)
+
+    def _check_finite(self, result: StepResult) -> None:
+        """Count skipped steps in a row (fp16 overflows a smaller loss scale may cure do not count);
+        stop the run at ``max_consecutive_skipped_steps``. Every rank decides alike: the skip was
+        agreed on by all of them."""
+        if not result.skipped:
+            self.skipped_in_a_row = 0
+            return
+        if result.scale_may_cure:
+            return
+        self.skipped_in_a_row += 1
+        limit = self.settings.trainer.max_consecutive_skipped_steps
+        if self.is_reporting_rank:
+            logger.warning("step %d skipped: loss %s, gradient norm %s, learning rate %.3g (%d in a row; the run "
+                           "stops at %d)", self.step, _number(result.loss), _number(result.grad_norm),
+                           result.learning_rate, self.skipped_in_a_row, limit)
+        if self.skipped_in_a_row >= limit:
+            last = self.saved[-1] if self.saved else self.resume
+            raise TrainingDiverged(
+                f"steps {self.step - limit + 1}-{self.step}: the loss or gradient norm was not finite "
+                f"{limit} steps in a row (loss {_number(result.loss)}, gradient norm {_number(result.grad_norm)}, "
+                f"learning rate {result.learning_rate:.3g}); the weights were not updated by these steps"
+                f"{'; the last checkpoint is ' + last if last else ''}. Lower trainer.learning_rate, check the "
+                f"data, or raise trainer.max_consecutive_skipped_steps")
 
     # -- evaluation ----------------------------------------------------------------
 
@@ -348,6 +378,10 @@ class TrainingSession:
         return summary
 
 
+def _number(value: float) -> str:
+    return f"{value:.4g}"
+
+
 def loader_workers(setting: int | None, device: torch.device) -> int:
     """Data-loader worker processes: the setting, else 2 on CUDA (batches made while the GPU computes)
     and 0 on the CPU (where workers would take cores from the training processes)."""
@@ -382,5 +416,5 @@ def _flops_report(flops_per_step: float | None, step_time_s: float | None, world
             "peak_tflops_per_device": peak, "mfu": achieved / peak if peak else None}
 
 
-__all__ = ["TrainingSession", "assemble_worker", "example_inputs", "recompute_options", "sharding_options",
+__all__ = ["TrainingDiverged", "TrainingSession", "assemble_worker", "example_inputs", "recompute_options", "sharding_options",
            "tensor_parallel_options"]

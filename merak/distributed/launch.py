@@ -3,16 +3,25 @@
 merak.run either joins the processes torchrun / srun started (one Hydra per
 process) or, from the single Hydra process, starts ``dp*tp*pp`` workers here.
 A worker that fails makes :func:`spawn_workers` stop the others and raise with
-that worker's traceback: no run is left hanging.
+that worker's traceback: no run is left hanging. SIGINT or SIGTERM sent to the
+launcher stops every worker and raises :class:`RunInterrupted`; workers ignore
+SIGINT themselves, so Ctrl-C in a terminal (which signals the whole process
+group) is handled once, by the launcher. The launcher also hosts the rendezvous
+store, listening on the loopback interface only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import pickle
+import signal
 import socket
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -20,6 +29,26 @@ import torch.multiprocessing as mp
 
 class WorkerFailed(RuntimeError):
     """A worker process raised or died; the message holds its traceback or exit status."""
+
+
+class RunInterrupted(Exception):
+    """The launcher received SIGINT or SIGTERM (its workers, if any, were stopped).
+
+    Attributes:
+        signal_number: the signal received.
+        exit_code: what a shell reports for a process ended by it (128 + the signal number).
+    """
+
+    def __init__(self, signal_number: int, detail: str = "") -> None:
+        self.signal_number = signal_number
+        self.exit_code = 128 + signal_number
+        name = signal.Signals(signal_number).name
+        super().__init__(f"interrupted by {name}{': ' + detail if detail else ''}")
+
+
+# Set in worker processes: the launcher that hosts the rendezvous store (see _start_process_group).
+LAUNCHER_STORE_VARIABLE = "MERAK_LAUNCHER_STORE"
+_STOP_GRACE_S = 5.0
 
 
 # Errors a worker hits only because another worker went away first.
@@ -68,10 +97,15 @@ def default_start_method() -> str:
 
 
 def _entry(local_rank: int, fn: Callable, world_size: int, port: int, args: tuple, env: dict) -> None:
+    # The launcher alone answers interrupts (it stops every worker); a forked worker would otherwise
+    # run the launcher's handlers. SIGTERM from the launcher ends a worker at once, silently.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ.update(env)
     os.environ.update({
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        LAUNCHER_STORE_VARIABLE: "1",
     })
     # Workers share the machine's cores (one thread each unless OMP_NUM_THREADS says otherwise). This also
     # keeps a forked worker out of the parent's OpenMP thread pool, which does not survive fork: a parent
@@ -91,26 +125,108 @@ def _forget_inherited_compile_threads() -> None:
         pool.cache_clear()
 
 
+@contextlib.contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM raise :class:`RunInterrupted` in the main thread (a
+    no-op in other threads, where Python cannot install handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(number, _frame):
+        raise RunInterrupted(number)
+
+    previous = {number: signal.signal(number, handler) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)
+
+
+def _loopback_listener() -> socket.socket:
+    """A listening TCP socket on 127.0.0.1 at a free port (held, so no other process can take it)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    return listener
+
+
+def _host_store(listener: socket.socket, world_size: int, timeout_s: float):
+    """The rendezvous store of the workers, served by this process on ``listener`` (loopback only:
+    a store bound by rank 0 would listen on every interface of the machine)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", listener.getsockname()[1], world_size, True,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=listener.fileno())
+
+
+def stop_workers(processes) -> None:
+    """SIGTERM every live process, then SIGKILL those still alive after a grace period."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def spawn_workers(fn: Callable, *, world_size: int, args: tuple = (), start_method: str = "auto",
-                  env: dict[str, str] | None = None) -> None:
+                  env: dict[str, str] | None = None, store_timeout_s: float = 600.0) -> None:
     """Run ``fn(*args)`` in ``world_size`` new processes with torch.distributed's env variables set.
 
     Raises:
         WorkerFailed: when any worker raises or exits non-zero (the others are stopped).
+        RunInterrupted: when this process receives SIGINT or SIGTERM (every worker is stopped).
     """
     method = default_start_method() if start_method == "auto" else start_method
-    context = mp.start_processes(
-        _entry, args=(fn, world_size, free_port(), args, dict(env or {})), nprocs=world_size,
-        join=False, start_method=method)
+    listener = _loopback_listener()
+    store = None
+    with interrupts_raise():
+        context = mp.start_processes(
+            _entry, args=(fn, world_size, listener.getsockname()[1], args, dict(env or {})), nprocs=world_size,
+            join=False, start_method=method)
+        try:
+            # Served from here once the workers exist: forking a process that runs the store's threads
+            # would copy their locks mid-use. Workers connecting earlier wait in the listen queue.
+            store = _host_store(listener, world_size, store_timeout_s)
+            listener.detach()  # the store owns the socket now and closes it
+            while not context.join(timeout=0.5):
+                pass
+        except mp.ProcessRaisedException as error:
+            tracebacks = _worker_tracebacks(context) or {error.error_index: str(error)}
+            cause = _root_cause(tracebacks, error.error_index)
+            others = sorted(set(tracebacks) - {cause})
+            note = f"\n(workers {others} failed afterwards)" if others else ""
+            raise WorkerFailed(f"worker {cause} failed:\n{tracebacks.get(cause, error)}{note}") from None
+        except mp.ProcessExitedException as error:
+            raise WorkerFailed(f"worker {error.error_index} died with exit code {error.exit_code}"
+                               f"{' (signal ' + error.signal_name + ')' if error.signal_name else ''}") from None
+        except (RunInterrupted, KeyboardInterrupt) as error:
+            number = error.signal_number if isinstance(error, RunInterrupted) else signal.SIGINT
+            with _interrupts_ignored():  # a second Ctrl-C must not cut the stopping short
+                stop_workers(context.processes)
+            raise RunInterrupted(number, f"stopped {world_size} workers") from None
+        finally:
+            with _interrupts_ignored():
+                stop_workers(context.processes)  # workers still running after another one failed
+            if store is None:
+                listener.close()
+            del store
+
+
+@contextlib.contextmanager
+def _interrupts_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not context.join():
-            pass
-    except mp.ProcessRaisedException as error:
-        tracebacks = _worker_tracebacks(context) or {error.error_index: str(error)}
-        cause = _root_cause(tracebacks, error.error_index)
-        others = sorted(set(tracebacks) - {cause})
-        note = f"\n(workers {others} failed afterwards)" if others else ""
-        raise WorkerFailed(f"worker {cause} failed:\n{tracebacks.get(cause, error)}{note}") from None
-    except mp.ProcessExitedException as error:
-        raise WorkerFailed(f"worker {error.error_index} died with exit code {error.exit_code}"
-                           f"{' (signal ' + error.signal_name + ')' if error.signal_name else ''}") from None
+        yield
+    finally:
+        for number, old in previous.items():
+            signal.signal(number, old)

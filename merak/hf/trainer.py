@@ -12,9 +12,10 @@ recipe has, and drives the same :class:`merak.session.TrainingSession`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from merak.hf.loss import LabelLoss, is_causal_lm
 from merak.hf.predictions import gather_predictions
 from merak.recipe import RecipeSpec
 from merak.report import format_summary
+from merak.run_directory import RunDirectoryBusy, RunDirectoryLock
 from merak.session import TrainingSession
 from merak.tensor_parallel.seed_api import user_plan
 
@@ -233,7 +235,8 @@ class MerakTrainer:
             self.control.should_save = False
             return bool(wants[0])
 
-        self.summary = session.train(on_step=after, before_step=before)
+        with self._run_directory_locked():
+            self.summary = session.train(on_step=after, before_step=before)
         if self.args.do_eval and self.eval_data is not None:
             metrics = self.evaluate()
             if self.summary is not None:
@@ -246,6 +249,25 @@ class MerakTrainer:
         if self.summary is not None:
             logger.info("\n%s", format_summary(self.summary))
         return self.summary
+
+    @contextlib.contextmanager
+    def _run_directory_locked(self) -> Iterator[None]:
+        """Rank 0 holds the output directory's lock while training; every rank learns if it is busy
+        (so none starts a collective the others never join)."""
+        lock, problem = None, None
+        if self.is_world_process_zero():
+            try:
+                lock = RunDirectoryLock(self.settings.output_dir).acquire()
+            except RunDirectoryBusy as busy:
+                problem = str(busy)
+        problem = groups.broadcast_object(problem)
+        if problem is not None:
+            raise RunDirectoryBusy(problem)
+        try:
+            yield
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _eval_every(self) -> int | None:
         strategy = getattr(self.args.eval_strategy, "value", self.args.eval_strategy)

@@ -20,7 +20,6 @@ parameters themselves.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from merak.optim.clip import global_grad_norm
 from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors, ensure_grads
 from merak.optim.precision import LossScaler, PrecisionOptions
 
-logger = logging.getLogger(__name__)
 
 ZERO_STAGES = (0, 1, 2)
 
@@ -60,11 +58,22 @@ class ZeroOptions:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What the optimizer step did; identical on every rank."""
+    """What the optimizer step did; identical on every rank.
+
+    Attributes:
+        grad_norm: the global gradient norm (unscaled; not finite when the step was skipped).
+        skipped: no update: the loss or a gradient was not finite on some rank.
+        loss_scale: the fp16 loss scale the step ran with.
+        loss_finite: every rank's loss was finite.
+        scale_may_cure: the step was skipped for an fp16 gradient overflow that a smaller loss
+            scale may avoid (the loss was finite and the dynamic scale can still shrink).
+    """
 
     grad_norm: float
     skipped: bool
     loss_scale: float
+    loss_finite: bool = True
+    scale_may_cure: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,9 +129,12 @@ class DistributedOptimizer:
                        for p in self.params]
         self.counted = list(counted)
         self.scaler = LossScaler(precision)
-        # The norm sums over the data-parallel group too when each replica holds different pieces.
-        self.norm_group = dist.group.WORLD if self.sharded else norm_group
-        self.norm_group_size = norm_group_size * (dp_size if self.sharded else 1)
+        # The norm sums over every rank: with ZeRO each replica holds different pieces; without,
+        # replicas hold equal gradients (replica 0 counts them) but their losses differ, and every
+        # rank must agree on skipping a step whose loss is not finite.
+        self.norm_group = dist.group.WORLD if dp_size > 1 else norm_group
+        self.norm_group_size = norm_group_size * dp_size
+        self.counts_replica = self.sharded or dp_rank == 0
         self.copies = self.sharded or precision.needs_master_weights
         self.master = [self._master_of(p, piece) for p, piece in zip(self.params, self.pieces)]
         self.optimizer = make_optimizer([(m, p.ndim >= 2) for m, p in zip(self.master, self.params)
@@ -288,19 +300,17 @@ class DistributedOptimizer:
 
     # -- step --------------------------------------------------------------------
 
-    def step(self, *, max_grad_norm: float) -> StepOutcome:
-        """Unscale, clip over the whole model and update; skip every rank's update together when an
-        fp16 gradient overflowed anywhere."""
+    def step(self, *, max_grad_norm: float, loss: torch.Tensor | None = None) -> StepOutcome:
+        """Unscale, clip over the whole model and update; skip every rank's update together when a
+        gradient or ``loss`` (this rank's loss of the step, if any) was not finite anywhere."""
         grads = [self.master[i].grad if self.copies else self.params[i].grad for i in range(len(self.params))]
-        counted = [g for g, c in zip(grads, self.counted) if c]
-        norm = float(global_grad_norm(counted, group=self.norm_group, group_size=self.norm_group_size))
+        counted = [g for g, c in zip(grads, self.counted) if c and self.counts_replica]
+        norm, loss_finite = global_grad_norm(counted, group=self.norm_group, group_size=self.norm_group_size,
+                                             loss=loss)
         scale = self.scaler.scale
         norm /= scale
-        overflow = not math.isfinite(norm)
-        if overflow and self.precision.fp16:
-            self.scaler.update(True)
-            logger.warning("fp16 gradient overflow: step skipped, loss scale %g -> %g", scale, self.scaler.scale)
-            return StepOutcome(grad_norm=norm, skipped=True, loss_scale=scale)
+        if not (loss_finite and math.isfinite(norm)):
+            return self._skip(norm, scale, loss_finite)
         factor = 1.0 / scale
         if max_grad_norm > 0 and norm + 1e-6 > max_grad_norm:
             factor *= max_grad_norm / (norm + 1e-6)
@@ -310,6 +320,14 @@ class DistributedOptimizer:
         self.scaler.update(False)
         self._publish()
         return StepOutcome(grad_norm=norm, skipped=False, loss_scale=scale)
+
+    def _skip(self, norm: float, scale: float, loss_finite: bool) -> StepOutcome:
+        """Leave weights and optimizer state as they are; in fp16 let the loss scale shrink."""
+        may_cure = self.scaler.dynamic and loss_finite and scale > self.scaler.min_scale
+        if self.precision.fp16:
+            self.scaler.update(True)
+        return StepOutcome(grad_norm=norm, skipped=True, loss_scale=scale,
+                           loss_finite=loss_finite, scale_may_cure=may_cure)
 
     def _publish(self) -> None:
         """Copy the updated master weights into the model (all-gathered when sharded)."""

@@ -191,6 +191,12 @@ class PipelineExecutor:
         # One host-device synchronisation per step, not one per microbatch.
         return float(torch.stack(list(losses.values())).sum()) if losses else 0.0
 
+    def step_loss(self) -> torch.Tensor | None:
+        """The sum of the current step's (scaled) microbatch losses so far, on the rank holding the
+        last virtual stage (None elsewhere, or outside a step). No host synchronisation."""
+        losses = self._step.losses if self._step is not None else {}
+        return torch.stack([loss.detach() for loss in losses.values()]).sum() if losses else None
+
     # -- dispatch ----------------------------------------------------------------
 
     def _dispatch(self, instruction: ins.Instruction) -> None:

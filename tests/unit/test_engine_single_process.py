@@ -96,3 +96,34 @@ def test_stage_count_must_match_pp(single_process):
     with pytest.raises(ValueError, match="got 2 stages for pp=1"):
         PipelineEngine(model=net, stages=[Input(net), net.second], loss_fn=loss_fn, state=single_process,
                        schedule="1f1b", num_microbatches=1, total_steps=1)
+
+
+def _engine(state, net: Net, total_steps: int = 6) -> PipelineEngine:
+    options = OptimizerOptions(learning_rate=0.1, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=2)
+    return PipelineEngine(model=net, stages=[StageModule([Input(net), net.second])], loss_fn=loss_fn,
+                          state=state, schedule="1f1b", num_microbatches=2, total_steps=total_steps,
+                          optimizer=options)
+
+
+def test_a_nonfinite_loss_skips_the_step_in_fp32(single_process):
+    torch.manual_seed(0)
+    net = Net()
+    engine = _engine(single_process, net)
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    y[3, 0] = float("inf")  # the loss of the second microbatch is inf, its gradients NaN
+    result = engine.train_step([{"x": x[:2], "y": y[:2]}, {"x": x[2:], "y": y[2:]}])
+    assert result.skipped and not result.scale_may_cure
+    assert all(torch.equal(p, before[name]) for name, p in net.named_parameters())
+    assert engine.lr_scheduler.last_epoch == 0  # the schedule did not move
+    y[3, 0] = 0.0
+    result = engine.train_step([{"x": x[:2], "y": y[:2]}, {"x": x[2:], "y": y[2:]}])
+    assert not result.skipped and engine.lr_scheduler.last_epoch == 1
+
+
+def test_resuming_replays_the_schedule_without_warnings(single_process, recwarn):
+    engine = _engine(single_process, Net())
+    engine.resume_at(3, lr_scheduler_steps=3)
+    assert engine.lr_scheduler.last_epoch == 3
+    assert engine.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * (1 - 1 / 4))
+    assert [str(w.message) for w in recwarn] == []

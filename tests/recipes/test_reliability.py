@@ -1,0 +1,171 @@
+"""Runs that go wrong through the real train.py: non-finite training, two runs in one directory,
+interrupts sent to the launcher (no process left behind, one line printed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from merak.run_directory import LOCK_NAME
+
+pytestmark = pytest.mark.recipe
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "recipes/gpt/train.py"
+TOY = ["model=toy", "trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=4",
+       "trainer.disable_tqdm=true"]
+
+
+def _env(cache_dir) -> dict:
+    env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    for name in ("RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    return env
+
+
+def _train(args, cache_dir, timeout=240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, env=_env(cache_dir),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _start(args, cache_dir, log: Path) -> subprocess.Popen:
+    """A run in its own session (so its processes can be found, and signals reach only it)."""
+    with open(log, "w") as handle:
+        return subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=REPO, env=_env(cache_dir),
+                                stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for_steps(run_dir: Path, process: subprocess.Popen, log: Path, steps: int = 1,
+                    timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the run ended early:\n{log.read_text()[-3000:]}")
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.2)
+    process.kill()
+    pytest.fail("the run made no progress")
+
+
+def _processes_in_session(session_id: int) -> list[int]:
+    """Processes still alive in a session (zombies included: they are not reaped yet)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended while we looked
+        if int(fields[3]) == session_id:  # after the name: state, ppid, pgrp, session
+            found.append(int(entry))
+    return found
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoint_tensors(run_dir: Path):
+    for path in sorted(run_dir.glob("checkpoint-*/**/*.safetensors")):
+        yield from ((path, name, tensor) for name, tensor in load_file(path).items())
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("precision", [
+    ["parallel=pp2"],
+    ["parallel=dp2", "trainer.fp16=true", "trainer.initial_scale_power=8"],
+], ids=["fp32-pp2", "fp16-dp2"])
+def test_nonfinite_training_stops_and_saves_nothing_nonfinite(tmp_path, cache_dir, precision):
+    run_dir = tmp_path / "run"
+    result = _train([*TOY, *precision, "trainer.learning_rate=1e4", "trainer.max_steps=40", "trainer.save=true",
+                     "trainer.save_steps=1", "trainer.max_consecutive_skipped_steps=2",
+                     f"hydra.run.dir={run_dir}"], cache_dir)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "not finite 2 steps in a row" in output and "trainer.max_consecutive_skipped_steps" in output
+    metrics = _metrics(run_dir)
+    assert len(metrics) < 40, "the run must stop early"
+    assert [m["skipped"] for m in metrics[-2:]] == [True, True]
+    last_update = max(m["step"] for m in metrics if not m["skipped"])
+    checkpoints = sorted(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*"))
+    assert checkpoints and checkpoints[-1] <= metrics[-1]["step"]
+    tensors = 0
+    for path, name, tensor in _checkpoint_tensors(run_dir):
+        if tensor.is_floating_point():
+            tensors += 1
+            assert torch.isfinite(tensor).all(), f"{path}: {name} is not finite"
+    assert tensors > 0
+    # What a restart would load: the skipped steps did not change the weights.
+    last = load_file(run_dir / f"checkpoint-{checkpoints[-1]}" / "model" / "pp000-tp000.safetensors")
+    at_update = load_file(run_dir / f"checkpoint-{last_update}" / "model" / "pp000-tp000.safetensors")
+    assert all(torch.equal(last[name], at_update[name]) for name in last)
+
+
+@pytest.mark.timeout(400)
+def test_second_run_in_a_busy_directory_and_sigint_to_the_launcher(tmp_path, cache_dir):
+    run_dir, log = tmp_path / "run", tmp_path / "first.log"
+    first = _start([*TOY, "parallel=dp2", "trainer.max_steps=2000", f"hydra.run.dir={run_dir}"], cache_dir, log)
+    try:
+        _wait_for_steps(run_dir, first, log)
+        second = _train([*TOY, "parallel=single", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
+        output = second.stdout + second.stderr
+        assert second.returncode != 0
+        assert "is in use by a run that is still going" in output and f"pid {first.pid}" in output
+        assert "training gpt" not in output  # refused before any worker started
+        steps = [m["step"] for m in _metrics(run_dir)]  # every line whole JSON, all of the first run
+        assert steps == list(range(1, len(steps) + 1))
+
+        os.kill(first.pid, signal.SIGINT)
+        assert first.wait(timeout=30) == 128 + signal.SIGINT
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    _assert_stopped_cleanly(first.pid, log, run_dir, "SIGINT")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("how", ["sigterm-to-launcher", "ctrl-c-to-process-group"])
+def test_interrupt_stops_every_worker(tmp_path, cache_dir, how):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    run = _start([*TOY, "parallel=pp2", "trainer.max_steps=2000", f"hydra.run.dir={run_dir}"], cache_dir, log)
+    try:
+        _wait_for_steps(run_dir, run, log, steps=2)
+        started = time.monotonic()
+        if how == "sigterm-to-launcher":
+            os.kill(run.pid, signal.SIGTERM)
+            expected, name = 128 + signal.SIGTERM, "SIGTERM"
+        else:  # what a terminal's Ctrl-C does: every process of the foreground group gets SIGINT
+            os.killpg(run.pid, signal.SIGINT)
+            expected, name = 128 + signal.SIGINT, "SIGINT"
+        assert run.wait(timeout=30) == expected
+        assert time.monotonic() - started < 15
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    _assert_stopped_cleanly(run.pid, log, run_dir, name)
+
+
+def _assert_stopped_cleanly(session_id: int, log: Path, run_dir: Path, signal_name: str) -> None:
+    deadline = time.monotonic() + 10
+    while _processes_in_session(session_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_in_session(session_id) == [], "processes of the run are left"
+    text = log.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert [line for line in text.splitlines() if "interrupted" in line] == \
+        [line for line in text.splitlines() if f"interrupted by {signal_name}: stopped 2 workers" in line]
+    assert sum("interrupted" in line for line in text.splitlines()) == 1
+    assert not (run_dir / LOCK_NAME).exists()
