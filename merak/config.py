@@ -96,8 +96,9 @@ class TrainerSettings:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
-    # A step whose loss or gradient norm is not finite is skipped on every rank; this many such steps
-    # in a row (fp16 overflows a smaller loss scale may cure do not count) stop the run with an error.
+    # A step whose loss or gradient norm is not finite is skipped on every rank; after this many skipped
+    # steps in a row the run stops with an error (fp16 overflows that a smaller loss scale may still cure
+    # do not count). Must be >= 1.
     max_consecutive_skipped_steps: int = 3
     # Checkpoints (merak.checkpoint).
     save: bool = False
@@ -150,6 +151,7 @@ class RunSettings:
 
 
 def _section(cfg: DictConfig, name: str, cls, problems: list[str]):
+    """Config group ``name`` as a ``cls``, each value type- and range-checked (merak.config_fields)."""
     values = OmegaConf.to_container(cfg.get(name) or {}, resolve=True)
     return typed_section(values, cls, name, problems)
 
@@ -305,7 +307,6 @@ def _schedule_problems(trainer: TrainerSettings, grid: RankGrid | None, num_micr
     if chunks is not None and chunks > 1 and not info.chunked:
         problems.append(f"trainer.pipeline_chunks={chunks} needs an interleaved schedule "
                         f"(train_schedule=interleaved_1f1b)")
-    _positive_int(trainer.checkpoint_num_layers, "trainer.checkpoint_num_layers", problems)
     if info.needs_checkpoint_ratio and not (trainer.activation_checkpointing
                                             and trainer.activation_checkpoint_ratio is not None):
         problems.append(f"{name} moves recomputation off the critical path: it needs "
@@ -374,10 +375,7 @@ def _tensor_parallel_problems(plan, trainer: TrainerSettings, grid: RankGrid | N
     tp = grid.tp if grid else 1
     options = TensorParallelOptions(plan=plan, size=tp, overlap_level=trainer.tp_overlapping_level)
     problems = option_problems(options, prefix="trainer.")
-    # parallel_vocab and sequence_parallel apply "when tp > 1" (MerakArguments): with tp=1 there is
-    # nothing to split, so one config serves every layout.
-    if tp > 1 and trainer.sequence_parallel and (not isinstance(trainer.sequence_dim, int) or trainer.sequence_dim < 0):
-        problems.append(f"trainer.sequence_dim={trainer.sequence_dim!r} must be a non-negative integer")
+    # sequence_dim's range is checked with its type (merak.config_fields), whatever tp is.
     if tp > 1 and trainer.trace_method is None and grid and grid.pp > 1:
         problems.append("tensor parallelism with pp > 1 needs a captured graph: use trace_method=fx or dynamo")
     return problems
@@ -410,7 +408,7 @@ def _optimizer_problems(trainer: TrainerSettings, grid: RankGrid | None) -> list
     problems = precision_problems(precision_options(trainer), prefix="trainer.")
     if trainer.optim not in OPTIMIZERS:
         problems.append(f"trainer.optim={trainer.optim!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if trainer.zero_optimization:
+    if trainer.zero_optimization:  # zero_stage is unused (and unchecked) with ZeRO off
         if trainer.zero_stage not in ZERO_STAGES[1:]:
             problems.append(f"trainer.zero_stage={trainer.zero_stage!r}: stages 1 (optimizer state) and 2 "
                             f"(gradients too) are supported")
@@ -428,9 +426,8 @@ def _optimizer_problems(trainer: TrainerSettings, grid: RankGrid | None) -> list
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
                 or value < 1 or value != int(value):
             problems.append(f"trainer.{field}={value!r} must be a positive whole number of elements")
-    if not trainer.gradient_predivide_factor > 0:
-        problems.append(f"trainer.gradient_predivide_factor={trainer.gradient_predivide_factor} must be positive")
-    elif trainer.prescale_gradients and trainer.gradient_predivide_factor != 1.0:
+    # gradient_predivide_factor's range is checked with its type (merak.config_fields).
+    if trainer.prescale_gradients and trainer.gradient_predivide_factor != 1.0:
         problems.append("trainer.gradient_predivide_factor applies only without prescaling: set "
                         "trainer.prescale_gradients=false or gradient_predivide_factor=1.0")
     return problems

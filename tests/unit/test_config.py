@@ -71,8 +71,9 @@ def test_dp_zero():
 
 def test_tensor_parallel_settings_are_checked():
     problems = problems_of("trainer.tp_overlapping_level=3", "trainer.sequence_dim=-1")
-    assert problems == ["trainer.tp_overlapping_level=3; supported levels are 0, 1 and 2",
-                        "trainer.sequence_dim=-1 must be a non-negative integer"]
+    # Ranges checked with the types come first; sequence_dim is checked whatever tp is.
+    assert problems == ["trainer.sequence_dim=-1 must be a non-negative integer",
+                        "trainer.tp_overlapping_level=3; supported levels are 0, 1 and 2"]
     # With tp=1 there is nothing to split: the tensor-parallel switches are simply unused.
     settings = resolve_settings(SPEC, compose("parallel=dp2_pp2", "trainer.parallel_vocab=true"))
     assert settings.grid.tp == 1

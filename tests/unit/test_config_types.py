@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+import time
+import typing
 from pathlib import Path
 
 import pytest
 
-from merak.config import resolve_settings
+from merak.config import LauncherSettings, TrainerSettings, resolve_settings
+from merak.config_fields import typed_section
 from recipes.gpt.spec import SPEC
 from test_config import compose, problems_of
 
@@ -19,26 +23,48 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
     ("trainer.learning_rate=abc", "trainer.learning_rate='abc' must be a number"),
     ("trainer.learning_rate=-1", "trainer.learning_rate=-1 must be a finite number >= 0"),
     ("trainer.learning_rate=nan", "trainer.learning_rate=nan must be a finite number >= 0"),
+    ("trainer.learning_rate=true", "trainer.learning_rate=True must be a number"),
     ("trainer.max_grad_norm=abc", "trainer.max_grad_norm='abc' must be a number"),
     ("trainer.max_grad_norm=inf", "trainer.max_grad_norm=inf must be a finite number"),
     ("trainer.max_steps=abc", "trainer.max_steps='abc' must be an integer"),
     ("trainer.max_steps=1.5", "trainer.max_steps=1.5 must be an integer"),
+    ("trainer.max_steps=1e4", "trainer.max_steps=10000.0 must be an integer (write 10000)"),
+    ("trainer.max_steps='3'", "trainer.max_steps='3' must be an integer"),
     ("trainer.max_steps=-2", "trainer.max_steps=-2 must be -1"),
     ("trainer.seed=abc", "trainer.seed='abc' must be an integer"),
     ("trainer.seed=-1", "trainer.seed=-1 must be within 0 .. 2**32-1"),
+    ("trainer.seed=4294967296", "trainer.seed=4294967296 must be within 0 .. 2**32-1"),
+    ("trainer.num_train_epochs=inf", "trainer.num_train_epochs=inf must be a finite number"),
     ("trainer.warmup_steps=-5", "trainer.warmup_steps=-5 must be an integer >= 0"),
     ("trainer.warmup_ratio=2", "trainer.warmup_ratio=2 must be within [0, 1]"),
+    ("trainer.warmup_ratio=nan", "trainer.warmup_ratio=nan must be within [0, 1]"),
     ("trainer.logging_steps=0", "trainer.logging_steps=0 must be a positive integer"),
+    ("trainer.adam_beta1=-0.1", "trainer.adam_beta1=-0.1 must be within [0, 1)"),
     ("trainer.adam_beta2=1.0", "trainer.adam_beta2=1.0 must be within [0, 1)"),
+    ("trainer.adam_epsilon=0", "trainer.adam_epsilon=0 must be a finite number > 0"),
     ("trainer.weight_decay=-0.1", "trainer.weight_decay=-0.1 must be a finite number >= 0"),
+    ("trainer.gradient_predivide_factor=inf", "trainer.gradient_predivide_factor=inf must be positive"),
+    ("trainer.checkpoint_num_layers=0", "trainer.checkpoint_num_layers=0 must be a positive integer"),
+    ("trainer.sequence_dim=-1", "trainer.sequence_dim=-1 must be a non-negative integer"),
     ("trainer.max_consecutive_skipped_steps=0", "trainer.max_consecutive_skipped_steps=0 must be a positive"),
+    ("trainer.max_consecutive_skipped_steps=2.0", "trainer.max_consecutive_skipped_steps=2.0 must be an integer"),
     ("trainer.fp16=yes", "trainer.fp16='yes' must be true or false"),
+    ("trainer.fp16=1", "trainer.fp16=1 must be true or false"),
     ("trainer.per_device_train_batch_size=abc", "trainer.per_device_train_batch_size='abc' must be an integer"),
     ("trainer.custom_split_points=3", "trainer.custom_split_points=3 must be a list of strings or null"),
+    ("trainer.custom_split_points=[1,2]", "trainer.custom_split_points=[1, 2] must be a list of strings"),
+    ("trainer.resume_from_checkpoint=3", "trainer.resume_from_checkpoint=3 must be a string or true or false"),
     ("trainer.peak_tflops=0", "trainer.peak_tflops=0 must be null or a positive number"),
+    ("trainer.simulated_tflops=0", "trainer.simulated_tflops=0 must be a positive number"),
+    ("trainer.num_warmup_steps=-1", "trainer.num_warmup_steps=-1 must be an integer >= 0"),
+    ("trainer.num_prof_steps=0", "trainer.num_prof_steps=0 must be a positive integer"),
+    ("trainer.loss_scale=inf", "trainer.loss_scale=inf must be a finite number"),
     ("launcher.timeout_s=0", "launcher.timeout_s=0 must be a positive number of seconds"),
+    ("launcher.timeout_s=inf", "launcher.timeout_s=inf must be a positive number of seconds"),
     ("launcher.timeout_s=abc", "launcher.timeout_s='abc' must be a number"),
     ("launcher.threads_per_rank=0", "launcher.threads_per_rank=0 must be a positive integer"),
+    ("launcher.threads_per_rank=abc", "launcher.threads_per_rank='abc' must be an integer"),
+    ("launcher.keep_freed_memory=yes", "launcher.keep_freed_memory='yes' must be true or false"),
 ])
 def test_each_bad_value_is_named(override, needle):
     problems = problems_of(override)
@@ -47,27 +73,90 @@ def test_each_bad_value_is_named(override, needle):
 
 
 def test_every_bad_value_is_listed_at_once():
-    problems = problems_of("trainer.learning_rate=abc", "trainer.max_steps=1.5", "launcher.timeout_s=0")
-    assert [p.split("=")[0] for p in problems] == ["trainer.max_steps", "trainer.learning_rate", "launcher.timeout_s"]
+    problems = problems_of("trainer.learning_rate=abc", "trainer.max_steps=1.5", "launcher.timeout_s=0",
+                           "model.num_heads=3")
+    fields = [p.split("=")[0] for p in problems]
+    assert fields[:3] == ["trainer.max_steps", "trainer.learning_rate", "launcher.timeout_s"]
+    assert any("model.num_heads=3" in p for p in problems[3:])  # the other checks still ran
+
+
+def test_wrong_types_do_not_crash_the_checks_that_compare_values():
+    # Each of these is compared with numbers later (batch arithmetic, "nothing to train", schedules).
+    problems = problems_of("trainer.per_device_train_batch_size=abc", "trainer.gradient_accumulation_steps=x",
+                           "trainer.num_train_epochs=abc", "trainer.max_steps=abc",
+                           "trainer.tp_overlapping_level=abc", "trainer.pipeline_chunks=abc")
+    assert len(problems) == 6, problems
+    assert all("must be an integer" in p or "must be a number" in p for p in problems), problems
 
 
 def test_numbers_in_every_spelling_pass():
     settings = resolve_settings(SPEC, compose("trainer.learning_rate=1", "trainer.max_grad_norm=0",
-                                              "trainer.weight_decay=1e-2", "trainer.zero_reduce_bucket_size=5e8",
-                                              "trainer.resume_from_checkpoint=true", "trainer.seed=0"))
+                                              "trainer.weight_decay=1e-2", "trainer.adam_epsilon=1E-6",
+                                              "trainer.warmup_ratio=.5", "trainer.max_steps=1_000",
+                                              "trainer.num_train_epochs=3", "trainer.seed=0",
+                                              "trainer.zero_reduce_bucket_size=5e8", "launcher.timeout_s=30",
+                                              "trainer.resume_from_checkpoint=true", "trainer.peak_tflops=null"))
     trainer = settings.trainer
-    assert trainer.learning_rate == 1 and trainer.max_grad_norm == 0 and trainer.weight_decay == 0.01
+    assert trainer.learning_rate == 1.0 and type(trainer.learning_rate) is float
+    assert trainer.max_grad_norm == 0.0 and type(trainer.max_grad_norm) is float
+    assert trainer.num_train_epochs == 3.0 and type(trainer.num_train_epochs) is float
+    assert settings.launcher.timeout_s == 30.0 and type(settings.launcher.timeout_s) is float
+    assert trainer.weight_decay == 0.01 and trainer.adam_epsilon == 1e-6 and trainer.warmup_ratio == 0.5
+    assert trainer.max_steps == 1000 and trainer.seed == 0
     assert trainer.zero_reduce_bucket_size == 5e8 and trainer.resume_from_checkpoint is True
+    assert trainer.peak_tflops is None
     assert trainer.max_consecutive_skipped_steps == 3
+
+
+def _plain_float_fields(cls) -> list[str]:
+    """Fields annotated ``float`` or ``float | None`` (not int | float, not lists)."""
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls) if hints[f.name] in (float, float | None)]
+
+
+def test_float_fields_come_out_as_floats_from_the_yaml_files():
+    # The yaml files write some of them as ints (launcher timeout_s: 600, num_train_epochs: 1).
+    settings = resolve_settings(SPEC, compose())
+    for section, cls in (("trainer", TrainerSettings), ("launcher", LauncherSettings)):
+        for name in _plain_float_fields(cls):
+            value = getattr(getattr(settings, section), name)
+            assert value is None or type(value) is float, (section, name, value)
+
+
+def test_composite_types():
+    @dataclasses.dataclass(frozen=True)
+    class Sample:
+        ratio: float | list[float] | None = None
+        ids: list[int] | None = None
+        resume: str | bool | None = None
+        size: int | float = 1
+
+    problems: list[str] = []
+    sample = typed_section({"ratio": [1, 0.5], "ids": [0, 6], "resume": False, "size": 4}, Sample, "s", problems)
+    assert not problems
+    assert sample.ratio == [1.0, 0.5] and all(type(r) is float for r in sample.ratio)
+    assert sample.ids == [0, 6] and sample.resume is False and type(sample.size) is int
+    assert type(typed_section({"ratio": 1}, Sample, "s", problems).ratio) is float
+    bad = typed_section({"ratio": "x", "ids": [1.5], "resume": 2, "size": True, "extra": 1}, Sample, "s", problems)
+    assert bad == Sample()  # wrong values keep their defaults
+    assert problems == ["s.extra is not a known setting; known: ids, ratio, resume, size",
+                        "s.ratio='x' must be a number or a list of numbers or null",
+                        "s.ids=[1.5] must be a list of integers or null",
+                        "s.resume=2 must be a string or true or false or null",
+                        "s.size=True must be an integer or a number"]
 
 
 @pytest.mark.timeout(120)
 def test_bad_numbers_stop_train_py_before_any_worker(tmp_path):
     run_dir = tmp_path / "run"
+    started = time.perf_counter()
     result = subprocess.run([sys.executable, "recipes/gpt/train.py", "trainer.learning_rate=abc",
                              "trainer.max_steps=1.5", f"hydra.run.dir={run_dir}"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=110)
     assert result.returncode != 0
-    assert "trainer.learning_rate='abc' must be a number" in result.stderr
-    assert "trainer.max_steps=1.5 must be an integer" in result.stderr
-    assert not (run_dir / "metrics.jsonl").exists() and "training gpt" not in result.stderr
+    output = result.stdout + result.stderr
+    assert "trainer.learning_rate='abc' must be a number" in output
+    assert "trainer.max_steps=1.5 must be an integer" in output
+    assert "ConfigError: invalid configuration" in output  # the check's error, not a worker's crash
+    assert not (run_dir / "metrics.jsonl").exists() and "training gpt" not in output
+    assert time.perf_counter() - started < 60
