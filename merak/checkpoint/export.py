@@ -32,6 +32,11 @@ def export_pretrained(checkpoint: str, out_dir: str, *, dtype: torch.dtype | Non
     """Write ``out_dir`` with config.json and model.safetensors; return ``out_dir``.
 
     Models that are not Hugging Face models get model.safetensors (full tensors by name) only.
+    Only the weights files are read, each checked against the manifest first.
+
+    Raises:
+        CheckpointError: a weights file is missing, truncated, damaged or unreadable (named), or the
+            tensors do not fit the model class.
     """
     source = CheckpointSource(checkpoint)
     state = {name: source.weight(name) for name in source.weight_names()}
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         export_pretrained(args.checkpoint, args.out_dir, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except CheckpointError as error:
+    except CheckpointError as error:  # the message names the file and what is wrong: no traceback
         logger.error("merak-export: %s", error)
         return 2
     return 0

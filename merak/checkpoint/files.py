@@ -1,4 +1,4 @@
-"""The checkpoint directory: atomic commit, manifest with sizes and CRC32s, discovery and rotation."""
+"""The checkpoint directory: atomic commit, manifest with sizes and CRC32s, verification, discovery, rotation."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import zlib
 
 logger = logging.getLogger(__name__)
@@ -17,9 +18,13 @@ VERSION = 1
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _CHUNK = 16 * 1024 * 1024
 
+# Files whose CRC32 matched, keyed by their identity on disk: each is read in full once per process
+# (the launcher's check before forking workers included), and re-read if it changes.
+_verified: set[tuple] = set()
+
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit this run."""
+    """A checkpoint is missing, incomplete, damaged or does not fit this run."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -48,10 +53,14 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def file_record(root: str, path: str) -> dict:
-    """Size and CRC32 of a written file, after flushing it."""
+def file_record(root: str, path: str, *, merak: dict | None = None) -> dict:
+    """Size and CRC32 of a written file, after flushing it; with ``merak``, the file's merak metadata
+    (which tensors a safetensors file holds), so that loading need not open every file's header."""
     fsync_path(path)
-    return {"path": os.path.relpath(path, root), "bytes": os.path.getsize(path), "crc32": crc32_of(path)}
+    record = {"path": os.path.relpath(path, root), "bytes": os.path.getsize(path), "crc32": crc32_of(path)}
+    if merak is not None:
+        record["merak"] = merak
+    return record
 
 
 def write_json(path: str, payload) -> None:
@@ -80,7 +89,7 @@ def commit(staging: str, final: str, manifest: dict) -> None:
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """Committed checkpoints under ``root`` as (step, path), oldest first."""
+    """Committed checkpoints under ``root`` as (step, path), oldest first (not checked for damage)."""
     if not os.path.isdir(root):
         return []
     found = []
@@ -93,58 +102,173 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
 
 
 def find_checkpoint(spec, output_dir: str) -> str | None:
-    """The checkpoint ``resume_from_checkpoint`` names: a directory, or True/'latest' for the
-    newest under ``output_dir`` (None if there is none yet).
+    """The intact checkpoint ``resume_from_checkpoint`` names.
+
+    - None, False or "": None.
+    - True, "true" or "latest": the newest intact checkpoint under ``output_dir`` (None if there
+      is no checkpoint at all). Damaged ones are skipped with a warning naming the damaged file.
+    - A run directory (no manifest, checkpoints inside): the same, under that directory.
+    - A checkpoint directory: that one, after checking every file (no fallback: it was named).
+
+    Intact means :func:`verify_checkpoint` passes: every listed file is read once.
 
     Raises:
-        CheckpointError: a named directory that is not a complete checkpoint.
+        CheckpointError: a named directory that does not exist or is not a complete, intact
+            checkpoint; or checkpoints exist but every one is damaged.
     """
     if spec in (None, False, ""):
         return None
     if spec is True or str(spec).lower() in ("true", "latest"):
-        found = list_checkpoints(output_dir)
-        return found[-1][1] if found else None
+        return newest_intact_checkpoint(output_dir)
     path = os.path.abspath(str(spec))
     if not os.path.isdir(path):
         raise CheckpointError(f"resume_from_checkpoint={spec}: no such directory")
     if not os.path.isfile(os.path.join(path, MANIFEST)):
-        inside = list_checkpoints(path)
-        if inside:  # a run directory was given: take its newest checkpoint
-            return inside[-1][1]
+        if list_checkpoints(path):  # a run directory was given: take its newest intact checkpoint
+            return newest_intact_checkpoint(path)
         raise CheckpointError(f"{path} is not a complete merak checkpoint (no {MANIFEST}: the save was "
                               f"interrupted, or this is not a checkpoint directory)")
+    verify_checkpoint(path)
     return path
 
 
+def newest_intact_checkpoint(root: str) -> str | None:
+    """The newest checkpoint under ``root`` that :func:`verify_checkpoint` accepts; None if there
+    are no checkpoints. Each damaged one passed over is logged with what is wrong.
+
+    Raises:
+        CheckpointError: there are checkpoints, but every one is damaged.
+    """
+    found = list_checkpoints(root)
+    damaged: list[CheckpointError] = []  # each message names its checkpoint and file
+    for _, path in reversed(found):
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as error:
+            damaged.append(error)
+            continue
+        for error in damaged:
+            logger.warning("skipping a damaged checkpoint: %s; using the older %s instead", error, path)
+        return path
+    if damaged:
+        raise CheckpointError(f"every checkpoint in {root} is damaged (the newest: {damaged[0]}); move them "
+                              f"away to start from the beginning, or restore one from a copy")
+    return None
+
+
 def read_manifest(path: str) -> dict:
+    """The manifest of checkpoint ``path``, checked for format, version and a valid file listing."""
     try:
         with open(os.path.join(path, MANIFEST), encoding="utf-8") as handle:
             manifest = json.load(handle)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is not a complete merak checkpoint (no {MANIFEST})") from None
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path}/{MANIFEST} is corrupt: {error}") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"{path}/{MANIFEST} is not a merak checkpoint manifest")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise CheckpointError(f"{path} is not a merak checkpoint of version {VERSION} "
                               f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})")
+    _check_listing(path, manifest.get("files"))
     return manifest
 
 
-def verify_file(checkpoint: str, manifest: dict, relative: str) -> str:
-    """The path of ``relative`` after checking its size and CRC32 against the manifest."""
+def _check_listing(path: str, listing) -> None:
+    """Reject a listing that later code could not use (or that points outside the checkpoint)."""
+    if not isinstance(listing, dict):
+        raise CheckpointError(f"{path}/{MANIFEST} is corrupt: it has no file listing")
+    for relative, record in listing.items():
+        parts = relative.replace("\\", "/").split("/")
+        if os.path.isabs(relative) or ".." in parts:
+            raise CheckpointError(f"{path}/{MANIFEST} is corrupt: it lists {relative!r}, outside the checkpoint")
+        valid = isinstance(record, dict) and all(
+            isinstance(record.get(key), int) and not isinstance(record.get(key), bool) for key in ("bytes", "crc32"))
+        if not valid or not isinstance(record.get("merak", {}), dict):
+            raise CheckpointError(f"{path}/{MANIFEST} is corrupt: the record of {relative} is not valid")
+
+
+def _record(checkpoint: str, manifest: dict, relative: str) -> dict:
     record = manifest["files"].get(relative)
-    path = os.path.join(checkpoint, relative)
     if record is None:
         raise CheckpointError(f"{checkpoint}: {relative} is not listed in the manifest")
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{checkpoint}: {relative} is missing")
-    size = os.path.getsize(path)
-    if size != record["bytes"] or crc32_of(path) != record["crc32"]:
-        raise CheckpointError(f"{checkpoint}: {relative} is corrupt ({size} bytes, expected {record['bytes']}, "
-                              f"or its CRC32 differs); resume from another checkpoint")
+    return record
+
+
+def _identity(path: str, status: os.stat_result, crc: int) -> tuple:
+    return (os.path.realpath(path), status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns,
+            status.st_ctime_ns, crc)
+
+
+def _checked_size(checkpoint: str, manifest: dict, relative: str) -> os.stat_result:
+    """The file's status after checking that it exists with the size the manifest lists."""
+    expected = _record(checkpoint, manifest, relative)["bytes"]
+    try:
+        status = os.stat(os.path.join(checkpoint, relative))
+    except FileNotFoundError:
+        raise CheckpointError(f"{checkpoint}: {relative} is missing") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise CheckpointError(f"{checkpoint}: {relative} is not a file")
+    if status.st_size < expected:
+        raise CheckpointError(f"{checkpoint}: {relative} is truncated ({status.st_size} bytes, the manifest "
+                              f"says {expected})")
+    if status.st_size > expected:
+        raise CheckpointError(f"{checkpoint}: {relative} is damaged ({status.st_size} bytes, the manifest "
+                              f"says {expected})")
+    return status
+
+
+def verify_file(checkpoint: str, manifest: dict, relative: str) -> str:
+    """The path of ``relative`` after checking its size, then its CRC32, against the manifest.
+
+    The CRC32 is computed once per process for an unchanged file.
+
+    Raises:
+        CheckpointError: naming the checkpoint, the file and what is wrong (not listed, missing,
+            truncated, another size or CRC32).
+    """
+    path = os.path.join(checkpoint, relative)
+    status = _checked_size(checkpoint, manifest, relative)
+    expected = manifest["files"][relative]["crc32"]
+    key = _identity(path, status, expected)
+    if key in _verified:
+        return path
+    actual = crc32_of(path)
+    if actual != expected:
+        raise CheckpointError(f"{checkpoint}: {relative} is damaged (CRC32 {actual:#010x}, the manifest says "
+                              f"{expected:#010x})")
+    _verified.add(key)
     return path
+
+
+def verify_checkpoint(path: str) -> None:
+    """Check checkpoint ``path`` in full: its manifest, then the size of every listed file, then
+    every file's CRC32 (sizes first, so a truncated or missing file is found without reading the rest).
+
+    Raises:
+        CheckpointError: naming the checkpoint, the file and what is wrong.
+    """
+    manifest = read_manifest(path)
+    if "trainer_state.json" not in manifest["files"]:
+        raise CheckpointError(f"{path}/{MANIFEST} is corrupt: it does not list trainer_state.json")
+    for relative in sorted(manifest["files"]):
+        _checked_size(path, manifest, relative)
+    for relative in sorted(manifest["files"]):
+        verify_file(path, manifest, relative)
+
+
+def read_json(checkpoint: str, manifest: dict, relative: str):
+    """The content of JSON file ``relative`` of a checkpoint, verified first.
+
+    Raises:
+        CheckpointError: the file is missing or damaged, or is not valid JSON.
+    """
+    path = verify_file(checkpoint, manifest, relative)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{checkpoint}: {relative} cannot be read ({error})") from None
 
 
 def rotate(root: str, keep: int | None, protect: str) -> None:

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from merak.checkpoint import files
 from merak.checkpoint.rng import restore_rng
 from merak.checkpoint.tensors import MASTER, join_slices, slice_from_json
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -26,23 +30,61 @@ class LoadOptions:
     no_load_optim: bool = False
 
 
+def _read(checkpoint: str, relative: str, read: Callable[[], T]) -> T:
+    """``read()``, with a parse error of the (already verified) file turned into a CheckpointError
+    naming it: a file that matches its manifest can still be unreadable (a manifest written for
+    bad bytes, another safetensors version)."""
+    try:
+        return read()
+    except (SafetensorError, OSError, ValueError) as error:
+        raise files.CheckpointError(f"{checkpoint}: {relative} cannot be read ({error})") from None
+
+
 class _Files:
-    """Verified, lazily opened safetensors files of one checkpoint, with their merak metadata."""
+    """The safetensors files of one checkpoint folder: which tensors each holds, and their contents.
+
+    Which tensors a file holds comes from the manifest; checkpoints saved before the manifest
+    carried it have it read from each file's (verified) header. A file is verified against the
+    manifest before it is first opened, so a rank opens and checks only the files it reads.
+    """
 
     def __init__(self, checkpoint: str, manifest: dict, folder: str) -> None:
         self.checkpoint, self.manifest = checkpoint, manifest
         self.paths = sorted(p for p in manifest["files"] if p.startswith(folder + "/"))
         self._open: dict[str, object] = {}
-        self.meta: dict[str, dict] = {}
-        for relative in self.paths:  # headers only: small
-            with safe_open(os.path.join(checkpoint, relative), framework="pt") as handle:
-                self.meta[relative] = json.loads((handle.metadata() or {}).get("merak", "{}"))
+
+    @functools.cached_property
+    def index(self) -> dict[str, list[tuple[str, dict]]]:
+        """Tensor name -> [(file, merak metadata of the tensor)], in file order. Computed on first
+        use: loading weights only (export, finetune) never touches the optimizer files."""
+        index: dict[str, list[tuple[str, dict]]] = {}
+        for relative in self.paths:
+            for name, info in self._meta(relative).items():
+                index.setdefault(name, []).append((relative, info))
+        return index
+
+    def _meta(self, relative: str) -> dict:
+        record = self.manifest["files"][relative]
+        if "merak" in record:
+            return record["merak"]
+        path = files.verify_file(self.checkpoint, self.manifest, relative)
+
+        def header() -> dict:
+            with safe_open(path, framework="pt") as handle:  # the header only: small
+                return json.loads((handle.metadata() or {}).get("merak", "{}"))
+
+        meta = _read(self.checkpoint, relative, header)
+        if not isinstance(meta, dict):
+            raise files.CheckpointError(f"{self.checkpoint}: {relative} cannot be read (its merak metadata is "
+                                        f"not an object)")
+        return meta
 
     def tensor(self, relative: str, key: str) -> torch.Tensor:
         if relative not in self._open:
             path = files.verify_file(self.checkpoint, self.manifest, relative)
-            self._open[relative] = safe_open(path, framework="pt")
-        return self._open[relative].get_tensor(key)
+            self._open[relative] = _read(self.checkpoint, relative, lambda: safe_open(path, framework="pt"))
+        handle = self._open[relative]
+        return _read(self.checkpoint, relative, lambda: handle.get_tensor(key))
 
 
 class CheckpointSource:
@@ -53,24 +95,16 @@ class CheckpointSource:
         self.manifest = files.read_manifest(checkpoint)
         self.weights = _Files(checkpoint, self.manifest, "model")
         self.optimizer = _Files(checkpoint, self.manifest, "optimizer")
-        self._weight_index: dict[str, list[tuple[str, dict]]] = {}
-        for relative, meta in self.weights.meta.items():
-            for name, info in meta.items():
-                self._weight_index.setdefault(name, []).append((relative, info))
-        self._state_index: dict[str, list[tuple[str, dict]]] = {}
-        for relative, meta in self.optimizer.meta.items():
-            for name, info in meta.items():
-                self._state_index.setdefault(name, []).append((relative, info))
 
     def weight_names(self) -> list[str]:
-        return sorted(self._weight_index)
+        return sorted(self.weights.index)
 
     def has(self, name: str) -> bool:
-        return name in self._weight_index
+        return name in self.weights.index
 
     def weight(self, name: str) -> torch.Tensor:
         """The full (unsliced) tensor ``name``."""
-        entries = self._weight_index.get(name)
+        entries = self.weights.index.get(name)
         if not entries:
             raise files.CheckpointError(f"{self.path} has no tensor {name!r}")
         info = entries[0][1]
@@ -81,16 +115,16 @@ class CheckpointSource:
         return self._join({rank: self.weights.tensor(*where) for rank, where in pieces.items()}, spec, name)
 
     def has_state(self, name: str) -> bool:
-        return name in self._state_index
+        return name in self.optimizer.index
 
     def state_keys(self, name: str) -> tuple[list[str], list[str]]:
         """(tensor states, scalar states) saved for parameter ``name``."""
-        info = next(i for _, i in self._state_index[name] if i["stop"] > i["start"])
+        info = next(i for _, i in self.optimizer.index[name] if i["stop"] > i["start"])
         return info["states"], info["scalars"]
 
     def state(self, name: str, key: str) -> torch.Tensor:
         """Optimizer state ``key`` of parameter ``name`` at full (unsliced) shape; scalars as saved."""
-        entries = self._state_index[name]
+        entries = self.optimizer.index[name]
         owned = [(r, i) for r, i in entries if i["stop"] > i["start"]]
         if key in owned[0][1]["scalars"]:
             return self.optimizer.tensor(owned[0][0], f"{name}/{key}").reshape(())
@@ -123,18 +157,26 @@ class PretrainedSource:
 
     def __init__(self, directory: str) -> None:
         self.path = directory
-        index = os.path.join(directory, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as handle:
-                weight_map = json.load(handle)["weight_map"]
+        if os.path.isfile(os.path.join(directory, "model.safetensors.index.json")):
+            weight_map = _read(directory, "model.safetensors.index.json", self._index)
         elif os.path.isfile(os.path.join(directory, "model.safetensors")):
-            with safe_open(os.path.join(directory, "model.safetensors"), framework="pt") as handle:
-                weight_map = dict.fromkeys(handle.keys(), "model.safetensors")
+            weight_map = _read(directory, "model.safetensors", self._single)
         else:
             raise files.CheckpointError(f"pretrained_weights={directory}: no model.safetensors or "
                                         f"model.safetensors.index.json there (only safetensors weights are read)")
         self._where = weight_map
         self._open: dict[str, object] = {}
+
+    def _index(self) -> dict[str, str]:
+        with open(os.path.join(self.path, "model.safetensors.index.json"), encoding="utf-8") as handle:
+            weight_map = json.load(handle).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError("no weight_map object")
+        return weight_map
+
+    def _single(self) -> dict[str, str]:
+        with safe_open(os.path.join(self.path, "model.safetensors"), framework="pt") as handle:
+            return dict.fromkeys(handle.keys(), "model.safetensors")
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -142,8 +184,10 @@ class PretrainedSource:
     def weight(self, name: str) -> torch.Tensor:
         shard = self._where[name]
         if shard not in self._open:
-            self._open[shard] = safe_open(os.path.join(self.path, shard), framework="pt")
-        return self._open[shard].get_tensor(name)
+            path = os.path.join(self.path, shard)
+            self._open[shard] = _read(self.path, shard, lambda: safe_open(path, framework="pt"))
+        handle = self._open[shard]
+        return _read(self.path, shard, lambda: handle.get_tensor(name))
 
 
 def _load_weights(engine, source, *, strict: bool) -> int:
@@ -206,14 +250,17 @@ def load_checkpoint(engine, checkpoint: str, *, options: LoadOptions = LoadOptio
     """Load ``checkpoint`` into this rank's engine (any saving layout) and return its trainer state
     (``step`` 0 when finetuning).
 
+    Every file is verified (size, then CRC32, against the manifest) before it is parsed, and
+    only the files this rank reads are opened.
+
     Raises:
-        CheckpointError: missing, incomplete or corrupt files, or tensors that do not fit.
+        CheckpointError: naming the file that is missing, truncated, damaged or unreadable, or the
+            tensor that does not fit.
     """
     source = CheckpointSource(checkpoint)
     manifest = source.manifest
     _load_weights(engine, source, strict=True)
-    with open(files.verify_file(checkpoint, manifest, "trainer_state.json"), encoding="utf-8") as handle:
-        trainer_state = json.load(handle)
+    trainer_state = files.read_json(checkpoint, manifest, "trainer_state.json")
     if options.finetune:
         logger.info("finetune: weights from %s; step, optimizer and schedule start at 0", checkpoint)
         engine.optimizer.refresh_master_weights()
@@ -232,9 +279,7 @@ def load_checkpoint(engine, checkpoint: str, *, options: LoadOptions = LoadOptio
     rank = engine.state.rank
     if manifest["has_rng"] and not options.no_load_rng:
         if same_layout:
-            relative = f"rng/rank{rank:05d}.json"
-            with open(files.verify_file(checkpoint, manifest, relative), encoding="utf-8") as handle:
-                restore_rng(json.load(handle))
+            restore_rng(files.read_json(checkpoint, manifest, f"rng/rank{rank:05d}.json"))
         elif rank == 0:
             logger.info("%s was saved with another layout: random generator states are not restored "
                         "(dropout masks do not depend on them)", checkpoint)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
@@ -17,6 +20,8 @@ from merak.checkpoint.tensors import optimizer_file, weight_entries, weights_fil
 from merak.distributed import groups
 
 logger = logging.getLogger(__name__)
+
+_NAMED = 3  # non-finite tensors named per rank in the error (the rest are counted)
 
 
 @dataclass(frozen=True)
@@ -33,28 +38,77 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def rank_files(engine, staging: str, *, rank: int, options: SaveOptions) -> list[str]:
-    """Write this rank's share into ``staging``; return the paths written."""
+def _safetensors(staging: str, path: str, tensors: dict, meta: dict[str, str]) -> dict:
+    """Write one safetensors file; its manifest record carries the merak metadata of its header too."""
+    save_file(tensors, path, metadata=meta)
+    return files.file_record(staging, path, merak=json.loads(meta["merak"]))
+
+
+def rank_files(engine, staging: str, *, rank: int, options: SaveOptions) -> list[dict]:
+    """Write this rank's share into ``staging``; return the manifest records of the files written."""
     state = engine.state
     pp, tp, dp = state.coordinates.pp, state.coordinates.tp, state.coordinates.dp
     written = []
     entries = weight_entries(engine)
     if dp == 0 and entries:
         path = os.path.join(staging, "model", f"pp{pp:03d}-tp{tp:03d}.safetensors")
-        tensors, meta = weights_file(entries)
-        save_file(tensors, path, metadata=meta)
-        written.append(path)
+        written.append(_safetensors(staging, path, *weights_file(entries)))
     if not options.no_save_optim:
         tensors, meta = optimizer_file(engine)
         if tensors:
             path = os.path.join(staging, "optimizer", f"pp{pp:03d}-tp{tp:03d}-dp{dp:03d}.safetensors")
-            save_file(tensors, path, metadata=meta)
-            written.append(path)
+            written.append(_safetensors(staging, path, tensors, meta))
     if not options.no_save_rng:
         path = os.path.join(staging, "rng", f"rank{rank:05d}.json")
         files.write_json(path, capture_rng())
-        written.append(path)
+        written.append(files.file_record(staging, path))
     return written
+
+
+def _tensors_to_write(engine, options: SaveOptions) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors :func:`rank_files` writes on this rank, named as in its files."""
+    if engine.state.coordinates.dp == 0:
+        for entry in weight_entries(engine):
+            yield entry.name, entry.tensor
+    if not options.no_save_optim:
+        yield from optimizer_file(engine)[0].items()
+
+
+def nonfinite_tensors(named: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the floating-point tensors that hold an inf or NaN.
+
+    One pass over each tensor and no copy of it: ``aminmax`` propagates NaN, and an inf is the
+    minimum or maximum. The per-tensor answers are fetched with one transfer per device.
+    """
+    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in named:
+        if tensor.is_floating_point() and tensor.numel():
+            bounds = torch.stack(torch.aminmax(tensor.detach()))
+            flags.setdefault(tensor.device, []).append((name, torch.isfinite(bounds).all()))
+    bad = []
+    for entries in flags.values():
+        finite = torch.stack([flag for _, flag in entries]).tolist()
+        bad += [name for (name, _), ok in zip(entries, finite, strict=True) if not ok]
+    return bad
+
+
+def _problem(engine, options: SaveOptions) -> str | None:
+    """What keeps this rank's share out of a checkpoint (None: nothing)."""
+    bad = nonfinite_tensors(_tensors_to_write(engine, options))
+    if not bad:
+        return None
+    more = f" (and {len(bad) - _NAMED} more)" if len(bad) > _NAMED else ""
+    return f"{', '.join(bad[:_NAMED])}{more}"
+
+
+def _abandon(staging: str, step: int, problems: list[str], rank: int) -> files.CheckpointError:
+    """Drop the staging directory (rank 0, once every rank stopped writing) and describe why."""
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    _barrier()  # every rank raises only once the staging directory is gone
+    return files.CheckpointError(
+        f"step {step}: checkpoint-{step} was not saved: inf or NaN in {'; '.join(problems)}. Nothing was "
+        f"committed; the earlier checkpoints are unchanged")
 
 
 def save_checkpoint(engine, output_dir: str, *, step: int, trainer_state: dict, run_info: dict,
@@ -69,6 +123,10 @@ def save_checkpoint(engine, output_dir: str, *, step: int, trainer_state: dict, 
 
     Returns the committed directory. A crash before the commit leaves only a
     ``.checkpoint-<step>.partial`` directory, which loading ignores.
+
+    Raises:
+        CheckpointError: on every rank alike, when any rank's weights or optimizer state hold an
+            inf or NaN; nothing is committed and the staging directory is removed.
     """
     started = time.perf_counter()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -79,10 +137,18 @@ def save_checkpoint(engine, output_dir: str, *, step: int, trainer_state: dict, 
         for sub in ("model", "optimizer", "rng"):
             os.makedirs(os.path.join(staging, sub))
     _barrier()
-    records = [files.file_record(staging, p) for p in rank_files(engine, staging, rank=rank, options=options)]
-    everyone = groups.gather_from_all(records)
+    problem = _problem(engine, options)
+    # A rank with bad values writes nothing: the checkpoint will not be committed anyway.
+    records = [] if problem else rank_files(engine, staging, rank=rank, options=options)
+    # One exchange tells every rank of every problem, so all of them raise together (no rank waits
+    # in a later collective for one that gave up).
+    everyone = groups.gather_from_all({"records": records, "problem": problem})
+    problems = [f"rank {r}: {share['problem']}" for r, share in enumerate(everyone) if share["problem"]]
+    if problems:
+        raise _abandon(staging, step, problems, rank)
     if rank == 0:
-        listing = {r["path"]: {"bytes": r["bytes"], "crc32": r["crc32"]} for rs in everyone for r in rs}
+        listing = {r["path"]: {k: v for k, v in r.items() if k != "path"}
+                   for share in everyone for r in share["records"]}
         state_path = os.path.join(staging, "trainer_state.json")
         files.write_json(state_path, {**trainer_state, "step": step,
                                       "lr_scheduler_steps": engine.lr_scheduler.last_epoch,

@@ -128,6 +128,9 @@ class MerakArguments(TrainingArguments):
     timeout_s: float = _doc("A collective waiting longer fails instead of hanging.", default=600.0)
     cuda_graphs: bool = _doc("Replay compiled stages as CUDA graphs (needs torch_compile and CUDA).",
                              default=False)
+    max_consecutive_skipped_steps: int = _doc(
+        "Steps in a row whose loss or gradient norm is not finite (each skipped on every rank) before training "
+        "stops with an error; fp16 overflows a smaller loss scale may cure do not count.", default=3)
 
     @cached_property
     def _setup_devices(self) -> torch.device:

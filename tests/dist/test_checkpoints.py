@@ -156,14 +156,14 @@ def test_bad_checkpoints_get_clear_errors(tmp_path):
         _run(tmp_path / "other", "trainer.max_steps=3", f"trainer.resume_from_checkpoint={partial}")
     with pytest.raises(ConfigError, match="finetune"):
         _run(tmp_path / "other", "trainer.max_steps=3", "trainer.finetune=true")
-    # A flipped byte in a weights file: the worker that reads it names the file.
+    # A flipped byte in a weights file: found before any worker starts, the file named.
     corrupt = tmp_path / "corrupt"
     shutil.copytree(run_dir / "checkpoint-2", corrupt)
     weights = corrupt / "model" / "pp001-tp000.safetensors"
     data = bytearray(weights.read_bytes())
     data[-5] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(WorkerFailed, match="pp001-tp000.safetensors is corrupt"):
+    with pytest.raises(ConfigError, match=r"corrupt: model/pp001-tp000.safetensors is damaged \(CRC32"):
         _run(tmp_path / "other", "parallel=pp2", "trainer.max_steps=3", f"trainer.resume_from_checkpoint={corrupt}")
 
 

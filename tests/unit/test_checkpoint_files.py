@@ -1,7 +1,7 @@
 """Pure unit tests of the checkpoint directory, tensor-parallel slice joining and RNG capture.
 
-Covers merak.checkpoint.files (commit, discovery, rotation, manifest and file
-verification), merak.checkpoint.tensors (join_slices, slice JSON) and
+Covers merak.checkpoint.files (commit, discovery of intact checkpoints, rotation,
+manifest and file verification), merak.checkpoint.tensors (join_slices, slice JSON) and
 merak.checkpoint.rng. Only temporary directories and CPU tensors.
 """
 
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from merak.checkpoint import files as checkpoint_files
 from merak.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -28,9 +29,12 @@ from merak.checkpoint.files import (
     file_record,
     find_checkpoint,
     list_checkpoints,
+    newest_intact_checkpoint,
+    read_json,
     read_manifest,
     rotate,
     staging_name,
+    verify_checkpoint,
     verify_file,
 )
 from merak.checkpoint.rng import capture_rng, restore_rng
@@ -60,9 +64,19 @@ def save(root, step: int, payload: bytes = b"weights") -> str:
     """Commit a small checkpoint ``root/checkpoint-<step>`` the way a save does."""
     staging = os.path.join(root, staging_name(step))
     data = write(os.path.join(staging, "model", "part.bin"), payload)
+    state = write(os.path.join(staging, "trainer_state.json"), json.dumps({"step": step}).encode())
     final = os.path.join(root, checkpoint_name(step))
-    commit(staging, final, manifest_for(staging, [data], step))
+    commit(staging, final, manifest_for(staging, [data, state], step))
     return final
+
+
+def damage(path, offset: int = 0) -> None:
+    """Flip the bits of one byte in place (the size stays)."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ 0xFF]))
 
 
 def steps_in(root) -> list[int]:
@@ -78,7 +92,7 @@ def test_commit_moves_staging_into_place(tmp_path):
     assert not (tmp_path / ".checkpoint-3.partial").exists()
     manifest = json.loads((tmp_path / "checkpoint-3" / MANIFEST).read_text())
     assert manifest["step"] == 3
-    assert manifest["files"] == {"model/part.bin": {"bytes": 3, "crc32": zlib.crc32(b"abc")}}
+    assert manifest["files"]["model/part.bin"] == {"bytes": 3, "crc32": zlib.crc32(b"abc")}
     assert (tmp_path / "checkpoint-3" / "model" / "part.bin").read_bytes() == b"abc"
     assert read_manifest(final) == manifest
 
@@ -259,30 +273,153 @@ def test_verify_missing_file(checkpoint):
         verify_file(root, manifest, "model/rank-0.safetensors")
 
 
-def test_verify_size_mismatch(checkpoint):
+def test_verify_truncated_file(checkpoint):
+    root, manifest, data = checkpoint
+    os.truncate(data, 120)
+    with pytest.raises(CheckpointError, match=re.escape(f"{root}: model/rank-0.safetensors is truncated (120 bytes, "
+                                                        f"the manifest says 200)")):
+        verify_file(root, manifest, "model/rank-0.safetensors")
+
+
+def test_verify_longer_file(checkpoint):
     root, manifest, data = checkpoint
     with open(data, "ab") as handle:
         handle.write(b"\0")
-    with pytest.raises(CheckpointError, match=re.escape("model/rank-0.safetensors is corrupt (201 bytes, "
-                                                        "expected 200")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{root}: model/rank-0.safetensors is damaged (201 bytes, "
+                                                        f"the manifest says 200)")):
         verify_file(root, manifest, "model/rank-0.safetensors")
 
 
 def test_verify_same_size_byte_flip(checkpoint):
     root, manifest, data = checkpoint
     before = crc32_of(data)
-    with open(data, "r+b") as handle:
-        handle.seek(100)
-        byte = handle.read(1)[0]
-        handle.seek(100)
-        handle.write(bytes([byte ^ 0x01]))
-    assert os.path.getsize(data) == 200
-    assert crc32_of(data) != before
-    with pytest.raises(CheckpointError, match=re.escape("model/rank-0.safetensors is corrupt (200 bytes, "
-                                                        "expected 200, or its CRC32 differs)")):
+    damage(data, 100)
+    after = crc32_of(data)
+    assert os.path.getsize(data) == 200 and after != before
+    with pytest.raises(CheckpointError, match=re.escape(f"{root}: model/rank-0.safetensors is damaged (CRC32 "
+                                                        f"{after:#010x}, the manifest says {before:#010x})")):
         verify_file(root, manifest, "model/rank-0.safetensors")
     # The other file is still fine.
     assert verify_file(root, manifest, "trainer_state.json").endswith("trainer_state.json")
+
+
+def test_verify_a_directory_in_place_of_a_file(checkpoint):
+    root, manifest, data = checkpoint
+    os.remove(data)
+    os.makedirs(data)
+    with pytest.raises(CheckpointError, match=re.escape(f"{root}: model/rank-0.safetensors is not a file")):
+        verify_file(root, manifest, "model/rank-0.safetensors")
+
+
+def test_verify_reads_an_unchanged_file_once(checkpoint, monkeypatch):
+    root, manifest, data = checkpoint
+    reads = []
+    monkeypatch.setattr(checkpoint_files, "crc32_of", lambda path: reads.append(path) or crc32_of(path))
+    for _ in range(3):
+        verify_file(root, manifest, "model/rank-0.safetensors")
+    assert reads == [data]
+    # Replaced since (a new file, so a new inode, in its place): read and checked again.
+    os.replace(write(data + ".new", bytes(range(200))[::-1]), data)
+    with pytest.raises(CheckpointError, match="is damaged"):
+        verify_file(root, manifest, "model/rank-0.safetensors")
+    assert reads == [data, data]
+
+
+def test_verify_checks_sizes_before_reading_any_file(checkpoint, monkeypatch):
+    root, manifest, data = checkpoint
+    write(os.path.join(root, MANIFEST), json.dumps({**manifest, "format": FORMAT, "version": VERSION}).encode())
+    os.truncate(os.path.join(root, "trainer_state.json"), 3)  # the second file in name order
+    reads = []
+    monkeypatch.setattr(checkpoint_files, "crc32_of", lambda path: reads.append(path) or crc32_of(path))
+    with pytest.raises(CheckpointError, match=re.escape(f"{root}: trainer_state.json is truncated (3 bytes, the "
+                                                        f"manifest says 11)")):
+        verify_checkpoint(root)
+    assert reads == []
+
+
+def test_read_json_verifies_then_parses(checkpoint):
+    root, manifest, _ = checkpoint
+    assert read_json(root, manifest, "trainer_state.json") == {"step": 1}
+    state = write(os.path.join(root, "trainer_state.json"), b'{"step": ')
+    manifest = manifest_for(root, [state])  # listed as it is: the bytes match, the JSON is broken
+    with pytest.raises(CheckpointError, match=re.escape(f"{root}: trainer_state.json cannot be read (")):
+        read_json(root, manifest, "trainer_state.json")
+
+
+# -- verify_checkpoint and the newest intact checkpoint ----------------------------
+
+
+def test_verify_checkpoint_intact_and_damaged(tmp_path):
+    path = save(tmp_path, 3)
+    assert verify_checkpoint(path) is None
+    damage(os.path.join(path, "model", "part.bin"))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: model/part.bin is damaged (CRC32 ")):
+        verify_checkpoint(path)
+
+
+def test_verify_checkpoint_missing_file(tmp_path):
+    path = save(tmp_path, 3)
+    os.remove(os.path.join(path, "trainer_state.json"))
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: trainer_state.json is missing")):
+        verify_checkpoint(path)
+
+
+def test_verify_checkpoint_without_trainer_state(tmp_path):
+    staging = tmp_path / staging_name(1)
+    data = write(str(staging / "model" / "part.bin"), b"x")
+    commit(str(staging), str(tmp_path / "checkpoint-1"), manifest_for(str(staging), [data]))
+    with pytest.raises(CheckpointError, match="does not list trainer_state.json"):
+        verify_checkpoint(str(tmp_path / "checkpoint-1"))
+
+
+def test_newest_intact_skips_damaged_with_a_warning(tmp_path, caplog):
+    for step in (2, 4, 6):
+        save(tmp_path, step)
+    os.truncate(tmp_path / "checkpoint-6" / "model" / "part.bin", 2)
+    damage(str(tmp_path / "checkpoint-4" / "trainer_state.json"))
+    with caplog.at_level("WARNING", logger="merak.checkpoint.files"):
+        assert newest_intact_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert f"{tmp_path / 'checkpoint-6'}: model/part.bin is truncated (2 bytes, the manifest says 7)" in messages[0]
+    assert f"{tmp_path / 'checkpoint-4'}: trainer_state.json is damaged (CRC32" in messages[1]
+    assert all(m.endswith(f"using the older {tmp_path / 'checkpoint-2'} instead") for m in messages)
+
+
+def test_newest_intact_all_damaged(tmp_path):
+    assert newest_intact_checkpoint(str(tmp_path)) is None
+    for step in (1, 2):
+        save(tmp_path, step)
+        os.remove(tmp_path / f"checkpoint-{step}" / "model" / "part.bin")
+    with pytest.raises(CheckpointError, match=re.escape(f"every checkpoint in {tmp_path} is damaged (the newest: "
+                                                        f"{tmp_path / 'checkpoint-2'}: model/part.bin is missing)")):
+        newest_intact_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("spec", [True, "latest"], ids=repr)
+def test_find_checkpoint_latest_skips_damaged(tmp_path, spec, caplog):
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    damage(str(tmp_path / "checkpoint-2" / "model" / "part.bin"), 3)
+    with caplog.at_level("WARNING", logger="merak.checkpoint.files"):
+        assert find_checkpoint(spec, str(tmp_path)) == str(tmp_path / "checkpoint-1")
+    assert "checkpoint-2: model/part.bin is damaged" in caplog.text
+
+
+def test_find_checkpoint_run_directory_skips_damaged(tmp_path):
+    run = tmp_path / "run"
+    save(run, 1)
+    save(run, 2)
+    os.truncate(run / "checkpoint-2" / "model" / "part.bin", 0)
+    assert find_checkpoint(str(run), str(tmp_path / "elsewhere")) == str(run / "checkpoint-1")
+
+
+def test_find_checkpoint_named_damaged_raises(tmp_path):
+    save(tmp_path, 1)
+    named = save(tmp_path, 2)
+    damage(os.path.join(named, "model", "part.bin"))
+    with pytest.raises(CheckpointError, match=re.escape(f"{named}: model/part.bin is damaged (CRC32")):
+        find_checkpoint(named, str(tmp_path))
 
 
 # -- tensor-parallel slices ------------------------------------------------------
@@ -379,6 +516,20 @@ def test_captured_rng_survives_json(keep_global_rng):
     assert draw() == first
     assert json.dumps(capture_rng()) == after  # the same state after the same draws
     assert set(json.loads(text)) >= {"python", "numpy", "torch"}
+
+
+@pytest.mark.parametrize("listing,details", [
+    (None, "it has no file listing"),
+    ({"a.bin": {"bytes": 1}}, "the record of a.bin is not valid"),
+    ({"a.bin": {"bytes": "1", "crc32": 0}}, "the record of a.bin is not valid"),
+    ({"a.bin": {"bytes": 1, "crc32": 0, "merak": "{}"}}, "the record of a.bin is not valid"),
+    ({"../outside.bin": {"bytes": 1, "crc32": 0}}, "it lists '../outside.bin', outside the checkpoint"),
+    ({"/etc/hostname": {"bytes": 1, "crc32": 0}}, "it lists '/etc/hostname', outside the checkpoint"),
+])
+def test_read_manifest_invalid_listing(tmp_path, listing, details):
+    write(str(tmp_path / MANIFEST), json.dumps({"format": FORMAT, "version": VERSION, "files": listing}).encode())
+    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path}/manifest.json is corrupt: {details}")):
+        read_manifest(str(tmp_path))
 
 
 def test_manifest_that_is_not_an_object_is_rejected(tmp_path):
