@@ -20,6 +20,8 @@ from merak.energy.dag import step_graph
 from merak.energy.plans import write_plan
 from merak.energy.profile_csv import COLUMNS
 
+from train_py import recipe_env
+
 pytestmark = pytest.mark.recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,15 +31,8 @@ TOY = ["model=toy", "parallel=pp2", "trainer.per_device_train_batch_size=2", "tr
 STEP = ["trainer.gradient_accumulation_steps=4", "trainer.max_steps=5"]
 
 
-def _env(cache_dir) -> dict:
-    env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    for name in ("RANK", "WORLD_SIZE"):
-        env.pop(name, None)
-    return env
-
-
 def _run(command, cache_dir, timeout=300) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=REPO, env=_env(cache_dir), capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=REPO, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result
 
@@ -120,7 +115,7 @@ def test_zeus_server_serves_the_plan_and_receives_results(tmp_path, cache_dir):
     write_plan(str(tmp_path / "plan.py"), plans)
     port, dump = free_port(), tmp_path / "dump"
     server = subprocess.Popen([*CLI, "serve", str(tmp_path / "plan.py"), "--port", str(port), "--dump-dir", str(dump)],
-                              cwd=REPO, env=_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              cwd=REPO, env=recipe_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -150,7 +145,7 @@ def test_bad_energy_settings_fail_before_launch(tmp_path, cache_dir):
     result = subprocess.run([sys.executable, str(TRAIN), *TOY, "trainer.gradient_accumulation_steps=4",
                              "trainer.profile=true", f"trainer.pfo_server_url={unreachable}",
                              f"hydra.run.dir={tmp_path / 'run'}"],
-                            cwd=REPO, env=_env(cache_dir), capture_output=True, text=True, timeout=120)
+                            cwd=REPO, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
     for expected in ("one microbatch per step", "are exclusive", "cannot reach the zeus server"):
         assert expected in result.stderr

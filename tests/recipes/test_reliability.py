@@ -3,7 +3,6 @@ interrupts sent to the launcher (no process left behind, one line printed)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,31 +15,18 @@ import torch
 from safetensors.torch import load_file
 
 from merak.run_directory import LOCK_NAME
+from train_py import GPT_TRAIN, REPO, read_metrics, recipe_env, run_train_py
 
 pytestmark = pytest.mark.recipe
 
-REPO = Path(__file__).resolve().parents[2]
-TRAIN = REPO / "recipes/gpt/train.py"
 TOY = ["model=toy", "trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=4",
        "trainer.disable_tqdm=true"]
-
-
-def _env(cache_dir) -> dict:
-    env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    for name in ("RANK", "WORLD_SIZE"):
-        env.pop(name, None)
-    return env
-
-
-def _train(args, cache_dir, timeout=240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, env=_env(cache_dir),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _start(args, cache_dir, log: Path) -> subprocess.Popen:
     """A run in its own session (so its processes can be found, and signals reach only it)."""
     with open(log, "w") as handle:
-        return subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=REPO, env=_env(cache_dir),
+        return subprocess.Popen([sys.executable, str(GPT_TRAIN), *args], cwd=REPO, env=recipe_env(cache_dir),
                                 stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -74,10 +60,6 @@ def _processes_in_session(session_id: int) -> list[int]:
     return found
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _checkpoint_tensors(run_dir: Path):
     for path in sorted(run_dir.glob("checkpoint-*/**/*.safetensors")):
         yield from ((path, name, tensor) for name, tensor in load_file(path).items())
@@ -90,13 +72,13 @@ def _checkpoint_tensors(run_dir: Path):
 ], ids=["fp32-pp2", "fp16-dp2"])
 def test_nonfinite_training_stops_and_saves_nothing_nonfinite(tmp_path, cache_dir, precision):
     run_dir = tmp_path / "run"
-    result = _train([*TOY, *precision, "trainer.learning_rate=1e4", "trainer.max_steps=40", "trainer.save=true",
+    result = run_train_py([*TOY, *precision, "trainer.learning_rate=1e4", "trainer.max_steps=40", "trainer.save=true",
                      "trainer.save_steps=1", "trainer.max_consecutive_skipped_steps=2",
                      f"hydra.run.dir={run_dir}"], cache_dir)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
     assert "not finite 2 steps in a row" in output and "trainer.max_consecutive_skipped_steps" in output
-    metrics = _metrics(run_dir)
+    metrics = read_metrics(run_dir)
     assert len(metrics) < 40, "the run must stop early"
     assert [m["skipped"] for m in metrics[-2:]] == [True, True]
     last_update = max(m["step"] for m in metrics if not m["skipped"])
@@ -120,12 +102,12 @@ def test_second_run_in_a_busy_directory_and_sigint_to_the_launcher(tmp_path, cac
     first = _start([*TOY, "parallel=dp2", "trainer.max_steps=2000", f"hydra.run.dir={run_dir}"], cache_dir, log)
     try:
         _wait_for_steps(run_dir, first, log)
-        second = _train([*TOY, "parallel=single", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
+        second = run_train_py([*TOY, "parallel=single", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
         output = second.stdout + second.stderr
         assert second.returncode != 0
         assert "is in use by a run that is still going" in output and f"pid {first.pid}" in output
         assert "training gpt" not in output  # refused before any worker started
-        steps = [m["step"] for m in _metrics(run_dir)]  # every line whole JSON, all of the first run
+        steps = [m["step"] for m in read_metrics(run_dir)]  # every line whole JSON, all of the first run
         assert steps == list(range(1, len(steps) + 1))
 
         os.kill(first.pid, signal.SIGINT)

@@ -16,9 +16,7 @@ import zlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
-from torch import nn
 
 from merak.checkpoint import (
     CheckpointError,
@@ -33,41 +31,14 @@ from merak.checkpoint.export import main as export_main
 from merak.checkpoint import load as checkpoint_load
 from merak.checkpoint.load import CheckpointSource, LoadOptions
 from merak.checkpoint.save import nonfinite_tensors
-from merak.distributed import groups
 from merak.engine import OptimizerOptions, PipelineEngine
 from merak.pipeline.stage import StageModule
+from tiny_engine import Input, Net, loss_fn, single_process  # noqa: F401  (a fixture)
 
 MODEL = "model/pp000-tp000.safetensors"
 OPTIMIZER = "optimizer/pp000-tp000-dp000.safetensors"
 
 # -- a tiny engine and its checkpoints --------------------------------------------
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(6, 12)
-        self.second = nn.Linear(12, 3)
-
-
-class Input(nn.Module):
-    def __init__(self, net: Net) -> None:
-        super().__init__()
-        self.first = net.first
-
-    def forward(self, batch):
-        return torch.tanh(self.first(batch["x"]))
-
-
-def loss_fn(output, batch):
-    return F.mse_loss(output, batch["y"])
-
-
-@pytest.fixture
-def single_process():
-    state = groups.init()
-    yield state
-    groups.shutdown()
 
 
 def make_engine(state, seed: int = 0) -> PipelineEngine:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from merak.distributed import groups
 from merak.engine import OptimizerOptions, PipelineEngine
 from merak.pipeline.hooks import PipelineHook
 from merak.pipeline.stage import StageModule
+from tiny_engine import Input, Net, loss_fn, single_process  # noqa: F401  (a fixture)
 
 
 class Recorder(PipelineHook):
@@ -28,36 +26,6 @@ class Recorder(PipelineHook):
 
     def on_instruction_end(self, name: str) -> None:
         self.events.append(f"{name}_end")
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(6, 12)
-        self.second = nn.Linear(12, 3)
-
-    def forward(self, x):
-        return self.second(torch.tanh(self.first(x)))
-
-
-class Input(nn.Module):
-    def __init__(self, net: Net) -> None:
-        super().__init__()
-        self.first = net.first
-
-    def forward(self, batch):
-        return torch.tanh(self.first(batch["x"]))
-
-
-def loss_fn(output, batch):
-    return F.mse_loss(output, batch["y"])
-
-
-@pytest.fixture
-def single_process():
-    state = groups.init()
-    yield state
-    groups.shutdown()
 
 
 def test_microbatches_accumulate_to_the_full_batch_step(single_process):
