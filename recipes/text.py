@@ -5,7 +5,11 @@ Sources (``data.source``):
     documentation that ships with every CPython (``pydoc_data``, ~465 kB, 79 documents).
   * ``files``: local text (.txt, one document per line), CSV (.csv, the seeds'
     ``train_context.csv`` style) or JSON lines (.json/.jsonl) files read with
-    ``datasets``; ``data.text_column`` names the column holding the text.
+    ``datasets``; ``data.text_column`` names the column holding the text. Each file is checked
+    first (``recipes.text_files.check_data_file``): an empty file, bytes that are not UTF-8, a malformed JSON
+    line or CSV row, or a missing or empty text column raise :class:`merak.config.ConfigError`
+    naming the file and the line (or byte offset), and whatever ``datasets`` still rejects is
+    reported the same way, naming the files.
   * ``hub``: ``datasets.load_dataset(data.name, data.config, split=data.split)``, e.g.
     ``wikitext`` / ``wikitext-103-raw-v1``; needs network access (or the dataset already in
     the Hugging Face cache). When it cannot be loaded, :func:`read_texts` raises
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from merak.config import ConfigError
+from recipes.text_files import check_data_file
 
 if TYPE_CHECKING:
     import tokenizers
@@ -46,23 +51,55 @@ def python_docs_texts() -> list[str]:
     return [pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics)]
 
 
-def file_texts(files, text_column: str) -> list[str]:
-    """The non-empty texts of local .txt / .csv / .json(l) files (the suffix of the first picks the reader)."""
+# The ``datasets`` builder that reads a file, by its suffix (anything else is read as plain text).
+READERS = {".csv": "csv", ".json": "json", ".jsonl": "json"}
+
+def _root_cause(error: BaseException) -> BaseException:
+    """The innermost explicit cause (datasets wraps its readers' errors in DatasetGenerationError)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
+def _load_files(reader: str, paths: list[str]):
+    """``datasets.load_dataset(reader, data_files=paths)``, its failures as ConfigError naming the files."""
     import datasets
 
+    try:
+        return datasets.load_dataset(reader, data_files=paths, split="train")
+    except Exception as error:  # datasets raises many kinds (its own, pyarrow's, pandas'): all end here
+        logger.debug("datasets.load_dataset(%r) failed", reader, exc_info=error)
+        cause = _root_cause(error)
+        why = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+        raise ConfigError(f"invalid configuration:\n  - data.files: datasets cannot read {', '.join(paths)} as "
+                          f"{reader}: {why}") from None
+
+
+def file_texts(files, text_column: str) -> list[str]:
+    """The non-empty texts of local .txt / .csv / .json(l) files (the suffix of the first picks the reader).
+
+    Every file is checked first (``recipes.text_files.check_data_file``), so a bad one fails with a short
+    message naming it rather than deep inside ``datasets``.
+    """
     paths = [str(Path(f).expanduser()) for f in files]
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         raise FileNotFoundError(f"data.files: {', '.join(missing)} not found; pass existing files "
                                 "(e.g. data.files=[/path/train_context.csv])")
-    suffix = Path(paths[0]).suffix.lower()
-    builder = {".csv": "csv", ".json": "json", ".jsonl": "json"}.get(suffix, "text")
-    table = datasets.load_dataset(builder, data_files=paths, split="train")
-    column = "text" if builder == "text" else text_column
+    reader = READERS.get(Path(paths[0]).suffix.lower(), "text")
+    column = "text" if reader == "text" else text_column
+    started = time.perf_counter()
+    for path in paths:
+        check_data_file(path, reader, column)
+    logger.debug("checked %d %s files in %.1f s", len(paths), reader, time.perf_counter() - started)
+    table = _load_files(reader, paths)
     if column not in table.column_names:
-        raise ValueError(f"data.text_column={column!r} is not a column of {paths[0]}; "
-                         f"columns: {', '.join(table.column_names)}")
-    return [t for t in table[column] if t]
+        raise ConfigError(f"invalid configuration:\n  - data.text_column={column!r} is not a column of "
+                          f"{paths[0]}; columns: {', '.join(table.column_names)}")
+    texts = [t for t in table[column] if t]
+    if not texts:
+        raise ConfigError(f"invalid configuration:\n  - data.files: no text in {', '.join(paths)}")
+    return texts
 
 
 def _offline() -> bool:

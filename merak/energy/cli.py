@@ -6,24 +6,95 @@
 
 ``plan`` writes ``DIR/plan.py`` (the chosen point: the fastest step with the least energy, or
 the least energy within ``--deadline``), ``DIR/frontier/plan_NNN.py`` for every frontier point,
-``DIR/frontier.csv`` (``index,iteration_time,energy,plan``) and ``DIR/frontier.png``.
+``DIR/frontier.csv`` (``index,iteration_time,energy,plan``) and ``DIR/frontier.png``. It checks
+its options, the profile and every solve before it creates ``DIR``: a bad value exits with
+status 2 and an argparse-style message naming the option, and writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
-from merak.energy.dag import step_graph
+from merak.energy.dag import StepGraph, step_graph
 from merak.energy.planner import FrequencyPlanner, PlanPoint
 from merak.energy.plans import PlanError, write_plan
 from merak.energy.profile_csv import ProfileError, check_coverage, read_profile
 from merak.report import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger("merak.energy")
+
+
+class UsageError(ValueError):
+    """An option value ``plan`` cannot use; :func:`main` reports it as argparse does (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Solution:
+    """What ``plan`` writes: the frontier, the chosen point and the all-highest-clock reference."""
+
+    points: list[PlanPoint]
+    chosen: PlanPoint
+    all_max: PlanPoint
+
+
+def _check_count(option: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise UsageError(f"argument {option}: must be >= {minimum}, got {value}")
+
+
+def _check_number(option: str, value: float, minimum: float, *, inclusive: bool) -> None:
+    # NaN compares false with everything, so test finiteness first: a NaN power or deadline would
+    # otherwise pass and turn every energy into NaN.
+    if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+        bound = ">=" if inclusive else ">"
+        raise UsageError(f"argument {option}: must be a finite number {bound} {minimum:g}, got {value!r}")
+
+
+def check_plan_args(args) -> None:
+    """Reject out-of-range ``plan`` options, before anything is read or written.
+
+    Raises:
+        UsageError: naming the first bad option and its value.
+    """
+    _check_count("--num-stages", args.num_stages, 1)
+    _check_count("--num-microbatches", args.num_microbatches, 1)
+    _check_count("--num-chunks", args.num_chunks, 1)
+    _check_count("--points", args.points, 2)  # the frontier needs its two ends
+    _check_number("--p2p-power", args.p2p_power, 0.0, inclusive=True)
+    if args.deadline is not None:
+        _check_number("--deadline", args.deadline, 0.0, inclusive=False)
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"argument --out: {args.out} exists and is not a directory")
+
+
+def schedule_graph(args) -> StepGraph:
+    """The step graph of ``--schedule`` with these numbers; UsageError when the schedule cannot
+    run them (each schedule knows its own limits, e.g. interleaved_1f1b's multiple of stages)."""
+    try:
+        return step_graph(args.schedule, args.num_stages, args.num_microbatches, args.num_chunks)
+    except ValueError as error:
+        raise UsageError(f"argument --schedule {args.schedule} with --num-stages {args.num_stages}, "
+                         f"--num-microbatches {args.num_microbatches} and --num-chunks {args.num_chunks}: "
+                         f"{error}") from None
+
+
+def solve(planner: FrequencyPlanner, graph: StepGraph, args) -> Solution:
+    """The frontier and the chosen plan (the fastest, or the least energy within ``--deadline``)."""
+    if args.deadline is None:
+        chosen = planner.fastest()
+    else:
+        try:  # before the frontier's many solves: a deadline that cannot be met fails at once
+            chosen = planner.solve(args.deadline)
+        except ValueError as error:  # shorter than the fastest possible step
+            raise UsageError(f"argument --deadline: {error}") from None
+    points = planner.frontier(args.points)
+    return Solution(points, chosen, planner.point([0] * len(graph.nodes), planner.fastest_time()))
 
 
 def _plot(points: list[PlanPoint], chosen: PlanPoint, path: str) -> None:
@@ -43,40 +114,55 @@ def _plot(points: list[PlanPoint], chosen: PlanPoint, path: str) -> None:
     axes.set_title("time-energy frontier")
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    temporary = f"{path}.tmp.{os.getpid()}"  # like the other outputs: the old picture or the new one
+    figure.savefig(temporary, dpi=120, format="png")
     plt.close(figure)
+    os.replace(temporary, path)
+
+
+def write_outputs(out: str, graph: StepGraph, solution: Solution, report: dict) -> None:
+    """Write the plans, ``frontier.csv``, ``plan.json`` and ``frontier.png`` under ``out``, each atomically."""
+    os.makedirs(os.path.join(out, "frontier"), exist_ok=True)
+    rows = ["index,iteration_time,energy,plan"]
+    for index, point in enumerate(solution.points):
+        name = os.path.join("frontier", f"plan_{index:03d}.py")
+        write_plan(os.path.join(out, name), point.stage_plans(graph))
+        rows.append(f"{index},{point.iteration_time!r},{point.energy!r},{name}")
+    write_text_atomic(os.path.join(out, "frontier.csv"), "\n".join(rows) + "\n")
+    write_plan(os.path.join(out, "plan.py"), solution.chosen.stage_plans(graph))
+    write_json_atomic(os.path.join(out, "plan.json"), report)
+    _plot(solution.points, solution.chosen, os.path.join(out, "frontier.png"))
 
 
 def plan_command(args) -> int:
-    """Solve the frontier and write the plans; returns the exit code."""
+    """Check the options, solve the frontier, then write the plans; returns the exit code.
+
+    Nothing is written (``--out`` is not even created) unless the options are valid, the profile
+    covers the schedule and every solve succeeded.
+
+    Raises:
+        UsageError: an option is out of range or does not fit the schedule.
+        ProfileError: the profile is missing, malformed or lacks rows the schedule needs.
+    """
     started = time.perf_counter()
-    graph = step_graph(args.schedule, args.num_stages, args.num_microbatches, args.num_chunks)
+    check_plan_args(args)
+    graph = schedule_graph(args)
     options = read_profile(args.profile)
     check_coverage(options, {(n.stage, n.name) for n in graph.nodes}, args.profile)
-    planner = FrequencyPlanner(graph, options, args.p2p_power)
-    points = planner.frontier(args.points)
-    chosen = planner.fastest() if args.deadline is None else planner.solve(args.deadline)
-    os.makedirs(os.path.join(args.out, "frontier"), exist_ok=True)
-    rows = ["index,iteration_time,energy,plan"]
-    for index, point in enumerate(points):
-        name = os.path.join("frontier", f"plan_{index:03d}.py")
-        write_plan(os.path.join(args.out, name), point.stage_plans(graph))
-        rows.append(f"{index},{point.iteration_time!r},{point.energy!r},{name}")
-    write_text_atomic(os.path.join(args.out, "frontier.csv"), "\n".join(rows) + "\n")
-    write_plan(os.path.join(args.out, "plan.py"), chosen.stage_plans(graph))
-    all_max = planner.point([0] * len(graph.nodes), planner.fastest_time())
+    solution = solve(FrequencyPlanner(graph, options, args.p2p_power), graph, args)
+    chosen, all_max = solution.chosen, solution.all_max
     report = {"profile": os.path.abspath(args.profile), "schedule": args.schedule, "num_stages": args.num_stages,
               "num_microbatches": args.num_microbatches, "num_chunks": args.num_chunks, "p2p_power": args.p2p_power,
               "target": "fastest" if args.deadline is None else f"deadline {args.deadline}",
               "plan": {"iteration_time": chosen.iteration_time, "energy": chosen.energy},
               "all_highest_clock": {"iteration_time": all_max.iteration_time, "energy": all_max.energy},
-              "frontier_points": len(points), "solve_seconds": time.perf_counter() - started}
-    write_json_atomic(os.path.join(args.out, "plan.json"), report)
-    _plot(points, chosen, os.path.join(args.out, "frontier.png"))
+              "frontier_points": len(solution.points), "solve_seconds": time.perf_counter() - started}
+    write_outputs(args.out, graph, solution, report)
     saving = 1 - chosen.energy / all_max.energy
     logger.info("plan.py: %.4f s/step, %.1f J (%.1f %% less than every instruction at its highest clock: "
                 "%.4f s, %.1f J); %d frontier points in %s (%.1f s)", chosen.iteration_time, chosen.energy,
-                100 * saving, all_max.iteration_time, all_max.energy, len(points), args.out, report["solve_seconds"])
+                100 * saving, all_max.iteration_time, all_max.energy, len(solution.points), args.out,
+                report["solve_seconds"])
     return 0
 
 
@@ -87,34 +173,40 @@ def serve_command(args) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command-line parser and its subcommands' parsers (which report their own usage errors)."""
     parser = argparse.ArgumentParser(prog="merak-energy", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="time-energy frontier and frequency plans from a profile")
     plan.add_argument("profile", help="instruction profile CSV (trainer.profile=true writes it)")
-    plan.add_argument("--num-stages", type=int, required=True)
-    plan.add_argument("--num-microbatches", type=int, required=True)
+    plan.add_argument("--num-stages", type=int, required=True, help="pipeline stages (>= 1)")
+    plan.add_argument("--num-microbatches", type=int, required=True,
+                      help="microbatches per step (>= 1, and what the schedule needs)")
     plan.add_argument("--schedule", default="1f1b", help="the train_schedule the plan runs with")
-    plan.add_argument("--num-chunks", type=int, default=1, help="model chunks per stage (interleaved_1f1b)")
-    plan.add_argument("--p2p-power", type=float, required=True, help="watts a GPU draws while blocked")
+    plan.add_argument("--num-chunks", type=int, default=1, help="model chunks per stage (interleaved_1f1b; >= 1)")
+    plan.add_argument("--p2p-power", type=float, required=True, help="watts a GPU draws while blocked (>= 0)")
     plan.add_argument("--out", required=True, help="output directory")
     plan.add_argument("--deadline", type=float, default=None,
-                      help="step time to meet (e.g. a straggler's); default: the fastest step")
-    plan.add_argument("--points", type=int, default=60, help="deadlines solved along the frontier")
+                      help="step time in seconds to meet (> 0, e.g. a straggler's); default: the fastest step")
+    plan.add_argument("--points", type=int, default=60, help="deadlines solved along the frontier (>= 2)")
     serve = commands.add_parser("serve", help="a zeus pipeline-frequency server that serves a plan file")
     serve.add_argument("plan", help="plan file (merak-energy plan's plan.py)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=7787)
     serve.add_argument("--dump-dir", default="./zeus-dump", help="where zeus writes reported profiling results")
     serve.add_argument("--log-level", default="INFO")
-    return parser
+    return parser, {"plan": plan, "serve": serve}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``merak-energy``; returns the exit code (bad options exit with status 2, as argparse does)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
+    parser, commands = _parser()
+    args = parser.parse_args(argv)
     try:
         return plan_command(args) if args.command == "plan" else serve_command(args)
+    except UsageError as error:
+        commands[args.command].error(str(error))  # usage and "error: argument ...", then exit status 2
     except (ProfileError, PlanError, ValueError, ImportError) as error:
         logger.error("%s", error)
         return 2
