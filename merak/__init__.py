@@ -5,6 +5,7 @@ Public API::
     import merak
     merak.init(dp=2, tp=1, pp=2)          # or let merak.run launch the workers
     merak.run(spec, cfg)                  # recipes: validate, launch, train, summarize
+    merak.run_command(spec, cfg)          # the same in a train.py: one-line errors, exit statuses
     args = merak.MerakArguments(output_dir="out", ...)   # transformers.TrainingArguments + Merak's fields
     merak.MerakTrainer(model=model, args=args, train_data=ds).train()
 """
@@ -43,19 +44,22 @@ def __getattr__(name: str):
 def run(spec, cfg):
     """Validate a recipe config, launch its workers, train, and return the summary.
 
-    See :func:`merak.runner.run`. SIGINT or SIGTERM stops every worker and ends the process
-    with one line on the log and exit status 128 + the signal number (SystemExit).
+    See :func:`merak.runner.run`.
     """
-    import logging
-
-    from merak.distributed.launch import RunInterrupted
     from merak.runner import run as _run
 
-    try:
-        return _run(spec, cfg)
-    except RunInterrupted as interrupt:
-        logging.getLogger("merak").error("%s", interrupt)
-        raise SystemExit(interrupt.exit_code) from None
+    return _run(spec, cfg)
+
+
+def run_command(spec, cfg):
+    """:func:`run` for a recipe's ``train.py``: errors a user can act on are logged as their message
+    alone and end the process with a non-zero status; SIGINT/SIGTERM with 128 + the signal.
+
+    See :func:`merak.runner.run_command`.
+    """
+    from merak.runner import run_command as _run_command
+
+    return _run_command(spec, cfg)
 
 
 __all__ = [
@@ -72,5 +76,6 @@ __all__ = [
     "get_tp_size",
     "init",
     "run",
+    "run_command",
     "set_tp_layer_lists",
 ]

@@ -29,7 +29,13 @@ from merak.config import (
 )
 from merak.data.batching import BatchPlan
 from merak.distributed import groups
-from merak.distributed.launch import existing_world_size, interrupts_raise, spawn_workers
+from merak.distributed.launch import (
+    RunInterrupted,
+    WorkerFailed,
+    existing_world_size,
+    interrupts_raise,
+    spawn_workers,
+)
 from merak.energy.profile import run_profile
 from merak.energy.runtime import start_energy
 from merak.report import (
@@ -38,7 +44,7 @@ from merak.report import (
     peak_rss_bytes,
     write_json_atomic,
 )
-from merak.run_directory import RunDirectoryLock
+from merak.run_directory import RunDirectoryBusy, RunDirectoryLock
 from merak.session import TrainingSession, assemble_worker
 from merak.pipeline.schedules import build_schedule
 from merak.pipeline.simulate import simulate
@@ -50,7 +56,11 @@ from merak.trace.capture import TraceError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConfigError", "run"]
+__all__ = ["ConfigError", "run", "run_command"]
+
+# Exit statuses of run_command: a run that cannot start as configured, and one that failed.
+EXIT_CANNOT_START = 2
+EXIT_FAILED = 1
 
 
 def _configure_worker_logging(rank: int) -> None:
@@ -78,6 +88,35 @@ def run(spec, cfg) -> dict:
     settings = resolve_settings(spec, cfg, world_size=outside_world)
     with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
         return _run_locked(spec, cfg, settings, outside_world)
+
+
+def run_command(spec, cfg) -> dict:
+    """:func:`run` as a command (a recipe's ``train.py``): a config error, a busy run directory, a
+    damaged checkpoint or a failed worker is logged as its message alone, without the launcher's
+    traceback, and the process exits with status 2 (cannot start) or 1 (failed); SIGINT/SIGTERM end
+    it with 128 + the signal number. In a Hydra sweep (``-m``) the errors are raised as they are, so
+    the sweep records the failed job and goes on with the others.
+    """
+    try:
+        return run(spec, cfg)
+    except RunInterrupted as interrupt:
+        logger.error("%s", interrupt)
+        raise SystemExit(interrupt.exit_code) from None
+    except (ConfigError, RunDirectoryBusy, CheckpointError, WorkerFailed) as error:
+        if _in_sweep():
+            raise
+        logger.error("%s", error)
+        raise SystemExit(EXIT_FAILED if isinstance(error, WorkerFailed) else EXIT_CANNOT_START) from None
+
+
+def _in_sweep() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except (ImportError, ValueError):  # not under Hydra
+        return False
 
 
 def _run_directory_lock(output_dir: str, outside_world: int | None):

@@ -48,6 +48,7 @@ from merak.tensor_parallel.options import TensorParallelOptions
 
 logger = logging.getLogger(__name__)
 
+
 class TrainingDiverged(RuntimeError):
     """Too many steps in a row had a loss or gradient norm that is not finite; the run stops."""
 

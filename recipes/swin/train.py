@@ -8,7 +8,7 @@ from recipes.swin.spec import SPEC
 
 @hydra.main(version_base=None, config_path="conf", config_name="train")
 def main(cfg) -> None:
-    merak.run(SPEC, cfg)
+    merak.run_command(SPEC, cfg)
 
 
 if __name__ == "__main__":
