@@ -208,12 +208,12 @@ def spawn_workers(fn: Callable, *, world_size: int, args: tuple = (), start_meth
                                f"{' (signal ' + error.signal_name + ')' if error.signal_name else ''}") from None
         except (RunInterrupted, KeyboardInterrupt) as error:
             number = error.signal_number if isinstance(error, RunInterrupted) else signal.SIGINT
-            with _interrupts_ignored():  # a second Ctrl-C must not cut the stopping short
-                stop_workers(context.processes)
-            raise RunInterrupted(number, f"stopped {world_size} workers") from None
+            raise RunInterrupted(number, f"stopped {world_size} workers") from None  # stopped just below
         finally:
+            # Workers still running after an interrupt or another worker's failure; a second Ctrl-C
+            # must not cut the stopping short.
             with _interrupts_ignored():
-                stop_workers(context.processes)  # workers still running after another one failed
+                stop_workers(context.processes)
             if store is None:
                 listener.close()
             del store

@@ -61,7 +61,7 @@ class StepOutcome:
     """What the optimizer step did; identical on every rank.
 
     Attributes:
-        grad_norm: the global gradient norm (unscaled; not finite when the step was skipped).
+        grad_norm: the global gradient norm (unscaled; not finite when a gradient was not).
         skipped: no update: the loss or a gradient was not finite on some rank.
         loss_scale: the fp16 loss scale the step ran with.
         loss_finite: every rank's loss was finite.
