@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from merak.distributed.launch import LAUNCHER_STORE_VARIABLE
 from merak.distributed.topology import Coordinates, RankGrid
 from merak.tensor_parallel import comm
 from merak.tensor_parallel.overlap import OVERLAP_GROUP
@@ -115,16 +114,7 @@ def _start_process_group(grid: RankGrid, backend: str, timeout_s: float) -> None
         # Small bookkeeping collectives (the step's loss, gradient-norm scalars, gathered reports) run on
         # CPU tensors; gloo carries those, NCCL everything on the GPU.
         backend = NCCL_WITH_CPU
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if os.environ.get(LAUNCHER_STORE_VARIABLE) == "1":
-        # merak's launcher serves the rendezvous store on the loopback interface; rank 0 joins it as
-        # a client instead of opening one on every interface.
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, False,
-                              timeout=timeout)
-        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
-                                world_size=world_size, timeout=timeout)
-        return
-    dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 NCCL_WITH_CPU = "cpu:gloo,cuda:nccl"

@@ -46,8 +46,6 @@ class RunInterrupted(Exception):
         super().__init__(f"interrupted by {name}{': ' + detail if detail else ''}")
 
 
-# Set in worker processes: the launcher that hosts the rendezvous store (see _start_process_group).
-LAUNCHER_STORE_VARIABLE = "MERAK_LAUNCHER_STORE"
 _STOP_GRACE_S = 5.0
 
 
@@ -105,7 +103,9 @@ def _entry(local_rank: int, fn: Callable, world_size: int, port: int, args: tupl
     os.environ.update({
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        LAUNCHER_STORE_VARIABLE: "1",
+        # This process serves the rendezvous store (as torchrun's agent does): torch.distributed's env://
+        # rendezvous then makes rank 0 a client too, instead of opening a store on every interface.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
     })
     # Workers share the machine's cores (one thread each unless OMP_NUM_THREADS says otherwise). This also
     # keeps a forked worker out of the parent's OpenMP thread pool, which does not survive fork: a parent
