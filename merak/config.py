@@ -50,15 +50,15 @@ class TrainerSettings:
     train_schedule: str = "1f1b"
     # Automatic pipeline splitting (merak.shard.plan.ShardingOptions).
     trace_method: str | None = "fx"
-    split_method: str = "farthest_min_deps"
+    split_method: str = "min_bytes"
     shard_count: int | None = None
     custom_split_points: list[str] | None = None
-    partition_method: str = "uniform"
+    partition_method: str = "autopipe"
     custom_partition: list[int] | None = None
     input_names: list[str] | None = None
     leaf_modules: list[str] | None = None
     init_device: str = "auto"
-    autopipe_costs: str = "flops"
+    autopipe_costs: str = "estimate"
     # Tensor parallelism (merak.tensor_parallel.options.TensorParallelOptions).
     parallel_vocab: bool = False
     sequence_parallel: bool = False

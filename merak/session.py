@@ -43,7 +43,8 @@ from merak.report import (
     peak_tflops,
     write_json_atomic,
 )
-from merak.shard.plan import ShardingOptions
+from merak.shard.costs import calibrate
+from merak.shard.plan import ShardingOptions, needs_machine_rates
 from merak.tensor_parallel.options import TensorParallelOptions
 
 logger = logging.getLogger(__name__)
@@ -112,14 +113,21 @@ def assemble_worker(spec, settings: RunSettings, prepared, *, stage_id: int, dev
     With interleaved schedules the model is cut into pp x chunks pieces and the worker keeps
     pieces ``stage_id, stage_id + pp, ...``."""
     chunks, pp = pipeline_chunks(settings.trainer), settings.grid.pp
+    options = sharding_options(spec, settings)
+    dtype = precision_options(settings.trainer).dtype
+    if options.trace_method is not None and pp * chunks > 1 and needs_machine_rates(options):
+        # Every rank must cut the model alike: rank 0's measurement is everyone's.
+        first = planning or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        rates = calibrate(device, dtype) if first else None
+        options = dataclasses.replace(options, machine_rates=rates if planning else groups.broadcast_object(rates))
     return assemble(
         build=functools.partial(spec.build_model, settings.model_cfg), seed=settings.trainer.seed,
-        init_device=settings.trainer.init_device, options=sharding_options(spec, settings),
+        init_device=settings.trainer.init_device, options=options,
         num_stages=pp * chunks, num_microbatches=settings.num_microbatches,
         stage_id=tuple(stage_id + c * pp for c in range(chunks)),
         device=device, example_inputs=example_inputs(spec, settings, prepared), build_stages=spec.build_stages,
         materialize_stage=not planning, tensor_parallel=tensor_parallel_options(spec, settings, tp_rank),
-        dtype=precision_options(settings.trainer).dtype)
+        dtype=dtype)
 
 
 class TrainingSession:

@@ -40,10 +40,10 @@ class MerakArguments(TrainingArguments):
 
     train_schedule: str = _doc("Pipeline schedule: 1f1b, pre_recompute_1f1b, ds_default, last_no_recompute_1f1b, "
                                "shifted_critical_path (also gpipe, interleaved_1f1b, zb_h1).", default="1f1b")
-    partition_method: str = _doc("Stage partition: uniform, uniform_floor, parameters, custom, autopipe.",
-                                 default="uniform")
-    split_method: str = _doc("Graph sharding: farthest_min_deps, layer_split, nearest_min_deps.",
-                             default="farthest_min_deps")
+    partition_method: str = _doc("Stage partition: autopipe (balanced estimated costs), uniform, uniform_floor, "
+                                 "parameters, custom.", default="autopipe")
+    split_method: str = _doc("Graph sharding: min_bytes (cut where the fewest bytes cross), farthest_min_deps, "
+                             "layer_split, nearest_min_deps.", default="min_bytes")
     custom_split_points: list[str] | None = _doc("Split points (module names or globs) for layer_split.",
                                                  default=None)
     trace_method: str | None = _doc("fx (torch.fx, falling back to torch.export), dynamo (torch.export), or "
@@ -118,7 +118,8 @@ class MerakArguments(TrainingArguments):
     # merak extensions
     pipeline_chunks: int | None = _doc("Model chunks per pipeline rank (interleaved_1f1b).", default=None)
     init_device: str = _doc("auto, cpu or meta (used with model_init).", default="auto")
-    autopipe_costs: str = _doc("autopipe's shard cost: flops or time.", default="flops")
+    autopipe_costs: str = _doc("autopipe's shard cost: estimate (FLOPs, bytes and operations on calibrated "
+                               "machine rates), flops or time.", default="estimate")
     leaf_modules: list[str] | None = _doc("Class or module names kept whole when tracing.", default=None)
     pretrained_weights: str | None = _doc("A Hugging Face model directory (safetensors) to start from.",
                                           default=None)

@@ -270,3 +270,48 @@ def autopipe_boundaries(forward_costs: Sequence[float], backward_costs: Sequence
     if _native is None:
         return python_autopipe_boundaries(forward, backward, num_parts, num_microbatches)
     return list(_native.autopipe_boundaries(forward, backward, num_parts, num_microbatches))
+
+
+
+def _even_partition(costs: list[float], num_parts: int) -> list[int]:
+    """Lexicographic min-max: the min-max partition, then the parts on each side of its largest
+    part partitioned the same way among themselves, recursively."""
+    boundaries = _min_max_start(costs, num_parts)
+    sums = _stage_sums(costs, boundaries)
+    largest = max(range(num_parts), key=lambda part: (sums[part], -part))
+    first, last = boundaries[largest], boundaries[largest + 1]
+    if largest >= 2:
+        boundaries[:largest + 1] = _even_partition(costs[:first], largest)
+    after = num_parts - largest - 1
+    if after >= 2:
+        boundaries[largest + 1:] = [last + b for b in _even_partition(costs[last:], after)]
+    return boundaries
+
+
+def balance_other_stages(forward_costs: Sequence[float], backward_costs: Sequence[float], boundaries: Sequence[int],
+                         num_microbatches: int) -> list[int]:
+    """Even out the stages before and after the critical one, keeping the critical stage as it is.
+
+    When one stage dominates (a large LM head), every partition of the others is as fast by the
+    bottleneck, and the min-max start leaves the earliest stages nearly empty. The stages on each
+    side of the critical one are partitioned among themselves, most even first (:func:`_even_partition`);
+    the result is kept only if its simulated 1F1B time is not longer.
+    """
+    forward = _as_costs("forward_costs", forward_costs)
+    backward = _as_costs("backward_costs", backward_costs)
+    boundaries = list(boundaries)
+    combined = [f + b for f, b in zip(forward, backward)]
+    sums = _stage_sums(combined, boundaries)
+    critical = max(range(len(sums)), key=lambda s: (sums[s], -s))
+    balanced = list(boundaries)
+    first, last = boundaries[critical], boundaries[critical + 1]
+    if critical >= 2:
+        balanced[:critical + 1] = _even_partition(combined[:first], critical)
+    after = len(sums) - critical - 1
+    if after >= 2:
+        balanced[critical + 1:] = [last + b for b in _even_partition(combined[last:], after)]
+    num_microbatches = _as_microbatches(num_microbatches)
+    if _score(forward, backward, balanced, num_microbatches) <= _score(forward, backward, boundaries,
+                                                                        num_microbatches):
+        return balanced
+    return boundaries

@@ -7,7 +7,8 @@ last shard returns the model's output. Values a later shard needs are passed
 through every shard in between. Parameters are shared with the captured module
 (never copied), so tied weights stay one object. No shard holds the device it
 was captured on (merak.trace.devices), and each is made lean for the host
-(merak.trace.simplify).
+(merak.trace.simplify). Values computed from constants alone (masks, position
+ids) are computed again in each shard that reads them instead of being sent.
 """
 
 from __future__ import annotations
@@ -35,12 +36,17 @@ class RebuildOutput(nn.Module):
         return pytree.tree_unflatten(list(flat), self.spec)
 
 
-def _lookup(env: dict[fx.Node, fx.Node], graph: fx.Graph, index: int, node: fx.Node) -> fx.Node:
-    """The shard's copy of ``node``; attributes are copied into every shard that reads them."""
+def _lookup(env: dict[fx.Node, fx.Node], graph: fx.Graph, index: int, recomputable: set[fx.Node],
+            node: fx.Node) -> fx.Node:
+    """The shard's copy of ``node``: attributes are copied into every shard that reads them, and
+    recomputable values (``GraphUnits.recomputable``) are computed again there instead of received."""
     if node not in env:
-        if node.op != "get_attr":
+        if node.op == "get_attr":
+            env[node] = graph.node_copy(node)
+        elif node in recomputable:
+            env[node] = graph.node_copy(node, functools.partial(_lookup, env, graph, index, recomputable))
+        else:
             raise AssertionError(f"value {node.name} is not available in shard {index}")
-        env[node] = graph.node_copy(node)
     return env[node]
 
 
@@ -69,7 +75,7 @@ def build_shards(units: GraphUnits, cuts: Sequence[int]) -> list[fx.GraphModule]
             env[value] = graph.call_function(operator.getitem, (payload, _key(value, input_names)))
             env[value].meta = dict(value.meta)
 
-        lookup = functools.partial(_lookup, env, graph, index)
+        lookup = functools.partial(_lookup, env, graph, index, units.recomputable)
         for unit in units.units[start:stop]:
             for node in unit.nodes:
                 env[node] = graph.node_copy(node, lookup)

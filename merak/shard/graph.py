@@ -9,7 +9,11 @@ shard.
 
 For a cut before unit ``k`` the *crossing values* are those made before ``k``
 and read at or after ``k``; they are what a shard boundary carries (skip
-connections included, relayed through the shards in between).
+connections included, relayed through the shards in between). Values that
+depend on no input and no parameter and draw no random numbers (attention
+masks and position ids made from shapes) never cross: every shard that reads
+one computes it again (``recomputable``), which costs a few cheap operations
+instead of a send.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from torch import fx, nn
 
 from merak.trace.capture import CapturedGraph
+from merak.trace.simplify import is_pure, written_values
 
 _NOT_COMPUTE = ("placeholder", "get_attr", "output")
 
@@ -69,6 +74,7 @@ class GraphUnits:
         self.units = self._group([n for n in graph.nodes if n.op not in _NOT_COMPUTE], captured.leaf_scopes)
         self.unit_of = {node: index for index, unit in enumerate(self.units) for node in unit.nodes}
         self.unit_params = self._first_use_params()
+        self.recomputable = _recomputable(captured.module)
         self._last_use = self._last_uses()
 
     def __len__(self) -> int:
@@ -103,6 +109,8 @@ class GraphUnits:
         end = len(self.units)
         last: dict[fx.Node, int] = {}
         for node in self.placeholders + [n for u in self.units for n in u.nodes]:
+            if node in self.recomputable:
+                continue
             uses = [end if user.op == "output" else self.unit_of[user] for user in node.users]
             if uses:
                 last[node] = max(uses)
@@ -126,9 +134,44 @@ class GraphUnits:
             counts.append(running)
         return counts
 
+    def crossing_bytes(self, value_bytes: dict[fx.Node, int]) -> list[int]:
+        """``bytes[k]``: bytes of the tensors crossing a cut before unit ``k`` (index 0 unused),
+        from each value's measured size (``merak.shard.costs``)."""
+        delta = [0] * (len(self.units) + 2)
+        for node, last in self._last_use.items():
+            start = self.defined_in(node) + 1
+            if last >= start:
+                size = value_bytes.get(node, 0)
+                delta[max(start, 1)] += size
+                delta[last + 1] -= size
+        sizes, running = [], 0
+        for k in range(len(self.units) + 1):
+            running += delta[k]
+            sizes.append(running)
+        return sizes
+
     def crossing_values(self, cut: int) -> list[fx.Node]:
         """Values crossing a cut before unit ``cut``, in graph order."""
         return [node for node, last in self._last_use.items() if self.defined_in(node) < cut <= last]
+
+
+def _recomputable(module: fx.GraphModule) -> set[fx.Node]:
+    """Pure calls whose inputs are constants, buffers or other such calls: cheaper to compute again
+    in each shard that reads them than to send (no placeholder, no parameter, no random numbers,
+    nothing an in-place operation writes)."""
+    graph = module.graph
+    blocked = written_values(graph)
+    parameters = {id(p) for p in module.parameters()}
+    found: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node in blocked:
+            continue
+        if node.op == "get_attr":
+            if id(operator.attrgetter(str(node.target))(module)) not in parameters:
+                found.add(node)
+        elif is_pure(node) and all(arg in found for arg in node.all_input_nodes):
+            found.add(node)
+    return {node for node in found if node.op != "get_attr"}
 
 
 def _merge_split_leaves(units: list[Unit], leaf_scopes: set[str]) -> list[Unit]:

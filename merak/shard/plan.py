@@ -8,7 +8,6 @@ own stage (``PipelinePlan.stage_parameters``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -16,23 +15,23 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from merak.pipeline.stage import StageModule
 from merak.shard import partition as part
-from merak.shard.autopipe import autopipe_boundaries
+from merak.shard.autopipe import autopipe_boundaries, balance_other_stages, simulate_1f1b
 from merak.shard.build import shard_modules
+from merak.shard.costs import MachineRates, UnitCosts, calibrate, measure_units
 from merak.shard.graph import GraphUnits
 from merak.shard.split import ShardingError, split_units
 from merak.trace.capture import capture
 from merak.trace.simplify import simplify_captured
 from merak.tensor_parallel.comm import simulated_groups
-from merak.trace.meta import buffers_on_meta, has_meta_parameters
+from merak.trace.meta import has_meta_parameters
 
 logger = logging.getLogger(__name__)
 
-PARTITION_METHODS = ("uniform", "uniform_floor", "parameters", "custom", "autopipe")
-AUTOPIPE_COSTS = ("flops", "time")
+PARTITION_METHODS = ("autopipe", "uniform", "uniform_floor", "parameters", "custom")
+AUTOPIPE_COSTS = ("estimate", "flops", "time")
 BYTES_PER_TRAINED_PARAM = 16  # fp32 weight + gradient + two Adam moments
 
 
@@ -41,19 +40,28 @@ class ShardingOptions:
     """How to capture, shard and partition (MerakArguments names).
 
     ``split_points`` are the layer_split cut points: the user's
-    ``custom_split_points`` or the recipe's defaults.
+    ``custom_split_points`` or the recipe's defaults. ``machine_rates``
+    (``merak.shard.costs``) weigh the estimated costs; None measures them here
+    (a process planning for several workers hands them one set, so all plan alike).
     """
 
     trace_method: str = "fx"
-    split_method: str = "farthest_min_deps"
+    split_method: str = "min_bytes"
     shard_count: int | None = None
     split_points: tuple[str, ...] = ()
-    partition_method: str = "uniform"
+    partition_method: str = "autopipe"
     custom_partition: tuple[int, ...] | None = None
     leaf_modules: tuple = ()
     input_names: tuple[str, ...] | None = None
     backward_flops_factor: float = 2.0
-    autopipe_costs: str = "flops"  # or "time": measured forward seconds per shard (real weights only)
+    autopipe_costs: str = "estimate"  # estimate | flops | time (measured forward seconds, real weights only)
+    machine_rates: MachineRates | None = None
+
+
+def needs_machine_rates(options: ShardingOptions) -> bool:
+    """Whether planning with ``options`` weighs estimated costs (and so needs machine rates)."""
+    return options.split_method == "min_bytes" or (
+        options.partition_method == "autopipe" and options.autopipe_costs == "estimate")
 
 
 @dataclass
@@ -65,7 +73,10 @@ class ShardReport:
     forward_flops: int
     outputs: dict[str, str]  # crossing value -> "float32[4, 128, 64]" (or a Python value's repr)
     output_bytes: int = 0  # of the tensors in ``outputs``
-    forward_seconds: float | None = None
+    activation_bytes: int = 0  # of every tensor its forward makes (an upper bound of what backward keeps)
+    estimated_forward_s: float | None = None  # per microbatch, from the machine rates
+    estimated_backward_s: float | None = None
+    forward_seconds: float | None = None  # measured (autopipe_costs=time)
 
 
 @dataclass
@@ -79,6 +90,7 @@ class PipelinePlan:
     split_method: str
     partition_method: str
     notes: list[str] = field(default_factory=list)
+    num_microbatches: int = 1
 
     @property
     def num_stages(self) -> int:
@@ -97,25 +109,43 @@ class PipelinePlan:
         return list({id(p): p for p in self.stage(stage_id).parameters()}.values())
 
     def stage_summary(self, stage_id: int) -> dict:
-        """Modules, parameters, FLOPs, boundary values and memory estimate of one stage."""
+        """Modules, parameters, FLOPs, predicted time, boundary values and memory estimate of one stage.
+
+        Memory: 16 bytes per parameter (fp32 weight, gradient, two Adam moments) plus the tensors its
+        forward makes for each microbatch in flight (1F1B holds up to ``num_stages - stage_id``).
+        """
         first, last = self.boundaries[stage_id], self.boundaries[stage_id + 1]
         reports = self.reports[first:last]
         params = sum(p.numel() for p in self.stage_parameters(stage_id))
-        outputs = reports[-1].outputs
-        activation = reports[-1].output_bytes
-        in_flight = self.num_stages - stage_id  # 1F1B keeps up to this many microbatches' boundaries alive
+        is_last = stage_id == self.num_stages - 1
+        activation = sum(r.activation_bytes for r in reports)
+        in_flight = min(self.num_stages - stage_id, self.num_microbatches)
         modules = [name for r in reports for name in r.modules]
-        return {"stage": stage_id, "shards": [first, last], "modules": list(dict.fromkeys(modules)),
-                "num_parameters": params, "forward_flops": sum(r.forward_flops for r in reports),
-                "sends": outputs if stage_id < self.num_stages - 1 else {},
-                "send_bytes": activation if stage_id < self.num_stages - 1 else 0,
-                "estimated_memory_bytes": params * BYTES_PER_TRAINED_PARAM + activation * in_flight}
+        summary = {"stage": stage_id, "shards": [first, last], "modules": list(dict.fromkeys(modules)),
+                   "num_parameters": params, "forward_flops": sum(r.forward_flops for r in reports),
+                   "sends": {} if is_last else reports[-1].outputs,
+                   "send_bytes": 0 if is_last else reports[-1].output_bytes,
+                   "activation_bytes": activation,
+                   "estimated_memory_bytes": params * BYTES_PER_TRAINED_PARAM + activation * in_flight}
+        if all(r.estimated_forward_s is not None for r in reports):
+            summary["predicted_forward_s"] = sum(r.estimated_forward_s for r in reports)
+            summary["predicted_backward_s"] = sum(r.estimated_backward_s for r in reports)
+        return summary
+
+    def predicted_step_seconds(self) -> float | None:
+        """The 1F1B step time the estimated costs predict (communication not counted), or None."""
+        stages = [self.stage_summary(s) for s in range(self.num_stages)]
+        if any("predicted_forward_s" not in stage for stage in stages):
+            return None
+        return simulate_1f1b([s["predicted_forward_s"] for s in stages],
+                             [s["predicted_backward_s"] for s in stages], self.num_microbatches)
 
     def to_json(self) -> dict:
         """The plan as plain data (``partition.json``)."""
         return {"trace_method": self.trace_method, "split_method": self.split_method,
                 "partition_method": self.partition_method, "num_shards": len(self.shards),
-                "boundaries": self.boundaries, "notes": self.notes,
+                "boundaries": self.boundaries, "notes": self.notes, "num_microbatches": self.num_microbatches,
+                "predicted_step_s": self.predicted_step_seconds(),
                 "stages": [self.stage_summary(s) for s in range(self.num_stages)],
                 "shards": [vars(r) for r in self.reports]}
 
@@ -125,12 +155,6 @@ def _display_name(scope: tuple[str, ...]) -> str:
     bert.encoder.layer.0) when it is in one, else its second-level module (transformer.wte)."""
     numbered = [name for name in scope if name.rsplit(".", 1)[-1].isdigit()]
     return numbered[0] if numbered else scope[min(1, len(scope) - 1)]
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')}[{', '.join(str(d) for d in value.shape)}]"
-    return repr(value)[:60]
 
 
 def default_shard_count(model: nn.Module) -> int:
@@ -153,37 +177,48 @@ def _forward_seconds(shard: nn.Module, payload, repeats: int = 3) -> float:
     return best
 
 
-def _measure(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int],
-             example_inputs: Mapping[str, torch.Tensor], timed: bool = False) -> list[ShardReport]:
-    """Run the shards once in sequence (no grad) to count FLOPs and describe boundaries.
-
-    A model with meta parameters runs entirely on meta tensors (nothing allocated).
-    """
-    module = units.captured.module
-    on_meta = has_meta_parameters(module)
-    buffers = {} if on_meta else {name: b.clone() for name, b in module.named_buffers()}
-    bounds = [0, *cuts, len(units)]
-    reports = []
+def _time_shards(shards: Sequence[nn.Module], module: nn.Module, example_inputs: Mapping[str, torch.Tensor]
+                 ) -> list[float]:
+    """Measured forward seconds of each shard (real weights), run in sequence without gradients;
+    buffer updates (batch-norm statistics) are undone afterwards."""
+    buffers = {name: b.clone() for name, b in module.named_buffers()}
+    seconds = []
     payload = dict(example_inputs)
-    # Tensor-parallel collectives only keep their shapes here: ranks measure independently.
-    with torch.no_grad(), simulated_groups(), (buffers_on_meta(module) if on_meta else contextlib.nullcontext()):
-        for index, shard in enumerate(shards):
-            seconds = _forward_seconds(shard, payload) if timed else None
-            with FlopCounterMode(display=False) as counter:
-                payload = shard(payload)
-            scope = [_display_name(u.scope) for u in units.units[bounds[index]:bounds[index + 1]] if u.scope]
-            sent = payload if isinstance(payload, dict) and index < len(shards) - 1 else {}
-            reports.append(ShardReport(
-                modules=list(dict.fromkeys(scope)),
-                num_parameters=sum(p.numel() for p in {id(p): p for p in shard.parameters()}.values()),
-                forward_flops=int(counter.get_total_flops()), forward_seconds=seconds,
-                outputs={k: _describe(v) for k, v in sent.items()},
-                output_bytes=sum(v.numel() * v.element_size() for v in sent.values() if isinstance(v, torch.Tensor))))
-    # Measuring ran the model once in training mode; undo buffer updates (e.g. batch-norm statistics).
-    with torch.no_grad():
+    with torch.no_grad(), simulated_groups():
+        for shard in shards:
+            seconds.append(_forward_seconds(shard, payload))
+            payload = shard(payload)
         for name, buffer in module.named_buffers():
-            if name in buffers:
-                buffer.copy_(buffers[name])
+            buffer.copy_(buffers[name])
+    return seconds
+
+
+def _reports(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int], costs: UnitCosts,
+             rates: MachineRates | None, backward_factor: float) -> list[ShardReport]:
+    """What each shard holds, computes and sends, from the per-unit measurements."""
+    input_names = dict(zip(units.placeholders, units.captured.input_names))
+    bounds = [0, *cuts, len(units)]
+    seconds = costs.forward_seconds(rates) if rates is not None else None
+    reports = []
+    for index, shard in enumerate(shards):
+        start, stop = bounds[index], bounds[index + 1]
+        scope = [_display_name(u.scope) for u in units.units[start:stop] if u.scope]
+        sent = units.crossing_values(stop) if stop < len(units) else []
+        report = ShardReport(
+            modules=list(dict.fromkeys(scope)),
+            num_parameters=sum(p.numel() for p in {id(p): p for p in shard.parameters()}.values()),
+            forward_flops=sum(costs.flops[start:stop]),
+            outputs={input_names.get(v, v.name): costs.descriptions.get(v, "?") for v in sent},
+            output_bytes=sum(costs.value_bytes.get(v, 0) for v in sent),
+            activation_bytes=sum(costs.made_bytes[start:stop]))
+        if seconds is not None:
+            forward = sum(seconds[start:stop])
+            report.estimated_forward_s, report.estimated_backward_s = forward, forward * backward_factor
+        reports.append(report)
+    if seconds is not None:  # the loss runs on the last stage after its forward
+        loss_forward, loss_backward = costs.loss_seconds(rates)
+        reports[-1].estimated_forward_s += loss_forward
+        reports[-1].estimated_backward_s += loss_backward
     return reports
 
 
@@ -205,12 +240,19 @@ def _partition(options: ShardingOptions, reports: list[ShardReport], num_stages:
             raise part.PartitionError("partition_method=custom needs custom_partition (pp+1 shard boundaries)")
         return part.check_custom_boundaries(list(options.custom_partition), count, num_stages)
     if method == "autopipe":
-        if options.autopipe_costs == "time":
-            forward = [float(r.forward_seconds) for r in reports]
+        if num_stages == 1:
+            return [0, count]
+        if options.autopipe_costs == "estimate":
+            forward = [float(r.estimated_forward_s) for r in reports]
+            backward = [float(r.estimated_backward_s) for r in reports]
         else:
-            forward = [float(r.forward_flops) for r in reports]
-        backward = [f * options.backward_flops_factor for f in forward]
-        return autopipe_boundaries(forward, backward, num_stages, num_microbatches)
+            if options.autopipe_costs == "time":
+                forward = [float(r.forward_seconds) for r in reports]
+            else:
+                forward = [float(r.forward_flops) for r in reports]
+            backward = [f * options.backward_flops_factor for f in forward]
+        boundaries = autopipe_boundaries(forward, backward, num_stages, num_microbatches)
+        return balance_other_stages(forward, backward, boundaries, num_microbatches)
     raise part.PartitionError(f"partition_method={method!r} is unknown; choose one of "
                               f"{', '.join(PARTITION_METHODS)}")
 
@@ -231,22 +273,37 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
     units = GraphUnits(captured)
     if not len(units):
         raise ShardingError(f"the captured graph of {type(model).__name__} has no operations to shard")
-    shard_count = options.shard_count or default_shard_count(model)
-    cuts = split_units(units, method=options.split_method, shard_count=shard_count,
-                       split_points=options.split_points, module_names=[n for n, _ in model.named_modules()])
-    shards = shard_modules(units, cuts)
-    inputs = {name: example_inputs[name] for name in captured.input_names}
     timed = options.partition_method == "autopipe" and options.autopipe_costs == "time"
     if timed and has_meta_parameters(model):
         raise part.PartitionError("autopipe_costs=time needs real weights; a model on the meta device is "
-                                  "partitioned by FLOPs (autopipe_costs=flops)")
+                                  "partitioned by estimated costs (autopipe_costs=estimate)")
     if options.autopipe_costs not in AUTOPIPE_COSTS:
         raise part.PartitionError(f"autopipe_costs={options.autopipe_costs!r}; choose one of "
                                   f"{', '.join(AUTOPIPE_COSTS)}")
-    reports = _measure(shards, units, cuts, inputs, timed=timed)
+    inputs = {name: example_inputs[name] for name in captured.input_names}
+    costs = measure_units(units, inputs)
+    rates = options.machine_rates
+    if rates is None and num_stages > 1 and needs_machine_rates(options):
+        rates = calibrate()
+    unit_seconds = []
+    if rates is not None:
+        forward = costs.forward_seconds(rates)
+        unit_seconds = [f * (1 + options.backward_flops_factor) for f in forward]
+        loss = sum(costs.loss_seconds(rates))
+        unit_seconds[-1] += loss
+    shard_count = options.shard_count or default_shard_count(model)
+    cuts = split_units(units, method=options.split_method, shard_count=shard_count,
+                       split_points=options.split_points, module_names=[n for n, _ in model.named_modules()],
+                       unit_costs=unit_seconds, cut_bytes=units.crossing_bytes(costs.value_bytes),
+                       num_stages=num_stages)
+    shards = shard_modules(units, cuts)
+    reports = _reports(shards, units, cuts, costs, rates, options.backward_flops_factor)
+    if timed:
+        for report, seconds in zip(reports, _time_shards(shards, captured.module, inputs)):
+            report.forward_seconds = seconds
     boundaries = _partition(options, reports, num_stages, num_microbatches)
     logger.info("%d shards (%s, %s), stage boundaries %s (%s)", len(shards), captured.method,
                 options.split_method, boundaries, options.partition_method)
     return PipelinePlan(shards=shards, reports=reports, boundaries=boundaries, trace_method=captured.method,
                         split_method=options.split_method, partition_method=options.partition_method,
-                        notes=list(captured.notes))
+                        notes=list(captured.notes), num_microbatches=num_microbatches)

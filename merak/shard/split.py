@@ -3,6 +3,16 @@
 Every method returns sorted cut positions (unit indices at which a new shard
 starts, never 0), so shard ``i`` holds units ``[cuts[i-1], cuts[i])``.
 
+- ``min_bytes`` (the default): cut only where the fewest bytes cross. The
+  positions are grouped by the bytes that cross them; the cheapest group whose
+  positions still allow stages balanced within ``BALANCE_TOLERANCE`` of the
+  best balance any positions allow is taken whole, and every one of its
+  positions is a cut (the partition then picks the stage boundaries among
+  them). In a transformer these are the block boundaries and the residual
+  stream between attention and MLP: only the hidden state crosses. Needs the
+  measured unit costs and value sizes (``merak.shard.costs``); ``shard_count``
+  does not apply.
+
 - ``farthest_min_deps``: a parameter budget of ``total / shard_count`` per
   shard; each shard grows as far as the budget allows (at least one unit), then
   is cut at the position in its range where the fewest values cross, the
@@ -23,7 +33,9 @@ from collections.abc import Sequence
 
 from merak.shard.graph import GraphUnits
 
-SPLIT_METHODS = ("farthest_min_deps", "nearest_min_deps", "layer_split")
+SPLIT_METHODS = ("min_bytes", "farthest_min_deps", "nearest_min_deps", "layer_split")
+# A cut carrying more bytes is taken only when it balances stages better than this (relative bottleneck).
+BALANCE_TOLERANCE = 0.10  # about what the cost estimate can tell apart
 
 
 class ShardingError(ValueError):
@@ -89,6 +101,63 @@ def nearest_min_deps(units: GraphUnits, shard_count: int) -> list[int]:
     return cuts
 
 
+def _bottleneck(unit_costs: Sequence[float], positions: Sequence[int], num_stages: int) -> float:
+    """Smallest largest-stage cost over partitions cut only at ``positions`` (inf if too few)."""
+    bounds = [0, *positions, len(unit_costs)]
+    segments = [sum(unit_costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    if len(segments) < num_stages:
+        return float("inf")
+
+    def stages_needed(limit: float) -> int:
+        stages, load = 1, 0.0
+        for cost in segments:
+            if load + cost > limit and load > 0:
+                stages, load = stages + 1, cost
+            else:
+                load += cost
+        return stages
+
+    low, high = max(segments), sum(segments)
+    for _ in range(60):  # bisection down to 1e-9 of the bound: far finer than the tolerance
+        if high - low <= 1e-9 * high:
+            break
+        middle = (low + high) / 2
+        if stages_needed(middle) <= num_stages:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def min_bytes(unit_costs: Sequence[float], cut_bytes: Sequence[int], num_stages: int,
+              tolerance: float = BALANCE_TOLERANCE) -> list[int]:
+    """Every position of the cheapest byte level that still balances ``num_stages`` stages.
+
+    Args:
+        unit_costs: each unit's forward + backward cost (any unit of time).
+        cut_bytes: ``cut_bytes[k]``, bytes crossing a cut before unit ``k`` (index 0 unused).
+        num_stages: pipeline stages (model chunks with interleaving) to be formed from the shards.
+        tolerance: how much worse than the best balance of any cuts the cheap cuts may be.
+    """
+    count = len(unit_costs)
+    if num_stages == 1:
+        return []
+    if count < num_stages:
+        raise ShardingError(f"the graph has {count} units, fewer than the {num_stages} stages asked for")
+    positions = list(range(1, count))
+    best = _bottleneck(unit_costs, positions, num_stages)
+    levels = sorted(set(cut_bytes[k] for k in positions))
+    low, high = 0, len(levels) - 1  # the highest level allows every position, so it always balances
+    while low < high:
+        middle = (low + high) // 2
+        allowed = [k for k in positions if cut_bytes[k] <= levels[middle]]
+        if _bottleneck(unit_costs, allowed, num_stages) <= best * (1 + tolerance):
+            high = middle
+        else:
+            low = middle + 1
+    return [k for k in positions if cut_bytes[k] <= levels[low]]
+
+
 def module_pattern(pattern: str) -> re.Pattern:
     """Compile a module-name glob: ``*`` matches within one dotted part, ``**`` across parts;
     a leading ``**.`` also matches no prefix (``**.query`` matches ``query`` and ``a.b.query``)."""
@@ -132,8 +201,12 @@ def layer_split(units: GraphUnits, split_points: Sequence[str], module_names: Se
 
 
 def split_units(units: GraphUnits, *, method: str, shard_count: int, split_points: Sequence[str] = (),
-                module_names: Sequence[str] = ()) -> list[int]:
-    """Cut positions for ``method`` (see the module docstring)."""
+                module_names: Sequence[str] = (), unit_costs: Sequence[float] = (),
+                cut_bytes: Sequence[int] = (), num_stages: int = 1) -> list[int]:
+    """Cut positions for ``method`` (see the module docstring); ``min_bytes`` needs ``unit_costs``,
+    ``cut_bytes`` and ``num_stages``."""
+    if method == "min_bytes":
+        return min_bytes(unit_costs, cut_bytes, num_stages)
     if method == "farthest_min_deps":
         return farthest_min_deps(units, shard_count)
     if method == "nearest_min_deps":

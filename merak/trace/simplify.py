@@ -99,7 +99,7 @@ CONSTANT_PREFIX = "_merak_constant_"
 MAX_CONSTANT_BYTES = 256 * 2**20
 
 
-def _is_pure(node: fx.Node) -> bool:
+def is_pure(node: fx.Node) -> bool:
     """A call whose only effect is its result: a functional aten operator that draws no random
     numbers, or getitem/getattr. Methods and modules (``bernoulli_`` on a tensor, say) never are."""
     if node.op != "call_function":
@@ -116,14 +116,14 @@ def remove_dead_values(graph: fx.Graph) -> int:
     in-place methods such as ``bernoulli_`` that fx traces record). Returns how many."""
     removed = 0
     for node in reversed(list(graph.nodes)):
-        if not node.users and (_is_pure(node) or node.op == "get_attr"):
+        if not node.users and (is_pure(node) or node.op == "get_attr"):
             graph.erase_node(node)
             removed += 1
     return removed
 
 
 def _is_foldable(node: fx.Node, constant: set[fx.Node]) -> bool:
-    return (_is_pure(node) and node.target is not getattr
+    return (is_pure(node) and node.target is not getattr
             and all(arg in constant for arg in node.all_input_nodes))
 
 
@@ -137,7 +137,7 @@ def _writes(node: fx.Node) -> bool:
     return node.op == "call_method" and str(node.target).endswith("_")
 
 
-def _written_constants(graph: fx.Graph) -> set[fx.Node]:
+def written_values(graph: fx.Graph) -> set[fx.Node]:
     """Values an in-place operation may write (T5's ``relative_buckets += ...``), with everything they
     may be views of: folding them into a buffer would make the write accumulate across forwards."""
     blocked: set[fx.Node] = set()
@@ -162,7 +162,7 @@ def fold_constants(module: fx.GraphModule) -> int:
         How many values were replaced by buffers.
     """
     graph = module.graph
-    blocked = _written_constants(graph)
+    blocked = written_values(graph)
     constant: set[fx.Node] = set()
     for node in graph.nodes:
         if node not in blocked and _is_foldable(node, constant):
@@ -269,6 +269,6 @@ def _free_name(module: nn.Module) -> str:
     return f"{CONSTANT_PREFIX}{index}"
 
 
-__all__ = ["DROPOUT_CALLS", "drop_inactive_dropout", "is_inactive_dropout", "flatten_attribute_paths", "fold_constants", "remove_dead_values",
+__all__ = ["DROPOUT_CALLS", "drop_inactive_dropout", "is_inactive_dropout", "flatten_attribute_paths", "fold_constants", "is_pure", "remove_dead_values", "written_values",
            "simplify_captured",
            "simplify_shard", "use_fused_attention"]

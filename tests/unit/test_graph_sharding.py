@@ -127,9 +127,11 @@ def test_autopipe_and_parameter_partitions_on_a_real_model():
         stats = [plan.stage_summary(s) for s in range(3)]
         assert all(s["forward_flops"] > 0 and s["num_parameters"] > 0 for s in stats), (method, stats)
     # The tied LM head's matmul dominates FLOPs: autopipe gives the last stage fewer shards than uniform.
-    uniform = plan_pipeline(model, _inputs(batch), num_stages=3, num_microbatches=4)
+    uniform = plan_pipeline(model, _inputs(batch), num_stages=3, num_microbatches=4,
+                            options=ShardingOptions(split_method="farthest_min_deps", partition_method="uniform"))
     auto = plan_pipeline(model, _inputs(batch), num_stages=3, num_microbatches=4,
-                         options=ShardingOptions(partition_method="autopipe"))
+                         options=ShardingOptions(split_method="farthest_min_deps", partition_method="autopipe",
+                                                 autopipe_costs="flops"))
     def last_size(p):
         return p.boundaries[-1] - p.boundaries[-2]
     assert last_size(auto) < last_size(uniform)
