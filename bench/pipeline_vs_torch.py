@@ -1,13 +1,16 @@
-"""merak's 1F1B pipeline against torch.distributed.pipelining's Schedule1F1B (pp=2, gloo).
+"""merak's 1F1B pipeline against torch.distributed.pipelining's Schedule1F1B (pp ranks, gloo).
 
-Two ranks x one thread train the gpt recipe's GPT2LMHeadModel cut into the same
-two stages (``bench/gpt_stages.hand_stages(model, 2)``: stage 0 = embeddings
-+ first half of the blocks, stage 1 = second half + ln_f + lm_head), M
-microbatches per step, AdamW step included, no gradient clipping:
+pp ranks x one thread train the gpt recipe's GPT2LMHeadModel, M microbatches
+per step, AdamW step included, no gradient clipping:
 
-* merak: ``PipelineEngine(schedule="1f1b")`` on ``groups.init(1, 1, 2)``.
-* torch: ``PipelineStage`` around the same stage module (stage 0 wrapped to take
-  an ``input_ids`` tensor instead of a dict) and ``Schedule1F1B``.
+* merak: ``PipelineEngine(schedule="1f1b")`` on ``groups.init(1, 1, pp)``, with
+  the stages merak's default automatic plan makes (``--merak-plan auto``: graph
+  capture, ``min_bytes`` cuts, ``autopipe`` on estimated costs, machine rates
+  measured on rank 0), or the hand split below (``--merak-plan hand``).
+* torch: ``PipelineStage`` around the hand split
+  (``bench/gpt_stages.hand_stages(model, pp)``: the blocks spread evenly,
+  embeddings with the first stage, ln_f + lm_head with the last; stage 0
+  wrapped to take an ``input_ids`` tensor instead of a dict) and ``Schedule1F1B``.
 
 torch pipelining cannot tie a weight across stages, so both build the model
 with the LM head *untied* from the token embedding (the head gets its own copy
@@ -18,10 +21,12 @@ The 2 ranks are spawned once; inside them the methods alternate, R rounds of
 (W warm-up + N timed steps of merak, then of torch, then of a single-process
 plain loop on rank 0 with the same global batch while rank 1 waits), so the
 noise of the shared machine hits all three alike. Rank 0 reports median step
-times, merak / torch, and CPU-seconds per step summed over the ranks against
-the single-process CPU time.
+times, merak / torch, CPU-seconds per step summed over the ranks against the
+single-process CPU time, and merak's step against the ideal 1F1B step
+(single-process time x (M + S - 1) / (M * S)).
 
-    .venv/bin/python bench/pipeline_vs_torch.py [--rounds 5 --warmup 1 --steps 4] [--json out.json]
+    .venv/bin/python bench/pipeline_vs_torch.py [--pp 2] [--merak-plan auto|hand] [--rounds 5 --warmup 1 --steps 4]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -45,11 +50,12 @@ from torch import nn
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
+from merak.shard.costs import calibrate
+from merak.shard.plan import ShardingOptions, plan_pipeline
 from recipes.gpt.model import causal_lm_loss
 
 logger = logging.getLogger("bench.pipeline_vs_torch")
 
-NUM_STAGES = 2
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.01
 METHODS = ("merak", "torch", "single")
@@ -61,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per method per round (W)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per method per round (N)")
     parser.add_argument("--num-microbatches", type=int, default=8, help="microbatches per step (M)")
+    parser.add_argument("--pp", type=int, default=2, help="pipeline stages, one rank each (S)")
+    parser.add_argument("--merak-plan", choices=("auto", "hand"), default="auto",
+                        help="merak's stages: its default automatic plan, or the hand split torch uses")
     parser.add_argument("--no-single", action="store_true",
                         help="skip the single-process reference (no CPU ratio then)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to this JSON file")
@@ -97,7 +106,15 @@ class MerakMethod:
         model = common.build_model(model_cfg, args.seed, untie=True)
         options = OptimizerOptions(learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
                                    max_grad_norm=0.0, lr_scheduler_type="constant")
-        self.engine = PipelineEngine(model=model, stages=hand_stages(model, NUM_STAGES),
+        if args.merak_plan == "auto":
+            example = {"input_ids": torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)}
+            rates = groups.broadcast_object(calibrate() if state.rank == 0 else None)
+            self.plan = plan_pipeline(model, example, num_stages=args.pp, num_microbatches=args.num_microbatches,
+                                      options=ShardingOptions(machine_rates=rates))
+            stages = self.plan.stages()
+        else:
+            self.plan, stages = None, hand_stages(model, args.pp)
+        self.engine = PipelineEngine(model=model, stages=stages,
                                      loss_fn=causal_lm_loss, state=state, schedule="1f1b",
                                      num_microbatches=args.num_microbatches, total_steps=total_steps,
                                      optimizer=options)
@@ -112,7 +129,7 @@ class TorchMethod:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         model = common.build_model(model_cfg, args.seed, untie=True)
-        stage_module = hand_stages(model, NUM_STAGES)[rank]
+        stage_module = hand_stages(model, args.pp)[rank]
         if rank == 0:
             submodule = InputIdsStage(stage_module)
             example = torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)
@@ -120,7 +137,7 @@ class TorchMethod:
             submodule = stage_module
             example = torch.zeros(args.micro_batch_size, args.seq_length, args.hidden_size)
         self.rank = rank
-        self.stage = PipelineStage(submodule, rank, NUM_STAGES, torch.device("cpu"), input_args=example)
+        self.stage = PipelineStage(submodule, rank, args.pp, torch.device("cpu"), input_args=example)
         self.schedule = Schedule1F1B(self.stage, args.num_microbatches, loss_fn=pipelining_loss)
         self.optimizer = adamw(submodule)
         self.submodule = submodule
@@ -129,6 +146,9 @@ class TorchMethod:
         self.submodule.train()
         if self.rank == 0:
             self.schedule.step(full_batch)
+            loss = None
+        elif not self.stage.is_last:
+            self.schedule.step()
             loss = None
         else:
             losses: list[torch.Tensor] = []
@@ -163,7 +183,7 @@ def _worker(options: dict, result_path: str) -> None:
     logging.getLogger("torch.distributed.pipelining").setLevel(logging.WARNING)
     common.single_thread()
     args = argparse.Namespace(**options)
-    state = groups.init(1, 1, NUM_STAGES, timeout_s=600)
+    state = groups.init(1, 1, args.pp, timeout_s=600)
     rank = state.rank
     try:
         model_cfg = common.model_config(args)
@@ -171,7 +191,7 @@ def _worker(options: dict, result_path: str) -> None:
         data = common.random_batches(model_cfg, micro_batch_size=args.micro_batch_size,
                                      num_microbatches=args.num_microbatches, count=steps_per_method,
                                      seed=args.seed)
-        # torch pipelining takes the whole batch and splits it: inputs on rank 0, targets on rank 1.
+        # torch pipelining takes the whole batch and splits it: inputs on the first rank, targets on the last.
         field = "input_ids" if rank == 0 else "labels"
         full = [torch.cat([mb[field] for mb in step]) for step in data]
         methods = {"merak": MerakMethod(model_cfg, args, state, steps_per_method),
@@ -205,8 +225,14 @@ def _worker(options: dict, result_path: str) -> None:
                 if rank == 0:
                     logger.info("round %d/%d %-6s median %.3f s/step on rank 0", round_index + 1, args.rounds,
                                 name, common.median(round_wall))
-        gathered = [None] * NUM_STAGES
-        dist.all_gather_object(gathered, {"wall": wall, "cpu": cpu, "block": block, "losses": losses})
+        gathered = [None] * args.pp
+        merak_plan = methods["merak"].plan
+        plan = None if merak_plan is None else {
+            "boundaries": merak_plan.boundaries,
+            "stages": [merak_plan.stage_summary(s)["modules"] for s in range(args.pp)],
+            "sends": [merak_plan.stage_summary(s)["sends"] for s in range(args.pp - 1)]}
+        dist.all_gather_object(gathered, {"wall": wall, "cpu": cpu, "block": block, "losses": losses,
+                                          "plan": plan})
         if rank == 0:
             Path(result_path).write_text(json.dumps(gathered))
     finally:
@@ -230,6 +256,10 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
     summary["ratio_merak_over_torch_wall"] = wall["merak"] / wall["torch"]
     summary["ratio_merak_over_torch_cpu"] = cpu["merak"] / cpu["torch"]
     if "single" in methods:
+        stages, microbatches = args.pp, args.num_microbatches
+        summary["ideal_1f1b_step_s"] = wall["single"] * (microbatches + stages - 1) / (microbatches * stages)
+        summary["fraction_of_ideal_1f1b"] = {name: summary["ideal_1f1b_step_s"] / wall[name]
+                                             for name in ("merak", "torch")}
         summary["ratio_cpu_over_single"] = {name: cpu[name] / cpu["single"] for name in ("merak", "torch")}
         summary["speedup_over_single_wall"] = {name: wall["single"] / wall[name] for name in ("merak", "torch")}
     # Loss check: merak's loss is known on every rank, torch's on the last rank, single's on rank 0.
@@ -253,17 +283,18 @@ def main(argv=None) -> int:
     model_cfg = common.model_config(args)
     num_params = common.count_parameters(common.build_model(model_cfg, args.seed, untie=True))
     logger.info("GPT-2 (LM head untied): %.2f M parameters, pp=%d, %d microbatches x %d x %d tokens per step",
-                num_params / 1e6, NUM_STAGES, args.num_microbatches, args.micro_batch_size, args.seq_length)
+                num_params / 1e6, args.pp, args.num_microbatches, args.micro_batch_size, args.seq_length)
     with tempfile.TemporaryDirectory() as folder:
         result_path = str(Path(folder) / "result.json")
         started = time.perf_counter()
-        spawn_workers(_worker, world_size=NUM_STAGES, args=(vars(args), result_path),
+        spawn_workers(_worker, world_size=args.pp, args=(vars(args), result_path),
                       env={"OMP_NUM_THREADS": "1"})
         logger.info("workers finished in %.0f s", time.perf_counter() - started)
         per_rank = json.loads(Path(result_path).read_text())
     summary = summarize(per_rank, args)
 
-    labels = {"merak": "merak 1f1b (pp=2)", "torch": "torch Schedule1F1B (pp=2)",
+    plan_name = "default automatic plan" if args.merak_plan == "auto" else "hand split"
+    labels = {"merak": f"merak 1f1b (pp={args.pp}, {plan_name})", "torch": f"torch Schedule1F1B (pp={args.pp}, hand split)",
               "single": "single process (1 rank)"}
     rows = []
     for name in summary["median_step_s_rank0"]:
@@ -277,15 +308,24 @@ def main(argv=None) -> int:
     table = common.format_table(["method", "median step (s)", "mean step, barrier to barrier (s)",
                                  "CPU-s/step (sum of ranks)", "CPU-s/step rank 0 / rank 1",
                                  "CPU-s / single-process CPU-s"], rows)
-    print(f"merak vs torch.distributed.pipelining, pp={NUM_STAGES} x 1 thread on gloo, "
+    print(f"merak vs torch.distributed.pipelining, pp={args.pp} x 1 thread on gloo, "
           f"{args.num_microbatches} microbatches x {args.micro_batch_size} x {args.seq_length} tokens, "
           f"GPT-2 {num_params / 1e6:.2f} M params (LM head untied), AdamW, no clipping; "
           f"{args.rounds} rounds x {args.steps} timed steps")
     print(common.format_facts(facts))
     print(table)
     ratio = summary["ratio_merak_over_torch_wall"]
-    print(f"merak / torch (median step time): {ratio:.3f}  ({(ratio - 1) * 100:+.1f} %; goal: <= 1.0)")
+    goal = "0.95" if args.merak_plan == "auto" else "1.0"
+    print(f"merak / torch (median step time): {ratio:.3f}  ({(ratio - 1) * 100:+.1f} %; goal: <= {goal})")
     print(f"merak / torch (CPU-s per step):   {summary['ratio_merak_over_torch_cpu']:.3f}")
+    if "fraction_of_ideal_1f1b" in summary:
+        print(f"ideal 1F1B step (single-process step x (M+S-1)/(M*S)): {summary['ideal_1f1b_step_s']:.3f} s; "
+              + ", ".join(f"{name} reaches {value * 100:.0f} %"
+                          for name, value in summary["fraction_of_ideal_1f1b"].items()) + " of it (goal: >= 90 %)")
+    if per_rank[0]["plan"] is not None:
+        plan = per_rank[0]["plan"]
+        print(f"merak's plan: shard boundaries {plan['boundaries']}, stages "
+              + "; ".join(f"{m[0]} .. {m[-1]}" for m in plan["stages"]) + f"; sends {plan['sends']}")
     print("largest loss difference from merak over all steps: "
           + ", ".join(f"{k} {v:.2e}" for k, v in summary["max_loss_difference_vs_merak"].items()))
     common.write_json(args.json, {"benchmark": "pipeline_vs_torch", "args": vars(args), "machine": facts,

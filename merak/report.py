@@ -237,22 +237,35 @@ def _human(count: float, unit: str = "") -> str:
     return f"{count:.0f}{unit}"
 
 
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def format_partition(report: dict) -> str:
-    """The dry-run table: per stage its modules, parameters, FLOPs, what it sends and estimated memory."""
+    """The dry-run table: per stage its modules, parameters, FLOPs, predicted forward + backward time per
+    microbatch, the bytes it sends per microbatch, estimated memory, and what it sends."""
     layout = report["layout"]
     lines = [f"pipeline plan ({report['recipe']} / {report['model']}, pp={layout['pp']}): captured with "
              f"{report['trace_method']}, {report['num_shards']} shards by {report['split_method']}, "
              f"stages by {report['partition_method']}, boundaries {report['boundaries']}"]
     lines += [f"  note: {note}" for note in report.get("notes", [])]
-    lines.append(f"{'stage':>5} {'shards':>9} {'params':>9} {'fwd FLOPs':>10} {'est. mem':>9}  modules / sends")
+    lines.append(f"{'stage':>5} {'shards':>9} {'params':>9} {'fwd FLOPs':>10} {'fwd+bwd':>10} {'sends':>9} "
+                 f"{'est. mem':>9}  modules / sends")
     for stage in report["stages"]:
         first, last = stage["shards"]
         modules = stage["modules"]
         shown = ", ".join(modules[:3]) + (f", ... ({len(modules)} modules)" if len(modules) > 3 else "")
+        predicted = (stage["predicted_forward_s"] + stage["predicted_backward_s"]
+                     if "predicted_forward_s" in stage else None)
         lines.append(f"{stage['stage']:>5} {f'{first}-{last - 1}':>9} {_human(stage['num_parameters']):>9} "
-                     f"{_human(stage['forward_flops']):>10} {_human(stage['estimated_memory_bytes'], 'B'):>9}  "
+                     f"{_human(stage['forward_flops']):>10} {_duration(predicted):>10} "
+                     f"{_human(stage.get('send_bytes', 0), 'B'):>9} {_human(stage['estimated_memory_bytes'], 'B'):>9}  "
                      f"{shown}")
         if stage["sends"]:
-            size = f" ({_human(stage['send_bytes'], 'B')} per microbatch)" if "send_bytes" in stage else ""
-            lines.append(f"{'':>47}sends {', '.join(f'{k}: {v}' for k, v in stage['sends'].items())}{size}")
+            lines.append(f"{'':>69}sends {', '.join(f'{k}: {v}' for k, v in stage['sends'].items())}")
+    if report.get("predicted_step_s") is not None:
+        lines.append(f"predicted 1F1B step ({report.get('num_microbatches', '?')} microbatches, sends not "
+                     f"counted): {_duration(report['predicted_step_s'])}; fwd+bwd and sends are per microbatch")
     return "\n".join(lines)

@@ -173,6 +173,20 @@ def _capture_export(model: nn.Module, example_inputs: Mapping[str, torch.Tensor]
     return module, program.call_spec.out_spec
 
 
+def _export_stack_once(model: nn.Module, examples: Mapping[str, torch.Tensor], notes: list[str]
+                       ) -> tuple[fx.GraphModule, pytree.TreeSpec]:
+    """torch.export, with a long stack of identical blocks exported three blocks deep and repeated
+    (merak.trace.repeat) when its blocks repeat exactly."""
+    from merak.trace.repeat import capture_with_repeats
+
+    repeated = capture_with_repeats(model, lambda shortened: _capture_export(shortened, examples))
+    if repeated is None:
+        return _capture_export(model, examples)
+    module, out_spec, note = repeated
+    notes.append(note)
+    return module, out_spec
+
+
 def _first_lines(error: Exception, count: int = 6) -> str:
     return "\n".join(str(error).strip().splitlines()[:count])
 
@@ -216,12 +230,12 @@ def capture(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, met
                 notes.append(f"torch.fx failed, used torch.export: {_first_lines(fx_error, 2)}")
                 logger.info("%s", notes[-1])
                 try:
-                    module, out_spec = _capture_export(model, examples)
+                    module, out_spec = _export_stack_once(model, examples, notes)
                 except TraceError as export_error:
                     raise TraceError(f"{fx_error}\n{export_error}\n{_LEAF_HINT}") from export_error
         else:
             try:
-                module, out_spec = _capture_export(model, examples)
+                module, out_spec = _export_stack_once(model, examples, notes)
             except TraceError as export_error:
                 raise TraceError(f"{export_error}\n{_LEAF_HINT}") from export_error
     logger.info("captured %s with torch.export (%d nodes)", type(model).__name__, len(module.graph.nodes))
