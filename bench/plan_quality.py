@@ -10,7 +10,8 @@ the pp - 1 stage boundaries on those cuts is one *block-boundary plan*; the
 ``autopipe_costs=estimate``, rates calibrated on rank 0).
 
 pp ranks x one thread train each plan with 1F1B (M microbatches, AdamW, no
-clipping, no recomputation) on the same random batches. Plans are measured in
+clipping, no recomputation, freed memory kept as merak's workers keep it) on
+the same random batches. Plans are measured in
 rounds, each round every plan in turn (W warm-up + N timed steps), so the
 machine's noise hits all of them alike; rank 0 reports each plan's median
 step time and the default plan's time over the fastest block-boundary plan's.
@@ -38,6 +39,7 @@ import common  # first: sets OMP_NUM_THREADS before torch starts threads
 import torch
 import torch.distributed as dist
 
+from merak.compat.allocator import keep_freed_memory
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
@@ -91,6 +93,7 @@ def _engine(model, plan, args, state, steps: int) -> PipelineEngine:
 def _worker(options: dict, result_path: str) -> None:
     common.setup_logging()
     common.single_thread()
+    keep_freed_memory()  # as merak's workers do by default (launcher.keep_freed_memory)
     args = argparse.Namespace(**options)
     state = groups.init(1, 1, args.pp, timeout_s=1200)
     try:

@@ -315,3 +315,33 @@ def balance_other_stages(forward_costs: Sequence[float], backward_costs: Sequenc
                                                                         num_microbatches):
         return balanced
     return boundaries
+
+
+CHEAPER_SEND_TOLERANCE = 0.02  # a cheaper stage boundary may cost this much simulated step time
+
+
+def cheapen_boundaries(forward_costs: Sequence[float], backward_costs: Sequence[float],
+                       send_bytes: Sequence[int], boundaries: Sequence[int], num_microbatches: int,
+                       tolerance: float = CHEAPER_SEND_TOLERANCE) -> list[int]:
+    """Move each stage boundary to the shard boundary between its neighbours that sends the fewest bytes,
+    as long as the simulated 1F1B time grows by at most ``tolerance`` over the plan's.
+
+    ``send_bytes[i]``: what a stage boundary after shard ``i`` sends. Costs are per shard, as for
+    :func:`autopipe_boundaries`. A search over shards cut at one byte level (``min_bytes``) can
+    still place a boundary at a dearer position of that level than a nearby one needs.
+    """
+    forward = _as_costs("forward_costs", forward_costs)
+    backward = _as_costs("backward_costs", backward_costs)
+    num_microbatches = _as_microbatches(num_microbatches)
+    boundaries = list(boundaries)
+    limit = _score(forward, backward, boundaries, num_microbatches) * (1 + tolerance)
+    for stage in range(1, len(boundaries) - 1):
+        best = boundaries[stage]
+        for position in range(boundaries[stage - 1] + 1, boundaries[stage + 1]):
+            if send_bytes[position - 1] >= send_bytes[best - 1]:
+                continue
+            moved = boundaries[:stage] + [position] + boundaries[stage + 1:]
+            if _score(forward, backward, moved, num_microbatches) <= limit:
+                best = position
+        boundaries[stage] = best
+    return boundaries

@@ -18,7 +18,7 @@ from torch import nn
 
 from merak.pipeline.stage import StageModule
 from merak.shard import partition as part
-from merak.shard.autopipe import autopipe_boundaries, balance_other_stages, simulate_1f1b
+from merak.shard.autopipe import autopipe_boundaries, balance_other_stages, cheapen_boundaries, simulate_1f1b
 from merak.shard.build import shard_modules
 from merak.shard.costs import MachineRates, UnitCosts, calibrate, measure_units
 from merak.shard.graph import GraphUnits
@@ -252,7 +252,9 @@ def _partition(options: ShardingOptions, reports: list[ShardReport], num_stages:
                 forward = [float(r.forward_flops) for r in reports]
             backward = [f * options.backward_flops_factor for f in forward]
         boundaries = autopipe_boundaries(forward, backward, num_stages, num_microbatches)
-        return balance_other_stages(forward, backward, boundaries, num_microbatches)
+        boundaries = balance_other_stages(forward, backward, boundaries, num_microbatches)
+        return cheapen_boundaries(forward, backward, [r.output_bytes for r in reports], boundaries,
+                                  num_microbatches)
     raise part.PartitionError(f"partition_method={method!r} is unknown; choose one of "
                               f"{', '.join(PARTITION_METHODS)}")
 
