@@ -4,9 +4,12 @@ Each measurement runs in a fresh subprocess (so peak RSS is its own): the
 model is built on the meta device from recipes/gpt/conf/model/gpt3-175b.yaml,
 then either
 
-- merak: ``plan_pipeline`` (torch.export capture, graph sharding, partition), or
-- torch: ``torch.distributed.pipelining.pipeline`` split at the same block
-  boundaries (``SplitPoint.BEGINNING``) as merak's stages,
+- merak: ``plan_pipeline`` with the default settings (torch.export capture of
+  three blocks repeated to 96, ``min_bytes`` cuts, ``autopipe`` on estimated
+  costs with machine rates measured in the process),
+- merak-whole: the same, but the whole 96-block stack exported (no repeat), or
+- torch: ``torch.distributed.pipelining.pipeline()`` split evenly at block
+  boundaries (``SplitPoint.BEGINNING``),
 
 for 8 and 64 stages. Prints a table of wall time (build included) and peak RSS.
 
@@ -49,19 +52,23 @@ def _measure(tool: str, stages: int, micro_batch: int) -> dict:
     torch.set_num_threads(1)  # nothing is computed on meta; spare both tools thread-pool overheads
     model, cfg = _build()
     inputs = {"input_ids": torch.zeros(micro_batch, cfg.seq_length, dtype=torch.long, device="meta")}
-    if tool == "merak":
+    if tool.startswith("merak"):
         from merak.shard.plan import ShardingOptions, plan_pipeline
+        from merak.trace import repeat
 
+        if tool == "merak-whole":
+            repeat.MIN_BLOCKS = 10 ** 9  # no stack is long enough: export all 96 blocks
         plan = plan_pipeline(model, inputs, num_stages=stages, num_microbatches=2 * stages,
-                             options=ShardingOptions(trace_method="dynamo", split_method="layer_split",
-                                                     split_points=("transformer.h.*",)))
-        result = {"shards": len(plan.shards), "boundaries": plan.boundaries}
+                             options=ShardingOptions(trace_method="dynamo"))
+        sends = {value for s in range(stages - 1) for value in plan.stage_summary(s)["sends"].values()}
+        result = {"shards": len(plan.shards), "boundaries": plan.boundaries, "sends": sorted(sends),
+                  "notes": plan.notes}
     else:
         from torch.distributed.pipelining import SplitPoint, pipeline
 
         from merak.shard.partition import uniform_boundaries
 
-        # Same stage starts as merak's layer_split + uniform: blocks cut evenly, first stage also embeds.
+        # Blocks cut evenly, the first stage also embeds.
         shard_bounds = uniform_boundaries(cfg.num_layers + 1, stages)
         split_spec = {f"transformer.h.{b - 1}": SplitPoint.BEGINNING for b in shard_bounds[1:-1]}
         model.config.use_cache = False  # a KV cache is no graph output (merak's capture does the same)
@@ -77,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--tools", nargs="+", default=["merak", "torch"])
+    parser.add_argument("--tools", nargs="+", default=["merak", "merak-whole", "torch"])
     parser.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: tool stages
     args = parser.parse_args()
     if args.one:
@@ -92,9 +99,10 @@ def main() -> None:
                                  capture_output=True, text=True, check=True, cwd=REPO)
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             logger.info("%s", rows[-1])
-    logger.info("\n%-6s %-6s %10s %12s", "stages", "tool", "seconds", "peak RSS MB")
+    logger.info("\n%-6s %-12s %10s %12s  %s", "stages", "tool", "seconds", "peak RSS MB", "sends")
     for row in rows:
-        logger.info("%-6d %-6s %10.1f %12.0f", row["num_stages"], row["tool"], row["seconds"], row["peak_rss_mb"])
+        logger.info("%-6d %-12s %10.1f %12.0f  %s", row["num_stages"], row["tool"], row["seconds"], row["peak_rss_mb"],
+                    ", ".join(row.get("sends", [])))
 
 
 if __name__ == "__main__":

@@ -19,10 +19,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from merak.distributed import groups
 from merak.pipeline.stage import StageModule
-from merak.shard.plan import PipelinePlan, ShardingOptions, plan_pipeline
+from merak.shard.costs import MachineRates, calibrate
+from merak.shard.plan import PipelinePlan, ShardingOptions, needs_machine_rates, plan_pipeline
 from merak.tensor_parallel.options import TensorParallelOptions, split_model
 from merak.tensor_parallel.overlap import SubPipelinedStage, batch_size, halve
 from merak.tensor_parallel.plan import ResolvedPlan
@@ -89,6 +92,14 @@ def default_input_names(model: nn.Module, example: Mapping[str, torch.Tensor]) -
     return names
 
 
+def shared_machine_rates(device: torch.device, dtype: torch.dtype) -> MachineRates:
+    """Machine rates (``merak.shard.costs.calibrate``) that every rank agrees on: measured by rank 0
+    and sent to the others, so that all ranks cut the model alike."""
+    if not dist.is_initialized():
+        return calibrate(device, dtype)
+    return groups.broadcast_object(calibrate(device, dtype) if dist.get_rank() == 0 else None)
+
+
 def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, options: ShardingOptions,
              num_stages: int, num_microbatches: int, stage_id: int | Sequence[int], device: torch.device,
              example_inputs: Mapping[str, torch.Tensor],
@@ -134,8 +145,11 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
             raise ValueError("trace_method=None needs build_stages for more than one pipeline stage")
     else:
         examples = {name: example_inputs[name] for name in input_names}
+        options = replace(options, input_names=tuple(input_names))
+        if num_stages > 1 and options.machine_rates is None and needs_machine_rates(options):
+            options = replace(options, machine_rates=shared_machine_rates(device, dtype))
         plan = plan_pipeline(model, examples, num_stages=num_stages, num_microbatches=num_microbatches,
-                             options=replace(options, input_names=tuple(input_names)))
+                             options=options)
         stages = plan.stages()
     if sub_pipelined:
         stages = [SubPipelinedStage(stage) for stage in stages]

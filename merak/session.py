@@ -106,11 +106,10 @@ def optimizer_options(settings: RunSettings, steps: int) -> OptimizerOptions:
     return OptimizerOptions(**{**values, "warmup_steps": warmup_steps(settings, steps)})
 
 
-def _calibrate_as_a_worker(settings: RunSettings, device, dtype, planning: bool):
-    """Machine rates measured with the workers' thread count (a planning process has more threads)."""
+def _calibrate_as_a_worker(settings: RunSettings, device, dtype):
+    """Machine rates measured with the workers' thread count (the planning process has more threads)."""
     threads = torch.get_num_threads()
-    if planning:
-        torch.set_num_threads(settings.launcher.threads_per_rank)
+    torch.set_num_threads(settings.launcher.threads_per_rank)
     try:
         return calibrate(device, dtype)
     finally:
@@ -126,11 +125,8 @@ def assemble_worker(spec, settings: RunSettings, prepared, *, stage_id: int, dev
     chunks, pp = pipeline_chunks(settings.trainer), settings.grid.pp
     options = sharding_options(spec, settings)
     dtype = precision_options(settings.trainer).dtype
-    if options.trace_method is not None and pp * chunks > 1 and needs_machine_rates(options):
-        # Every rank must cut the model alike: rank 0's measurement is everyone's.
-        first = planning or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        rates = _calibrate_as_a_worker(settings, device, dtype, planning) if first else None
-        options = dataclasses.replace(options, machine_rates=rates if planning else groups.broadcast_object(rates))
+    if planning and options.trace_method is not None and pp * chunks > 1 and needs_machine_rates(options):
+        options = dataclasses.replace(options, machine_rates=_calibrate_as_a_worker(settings, device, dtype))
     return assemble(
         build=functools.partial(spec.build_model, settings.model_cfg), seed=settings.trainer.seed,
         init_device=settings.trainer.init_device, options=options,

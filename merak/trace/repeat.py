@@ -35,9 +35,10 @@ class NotRepeatable(Exception):
     """The exported stack does not repeat exactly; export the whole model instead."""
 
 
-def repeated_stack(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> tuple[str, nn.ModuleList] | None:
+def repeated_stack(model: nn.Module, min_blocks: int | None = None) -> tuple[str, nn.ModuleList] | None:
     """The model's largest ModuleList of identical blocks (same class, same parameter names and shapes),
     by parameter count, if it has at least ``min_blocks`` blocks."""
+    min_blocks = MIN_BLOCKS if min_blocks is None else min_blocks
     best = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < min_blocks or not name:
@@ -213,13 +214,13 @@ def repeat_blocks(graph_module: fx.GraphModule, stack: str, blocks: nn.ModuleLis
 
 
 def capture_with_repeats(model: nn.Module, export: Callable[[nn.Module], tuple[fx.GraphModule, object]],
-                         min_blocks: int = MIN_BLOCKS) -> tuple[fx.GraphModule, object, str] | None:
+                         min_blocks: int | None = None) -> tuple[fx.GraphModule, object, str] | None:
     """Export ``model`` with its largest stack of identical blocks cut to three, then repeat the last.
 
     ``export`` exports a model and returns (graph module, output spec). Returns them with a note, or
     None when the model has no long stack or its blocks do not repeat exactly (export it whole).
     """
-    found = repeated_stack(model, min_blocks)
+    found = repeated_stack(model, MIN_BLOCKS if min_blocks is None else min_blocks)
     if found is None:
         return None
     name, blocks = found

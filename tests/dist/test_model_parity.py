@@ -38,6 +38,10 @@ CASES = {
     "vit": ("vit", "cpu", "layer_split", "uniform"),
     "wide_resnet": ("wide_resnet", "cpu", "farthest_min_deps", "autopipe"),
     "gpt2-meta": ("gpt2", "meta", "layer_split", "uniform"),
+    # The default plan: cuts where the fewest bytes cross, stages balanced on rank 0's machine rates.
+    "gpt2-default": ("gpt2", "cpu", "min_bytes", "autopipe"),
+    "t5-default": ("t5", "cpu", "min_bytes", "autopipe"),
+    "swin-default": ("swin", "cpu", "min_bytes", "autopipe"),
 }
 SPLIT_POINTS = {"vit": ("vit.layers.*",), "gpt2": ("transformer.h.*",)}
 
@@ -97,6 +101,8 @@ def test_pp2_matches_single_process(case, tmp_path):
     spawn_workers(_train_pipeline, world_size=2, args=(str(tmp_path), case))
     reference = _reference(case)
     seen = set()
+    plans = {rank: torch.load(tmp_path / f"rank{rank}.pt")[0]["boundaries"] for rank in range(2)}
+    assert plans[0] == plans[1], f"the ranks cut the model differently: {plans}"
     for rank in range(2):
         records = torch.load(tmp_path / f"rank{rank}.pt")
         for step, (got, want) in enumerate(zip(records, reference, strict=True)):

@@ -189,8 +189,7 @@ def test_dry_run_prints_and_writes_the_plan(tmp_path, cache_dir):
 def test_gpt3_175b_is_planned_on_one_cpu_process(tmp_path, cache_dir):
     run_dir = tmp_path / "giant"
     result = _train(["model=gpt3-175b", "parallel=pp4", "parallel.pp=8", "dry_run=true",
-                     "trainer.per_device_train_batch_size=1", "trainer.split_method=layer_split",
-                     f"hydra.run.dir={run_dir}"], cache_dir, timeout=400)
+                     "trainer.per_device_train_batch_size=1", f"hydra.run.dir={run_dir}"], cache_dir, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((run_dir / "partition.json").read_text())
     assert report["built_on_meta"]
@@ -199,3 +198,8 @@ def test_gpt3_175b_is_planned_on_one_cpu_process(tmp_path, cache_dir):
     assert total - tied == pytest.approx(174.604e9, rel=1e-4)
     assert len(report["stages"]) == 8
     assert report["peak_rss_bytes"] < 2 * 1024**3  # weights are never allocated
+    # The default plan cuts where only the hidden state crosses: no mask, no MLP activation.
+    assert report["split_method"] == "min_bytes"
+    for stage in report["stages"][:-1]:
+        assert list(stage["sends"].values()) == ["float32[1, 1024, 12288]"], stage["sends"]
+    assert any("repeated" in note for note in report["notes"])  # 3 of the 96 blocks exported
