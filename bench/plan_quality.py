@@ -11,10 +11,11 @@ the pp - 1 stage boundaries on those cuts is one *block-boundary plan*; the
 
 pp ranks x one thread train each plan with 1F1B (M microbatches, AdamW, no
 clipping, no recomputation, freed memory kept as merak's workers keep it) on
-the same random batches. Plans are measured in
-rounds, each round every plan in turn (W warm-up + N timed steps), so the
-machine's noise hits all of them alike; rank 0 reports each plan's median
-step time and the default plan's time over the fastest block-boundary plan's.
+the same random batches. Plans are measured in rounds, each round every plan
+in turn in a shuffled order (W warm-up + N timed steps), so the machine's noise
+and the cost of switching plans hit all of them alike; rank 0 reports each
+plan's median step time, the CPU time of its busiest rank, and the default
+plan's time over the fastest block-boundary plan's.
 
     .venv/bin/python bench/plan_quality.py --model demo --pp 2
     .venv/bin/python bench/plan_quality.py --pp 2
@@ -28,6 +29,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import random
 import sys
 import tempfile
 import time
@@ -50,6 +52,7 @@ from recipes.gpt.model import causal_lm_loss
 logger = logging.getLogger("bench.plan_quality")
 
 BLOCK_CUTS = ("transformer.h.*", "lm_head")
+MAX_KEPT_ENGINES = 16  # more plans than this (pp=4: 85) are rebuilt each round instead of kept
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,9 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", choices=("bench", "demo"), default="bench",
                         help="demo: the gpt recipe's default model (recipes/gpt/conf/model/demo.yaml)")
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (one rank each)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over all plans (R)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds over all plans (R)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per plan per round (W)")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per plan per round (N)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per plan per round (N)")
     parser.add_argument("--num-microbatches", type=int, default=8, help="microbatches per step (M)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to this JSON file")
     common.add_model_args(parser)
@@ -115,8 +118,12 @@ def _worker(options: dict, result_path: str) -> None:
                                      num_microbatches=args.num_microbatches, count=per_round, seed=args.seed)
         engines = {}
         times: dict[str, list[float]] = {name: [] for name in plans}
+        cpu: dict[str, list[float]] = {name: [] for name in plans}
         for round_index in range(args.rounds):
-            for name, plan in plans.items():
+            order = list(plans)
+            random.Random(round_index).shuffle(order)  # the same order on every rank
+            for name in order:
+                plan = plans[name]
                 if name not in engines:
                     engines[name] = _engine(model, plan, args, state, args.rounds * per_round)
                 engine = engines[name]
@@ -125,18 +132,22 @@ def _worker(options: dict, result_path: str) -> None:
                     engine.train_step(data[step])
                 for step in range(args.warmup, per_round):
                     dist.barrier()
-                    started = time.perf_counter()
+                    started, started_cpu = time.perf_counter(), time.process_time()
                     engine.train_step(data[step])
                     times[name].append(time.perf_counter() - started)
-                if args.rounds == 1:  # one pass: no need to keep every engine's optimizer state alive
+                    cpu[name].append(time.process_time() - started_cpu)
+                if args.rounds == 1 or len(plans) > MAX_KEPT_ENGINES:  # bounded memory: rebuild next round
                     del engines[name]
             if state.rank == 0:
                 logger.info("round %d/%d done", round_index + 1, args.rounds)
+        busy = [None] * args.pp
+        dist.all_gather_object(busy, {name: common.median(values) for name, values in cpu.items()})
         if state.rank == 0:
             described = {name: {"boundaries": plan.boundaries, "shards": len(plan.shards),
                                 "predicted_step_s": plan.predicted_step_seconds(),
                                 "sends": [plan.stage_summary(s)["sends"] for s in range(args.pp - 1)],
-                                "median_step_s": common.median(times[name])}
+                                "median_step_s": common.median(times[name]), "step_s": times[name],
+                                "cpu_s_by_rank": [rank_cpu[name] for rank_cpu in busy]}
                          for name, plan in plans.items()}
             Path(result_path).write_text(json.dumps({"plans": described,
                                                      "default_split": [plan_modules(default, s)
@@ -167,6 +178,7 @@ def main(argv=None) -> int:
     ratio = plans["default"]["median_step_s"] / block_times[fastest]
     rows = [[name, " ".join(map(str, p["boundaries"])), f"{p['median_step_s']:.3f}",
              f"{p['median_step_s'] / block_times[fastest]:.3f}",
+             " / ".join(f"{c:.2f}" for c in p["cpu_s_by_rank"]),
              "-" if p["predicted_step_s"] is None else f"{p['predicted_step_s']:.3f}"]
             for name, p in sorted(plans.items(), key=lambda item: item[1]["median_step_s"])]
     print(f"pipeline plans for GPT-2 ({args.model}), pp={args.pp} x 1 thread, {args.num_microbatches} microbatches "
@@ -174,7 +186,7 @@ def main(argv=None) -> int:
           f"{args.steps} timed steps per plan")
     print(common.format_facts(facts))
     print(common.format_table(["plan", "shard boundaries", "median step (s)", "/ fastest block plan",
-                               "predicted (s)"], rows))
+                               "CPU s/step by rank", "predicted (s)"], rows))
     print(f"default plan: stages {result['default_split']}, sends {plans['default']['sends']}")
     print(f"default / fastest block-boundary plan ({fastest}): {ratio:.3f}  (goal: <= 1.05)")
     common.write_json(args.json, {"benchmark": "plan_quality", "args": vars(args), "machine": facts,

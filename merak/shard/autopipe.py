@@ -317,7 +317,8 @@ def balance_other_stages(forward_costs: Sequence[float], backward_costs: Sequenc
     return boundaries
 
 
-CHEAPER_SEND_TOLERANCE = 0.02  # a cheaper stage boundary may cost this much simulated step time
+# A cheaper stage boundary may cost this much simulated step time (which does not count sends).
+CHEAPER_SEND_TOLERANCE = 0.05
 
 
 def cheapen_boundaries(forward_costs: Sequence[float], backward_costs: Sequence[float],

@@ -35,7 +35,7 @@ from merak.shard.graph import GraphUnits
 
 SPLIT_METHODS = ("min_bytes", "farthest_min_deps", "nearest_min_deps", "layer_split")
 # A cut carrying more bytes is taken only when it balances stages better than this (relative bottleneck).
-BALANCE_TOLERANCE = 0.10  # about what the cost estimate can tell apart
+BALANCE_TOLERANCE = 0.15  # about the error of the cost estimate: closer plans are not told apart
 
 
 class ShardingError(ValueError):
