@@ -5,8 +5,9 @@ per step, AdamW step included, no gradient clipping:
 
 * merak: ``PipelineEngine(schedule="1f1b")`` on ``groups.init(1, 1, pp)``, with
   the stages merak's default automatic plan makes (``--merak-plan auto``: graph
-  capture, ``min_bytes`` cuts, ``autopipe`` on estimated costs, machine rates
-  measured on rank 0), or the hand split below (``--merak-plan hand``).
+  capture, ``min_bytes`` cuts, ``autopipe`` on estimated costs; ``--costs
+  calibrated`` weighs them with rates measured on rank 0), or the hand split
+  below (``--merak-plan hand``).
 * torch: ``PipelineStage`` around the hand split
   (``bench/gpt_stages.hand_stages(model, pp)``: the blocks spread evenly,
   embeddings with the first stage, ln_f + lm_head with the last; stage 0
@@ -47,10 +48,10 @@ import torch.distributed as dist
 from gpt_stages import hand_stages
 from torch import nn
 
+from merak.assemble import shared_machine_rates
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
-from merak.shard.costs import calibrate
 from merak.shard.plan import ShardingOptions, plan_pipeline
 from recipes.gpt.model import causal_lm_loss
 
@@ -70,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages, one rank each (S)")
     parser.add_argument("--merak-plan", choices=("auto", "hand"), default="auto",
                         help="merak's stages: its default automatic plan, or the hand split torch uses")
+    parser.add_argument("--costs", default="estimate", choices=("estimate", "calibrated"),
+                        help="autopipe_costs of merak's automatic plan (calibrated: rates measured on rank 0)")
     parser.add_argument("--no-single", action="store_true",
                         help="skip the single-process reference (no CPU ratio then)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to this JSON file")
@@ -108,9 +111,8 @@ class MerakMethod:
                                    max_grad_norm=0.0, lr_scheduler_type="constant")
         if args.merak_plan == "auto":
             example = {"input_ids": torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)}
-            rates = groups.broadcast_object(calibrate() if state.rank == 0 else None)
             self.plan = plan_pipeline(model, example, num_stages=args.pp, num_microbatches=args.num_microbatches,
-                                      options=ShardingOptions(machine_rates=rates))
+                                      options=ShardingOptions(autopipe_costs=args.costs, machine_rates=_rates(args)))
             stages = self.plan.stages()
         else:
             self.plan, stages = None, hand_stages(model, args.pp)
@@ -176,6 +178,11 @@ class SingleMethod:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(total)
+
+
+def _rates(args: argparse.Namespace):
+    """Rank 0's measured rates for every rank with ``--costs calibrated`` (so all ranks cut alike)."""
+    return shared_machine_rates(torch.device("cpu"), torch.float32) if args.costs == "calibrated" else None
 
 
 def _worker(options: dict, result_path: str) -> None:

@@ -7,7 +7,8 @@ every block boundary: before each transformer block and before the LM head
 the pp - 1 stage boundaries on those cuts is one *block-boundary plan*; the
 *default plan* is what merak picks with its default settings
 (``split_method=min_bytes``, ``partition_method=autopipe``,
-``autopipe_costs=estimate``, rates calibrated on rank 0).
+``autopipe_costs=estimate``: nominal CPU rates; ``--costs calibrated`` measures
+them on rank 0).
 
 pp ranks x one thread train each plan with 1F1B (M microbatches, AdamW, no
 clipping, no recomputation, freed memory kept as merak's workers keep it) on
@@ -42,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 from merak.compat.allocator import keep_freed_memory
+from merak.assemble import shared_machine_rates
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
-from merak.shard.costs import calibrate
 from merak.shard.plan import ShardingOptions, plan_pipeline
 from recipes.gpt.model import causal_lm_loss
 
@@ -64,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per plan per round (W)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per plan per round (N)")
     parser.add_argument("--num-microbatches", type=int, default=8, help="microbatches per step (M)")
+    parser.add_argument("--costs", default="estimate", choices=("estimate", "calibrated"),
+                        help="autopipe_costs of the default plan (calibrated: rates measured on rank 0)")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers to this JSON file")
     common.add_model_args(parser)
     return parser.parse_args(argv)
@@ -93,6 +96,11 @@ def _engine(model, plan, args, state, steps: int) -> PipelineEngine:
                           optimizer=options)
 
 
+def _rates(args: argparse.Namespace):
+    """Rank 0's measured rates for every rank with ``--costs calibrated`` (so all ranks cut alike)."""
+    return shared_machine_rates(torch.device("cpu"), torch.float32) if args.costs == "calibrated" else None
+
+
 def _worker(options: dict, result_path: str) -> None:
     common.setup_logging()
     common.single_thread()
@@ -103,12 +111,11 @@ def _worker(options: dict, result_path: str) -> None:
         model_cfg = model_config(args)
         model = common.build_model(model_cfg, args.seed).train()
         example = {"input_ids": torch.zeros(args.micro_batch_size, model_cfg.seq_length, dtype=torch.long)}
-        rates = groups.broadcast_object(calibrate() if state.rank == 0 else None)
         blocks = plan_pipeline(model, example, num_stages=args.pp, num_microbatches=args.num_microbatches,
                                options=ShardingOptions(split_method="layer_split", split_points=BLOCK_CUTS,
-                                                       partition_method="uniform", machine_rates=rates))
+                                                       partition_method="uniform"))
         default = plan_pipeline(model, example, num_stages=args.pp, num_microbatches=args.num_microbatches,
-                                options=ShardingOptions(machine_rates=rates))
+                                options=ShardingOptions(autopipe_costs=args.costs, machine_rates=_rates(args)))
         plans = {"default": default}
         for bounds in block_plans(len(blocks.shards), args.pp):
             cuts = ", ".join(blocks.reports[b].modules[0] for b in bounds[1:-1])

@@ -25,7 +25,7 @@ from torch import nn
 from merak.distributed import groups
 from merak.pipeline.stage import StageModule
 from merak.shard.costs import MachineRates, calibrate
-from merak.shard.plan import PipelinePlan, ShardingOptions, needs_machine_rates, plan_pipeline
+from merak.shard.plan import PipelinePlan, ShardingOptions, needs_calibration, plan_pipeline
 from merak.tensor_parallel.options import TensorParallelOptions, split_model
 from merak.tensor_parallel.overlap import SubPipelinedStage, batch_size, halve
 from merak.tensor_parallel.plan import ResolvedPlan
@@ -146,7 +146,9 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
     else:
         examples = {name: example_inputs[name] for name in input_names}
         options = replace(options, input_names=tuple(input_names))
-        if num_stages > 1 and options.machine_rates is None and needs_machine_rates(options):
+        if options.device_type is None:
+            options = replace(options, device_type=torch.device(device).type)
+        if num_stages > 1 and needs_calibration(options):
             options = replace(options, machine_rates=shared_machine_rates(device, dtype))
         plan = plan_pipeline(model, examples, num_stages=num_stages, num_microbatches=num_microbatches,
                              options=options)

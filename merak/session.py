@@ -44,7 +44,7 @@ from merak.report import (
     write_json_atomic,
 )
 from merak.shard.costs import calibrate
-from merak.shard.plan import ShardingOptions, needs_machine_rates
+from merak.shard.plan import ShardingOptions, needs_calibration
 from merak.tensor_parallel.options import TensorParallelOptions
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,10 @@ def assemble_worker(spec, settings: RunSettings, prepared, *, stage_id: int, dev
     chunks, pp = pipeline_chunks(settings.trainer), settings.grid.pp
     options = sharding_options(spec, settings)
     dtype = precision_options(settings.trainer).dtype
-    if planning and options.trace_method is not None and pp * chunks > 1 and needs_machine_rates(options):
+    if planning:  # plan for the workers' device (a process planning on the CPU for GPU workers)
+        on_gpu = torch.cuda.is_available() and settings.launcher.backend != "gloo"
+        options = dataclasses.replace(options, device_type="cuda" if on_gpu else "cpu")
+    if planning and options.trace_method is not None and pp * chunks > 1 and needs_calibration(options):
         options = dataclasses.replace(options, machine_rates=_calibrate_as_a_worker(settings, device, dtype))
     return assemble(
         build=functools.partial(spec.build_model, settings.model_cfg), seed=settings.trainer.seed,

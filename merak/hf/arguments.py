@@ -118,8 +118,9 @@ class MerakArguments(TrainingArguments):
     # merak extensions
     pipeline_chunks: int | None = _doc("Model chunks per pipeline rank (interleaved_1f1b).", default=None)
     init_device: str = _doc("auto, cpu or meta (used with model_init).", default="auto")
-    autopipe_costs: str = _doc("autopipe's shard cost: estimate (FLOPs, bytes and operations on calibrated "
-                               "machine rates), flops or time.", default="estimate")
+    autopipe_costs: str = _doc("autopipe's shard cost: estimate (FLOPs, bytes and operations on the device "
+                               "kind's nominal rates), calibrated (on rates measured by a short timed run), "
+                               "flops or time.", default="estimate")
     leaf_modules: list[str] | None = _doc("Class or module names kept whole when tracing.", default=None)
     pretrained_weights: str | None = _doc("A Hugging Face model directory (safetensors) to start from.",
                                           default=None)

@@ -325,7 +325,8 @@ def cheapen_boundaries(forward_costs: Sequence[float], backward_costs: Sequence[
                        send_bytes: Sequence[int], boundaries: Sequence[int], num_microbatches: int,
                        tolerance: float = CHEAPER_SEND_TOLERANCE) -> list[int]:
     """Move each stage boundary to the shard boundary between its neighbours that sends the fewest bytes,
-    as long as the simulated 1F1B time grows by at most ``tolerance`` over the plan's.
+    as long as the simulated 1F1B time grows by at most ``tolerance`` over the plan's and neither
+    neighbouring stage is left without work.
 
     ``send_bytes[i]``: what a stage boundary after shard ``i`` sends. Costs are per shard, as for
     :func:`autopipe_boundaries`. A search over shards cut at one byte level (``min_bytes``) can
@@ -335,6 +336,7 @@ def cheapen_boundaries(forward_costs: Sequence[float], backward_costs: Sequence[
     backward = _as_costs("backward_costs", backward_costs)
     num_microbatches = _as_microbatches(num_microbatches)
     boundaries = list(boundaries)
+    combined = [f + b for f, b in zip(forward, backward)]
     limit = _score(forward, backward, boundaries, num_microbatches) * (1 + tolerance)
     for stage in range(1, len(boundaries) - 1):
         best = boundaries[stage]
@@ -342,7 +344,8 @@ def cheapen_boundaries(forward_costs: Sequence[float], backward_costs: Sequence[
             if send_bytes[position - 1] >= send_bytes[best - 1]:
                 continue
             moved = boundaries[:stage] + [position] + boundaries[stage + 1:]
-            if _score(forward, backward, moved, num_microbatches) <= limit:
+            sums = _stage_sums(combined, moved[stage - 1:stage + 2])
+            if min(sums) > 0 and _score(forward, backward, moved, num_microbatches) <= limit:
                 best = position
         boundaries[stage] = best
     return boundaries

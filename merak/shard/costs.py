@@ -8,11 +8,13 @@ a stage boundary before it would send).
 
 A unit's forward time is estimated as ``flops / F + bytes / B + ops * c``
 (matrix work, memory traffic, per-operation host overhead), its backward as
-``backward_factor`` times that. ``F``, ``B`` and ``c`` (:class:`MachineRates`)
-come from a short timed run on the machine (:func:`calibrate`): so a softmax
-over a 50 k vocabulary, an embedding lookup or a loss, which a FLOP count
-calls free, weigh what they cost, and a tiny model whose time is mostly
-Python overhead is balanced by its operation counts.
+``backward_factor`` times that: a softmax over a 50 k vocabulary, an embedding
+lookup or a loss, which a FLOP count calls free, weigh what they cost, and a
+tiny model whose time is mostly Python overhead is balanced by its operation
+counts. ``F``, ``B`` and ``c`` (:class:`MachineRates`) are nominal rates of the
+device kind (:func:`nominal_rates`; the same plan on every run, so a resumed
+run cuts the model as the first did) or come from a short timed run on the
+machine (:func:`calibrate`, ``autopipe_costs=calibrated``).
 """
 
 from __future__ import annotations
@@ -56,6 +58,20 @@ class MachineRates:
 
     def seconds(self, flops: float, bytes_moved: float, ops: float) -> float:
         return flops / self.flops_per_s + bytes_moved / self.bytes_per_s + ops * self.seconds_per_op
+
+
+# Nominal rates per device kind: one core of the 2-core test machine (AMD EPYC, measured with calibrate(),
+# medians of several runs) and an H100 (dense bf16 matrix work and HBM3 as reached in practice, with the
+# host's launch overhead per operation). Modelling choices, not promises: only their ratios move a plan.
+NOMINAL_RATES = {
+    "cpu": MachineRates(flops_per_s=4.5e10, bytes_per_s=1.5e10, seconds_per_op=2e-6),
+    "cuda": MachineRates(flops_per_s=6e14, bytes_per_s=2.5e12, seconds_per_op=8e-6),
+}
+
+
+def nominal_rates(device: torch.device | str = "cpu") -> MachineRates:
+    """The :data:`NOMINAL_RATES` of ``device``'s kind (CPU rates for any kind not listed)."""
+    return NOMINAL_RATES.get(torch.device(device).type, NOMINAL_RATES["cpu"])
 
 
 def _best_of(function, repeats: int, synchronize) -> float:

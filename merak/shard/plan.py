@@ -20,7 +20,7 @@ from merak.pipeline.stage import StageModule
 from merak.shard import partition as part
 from merak.shard.autopipe import autopipe_boundaries, balance_other_stages, cheapen_boundaries, simulate_1f1b
 from merak.shard.build import shard_modules
-from merak.shard.costs import MachineRates, UnitCosts, calibrate, measure_units
+from merak.shard.costs import MachineRates, UnitCosts, calibrate, measure_units, nominal_rates
 from merak.shard.graph import GraphUnits
 from merak.shard.split import ShardingError, split_units
 from merak.trace.capture import capture
@@ -31,7 +31,7 @@ from merak.trace.meta import has_meta_parameters
 logger = logging.getLogger(__name__)
 
 PARTITION_METHODS = ("autopipe", "uniform", "uniform_floor", "parameters", "custom")
-AUTOPIPE_COSTS = ("estimate", "flops", "time")
+AUTOPIPE_COSTS = ("estimate", "calibrated", "flops", "time")
 BYTES_PER_TRAINED_PARAM = 16  # fp32 weight + gradient + two Adam moments
 
 
@@ -41,8 +41,9 @@ class ShardingOptions:
 
     ``split_points`` are the layer_split cut points: the user's
     ``custom_split_points`` or the recipe's defaults. ``machine_rates``
-    (``merak.shard.costs``) weigh the estimated costs; None measures them here
-    (a process planning for several workers hands them one set, so all plan alike).
+    (``merak.shard.costs``) weigh the estimated costs; None takes the nominal rates
+    of ``device_type``, or with ``autopipe_costs=calibrated`` measures them here (a
+    process planning for several workers hands them one set, so all plan alike).
     """
 
     trace_method: str = "fx"
@@ -54,14 +55,15 @@ class ShardingOptions:
     leaf_modules: tuple = ()
     input_names: tuple[str, ...] | None = None
     backward_flops_factor: float = 2.0
-    autopipe_costs: str = "estimate"  # estimate | flops | time (measured forward seconds, real weights only)
+    # estimate (nominal rates) | calibrated (measured rates) | flops | time (measured forward seconds)
+    autopipe_costs: str = "estimate"
     machine_rates: MachineRates | None = None
+    device_type: str | None = None  # whose nominal rates weigh the estimates (None: the CPU's)
 
 
-def needs_machine_rates(options: ShardingOptions) -> bool:
-    """Whether planning with ``options`` weighs estimated costs (and so needs machine rates)."""
-    return options.split_method == "min_bytes" or (
-        options.partition_method == "autopipe" and options.autopipe_costs == "estimate")
+def needs_calibration(options: ShardingOptions) -> bool:
+    """Whether planning with ``options`` measures the machine's rates (``autopipe_costs=calibrated``)."""
+    return options.autopipe_costs == "calibrated" and options.machine_rates is None
 
 
 @dataclass
@@ -242,7 +244,7 @@ def _partition(options: ShardingOptions, reports: list[ShardReport], num_stages:
     if method == "autopipe":
         if num_stages == 1:
             return [0, count]
-        if options.autopipe_costs == "estimate":
+        if options.autopipe_costs in ("estimate", "calibrated"):
             forward = [float(r.estimated_forward_s) for r in reports]
             backward = [float(r.estimated_backward_s) for r in reports]
         else:
@@ -285,14 +287,11 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
     inputs = {name: example_inputs[name] for name in captured.input_names}
     costs = measure_units(units, inputs)
     rates = options.machine_rates
-    if rates is None and num_stages > 1 and needs_machine_rates(options):
-        rates = calibrate()
-    unit_seconds = []
-    if rates is not None:
-        forward = costs.forward_seconds(rates)
-        unit_seconds = [f * (1 + options.backward_flops_factor) for f in forward]
-        loss = sum(costs.loss_seconds(rates))
-        unit_seconds[-1] += loss
+    if rates is None:
+        rates = calibrate() if needs_calibration(options) else nominal_rates(options.device_type or "cpu")
+    forward = costs.forward_seconds(rates)
+    unit_seconds = [f * (1 + options.backward_flops_factor) for f in forward]
+    unit_seconds[-1] += sum(costs.loss_seconds(rates))
     shard_count = options.shard_count or default_shard_count(model)
     cuts = split_units(units, method=options.split_method, shard_count=shard_count,
                        split_points=options.split_points, module_names=[n for n, _ in model.named_modules()],

@@ -28,6 +28,7 @@ starts, never 0), so shard ``i`` holds units ``[cuts[i-1], cuts[i])``.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -144,7 +145,10 @@ def min_bytes(unit_costs: Sequence[float], cut_bytes: Sequence[int], num_stages:
         return []
     if count < num_stages:
         raise ShardingError(f"the graph has {count} units, fewer than the {num_stages} stages asked for")
-    positions = list(range(1, count))
+    # No cut may leave a stage nothing to do (only the input ids, say): work before and after it.
+    before = list(itertools.accumulate(unit_costs))
+    positions = [k for k in range(1, count) if before[k - 1] > 0 and before[-1] - before[k - 1] > 0] \
+        or list(range(1, count))
     best = _bottleneck(unit_costs, positions, num_stages)
     levels = sorted(set(cut_bytes[k] for k in positions))
     low, high = 0, len(levels) - 1  # the highest level allows every position, so it always balances
