@@ -209,3 +209,17 @@ def test_stages_beside_a_dominant_stage_are_even():
 def _stage_costs(forward, backward, bounds):
     return ([sum(forward[a:b]) for a, b in zip(bounds, bounds[1:])],
             [sum(backward[a:b]) for a, b in zip(bounds, bounds[1:])])
+
+
+def test_no_cut_leaves_a_stage_without_work():
+    from merak.shard.autopipe import cheapen_boundaries
+
+    # A free first unit (a view of the input ids, 8 bytes to send) and a head that dwarfs the blocks:
+    # cutting after the view would be cheap to send and nearly as fast, but stage 0 would do nothing.
+    costs = [0.0, 1.0, 1.0, 1.0, 100.0]
+    cut_bytes = [0, 8, 64, 64, 64]
+    assert 1 not in min_bytes(costs, cut_bytes, num_stages=2)
+    forward = [c / 3 for c in costs]
+    backward = [2 * f for f in forward]
+    assert cheapen_boundaries(forward, backward, [8, 64, 64, 64, 0], [0, 4, 5], 8) == [0, 4, 5]
+    assert cheapen_boundaries(forward, backward, [8, 64, 64, 64, 0], [0, 2, 5], 8)[1] > 1
