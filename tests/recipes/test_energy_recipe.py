@@ -27,7 +27,9 @@ pytestmark = pytest.mark.recipe
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes/gpt/train.py"
 CLI = [sys.executable, "-m", "merak.energy.cli"]
-TOY = ["model=toy", "parallel=pp2", "trainer.per_device_train_batch_size=2", "trainer.disable_tqdm=true"]
+# The seeds' plan (blocks on both stages), on which the step-time margins below were measured.
+TOY = ["model=toy", "parallel=pp2", "trainer.per_device_train_batch_size=2", "trainer.disable_tqdm=true",
+       "trainer.split_method=farthest_min_deps", "trainer.partition_method=uniform"]
 STEP = ["trainer.gradient_accumulation_steps=4", "trainer.max_steps=5"]
 
 
