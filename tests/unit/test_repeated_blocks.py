@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from torch import fx, nn
 
 from merak.trace.capture import _capture_export
-from merak.trace.repeat import NotRepeatable, capture_with_repeats, repeated_stack
+from merak.trace.repeat import capture_with_repeats, repeated_stack
 
 
 def _gpt(layers: int = 5):
@@ -100,4 +100,3 @@ def test_blocks_that_differ_are_exported_whole():
 def test_short_stacks_are_left_alone():
     model, _ = _gpt(layers=4)
     assert repeated_stack(model) is None  # fewer than MIN_BLOCKS
-    assert issubclass(NotRepeatable, Exception)
