@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 _VIEW_NAMES = {"view", "reshape", "_reshape_alias", "_unsafe_view", "transpose", "permute", "expand", "unsqueeze",
                "squeeze", "flatten", "unflatten", "split", "split_with_sizes", "chunk", "t", "getitem", "size",
                "dim", "contiguous", "narrow", "select", "slice", "unbind", "detach", "alias", "view_as",
-               "expand_as", "as_strided", "numel", "stride", "clone_metadata", "sym_size", "lift_fresh_copy"}
+               "expand_as", "as_strided", "numel", "stride", "sym_size"}
 # A cross-entropy loss reads the logits a few times (max, exp-sum, gather) and writes a gradient as large.
 LOSS_PASSES_FORWARD = 3
 LOSS_PASSES_BACKWARD = 3
