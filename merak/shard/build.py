@@ -8,7 +8,8 @@ through every shard in between. Parameters are shared with the captured module
 (never copied), so tied weights stay one object. No shard holds the device it
 was captured on (merak.trace.devices), and each is made lean for the host
 (merak.trace.simplify). Values computed from constants alone (masks, position
-ids) are computed again in each shard that reads them instead of being sent.
+ids) are computed again in each shard that reads them instead of being sent. A
+received value the shard writes in place is copied first (merak.trace.mutation).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from merak.shard.graph import GraphUnits
 from merak.trace.devices import attach_anchor, follow_stage_device, new_anchor
+from merak.trace.mutation import copy_inputs_written_in_place
 from merak.trace.simplify import simplify_shard
 
 
@@ -84,6 +86,8 @@ def build_shards(units: GraphUnits, cuts: Sequence[int]) -> list[fx.GraphModule]
         else:
             graph.output({_key(v, input_names): env[v] for v in units.crossing_values(stop)})
         shard = fx.GraphModule(captured.module, graph, f"Shard{index}")
+        if index > 0:  # received values are leaves that require grad: an in-place write needs a copy
+            copy_inputs_written_in_place(shard, [env[value] for value in incoming])
         follow_stage_device(shard, anchor)
         simplify_shard(shard)
         shards.append(shard)

@@ -28,6 +28,8 @@ import operator
 import torch
 from torch import fx, nn
 
+from merak.trace.mutation import writes_in_place
+
 # Dropout as fx (functions) and export (aten operators) record it; the probability is the second argument.
 DROPOUT_CALLS = {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
                  torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default,
@@ -131,17 +133,11 @@ def _on_cpu(value):
     return torch.device("cpu") if isinstance(value, torch.device) else value
 
 
-def _writes(node: fx.Node) -> bool:
-    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable
-    return node.op == "call_method" and str(node.target).endswith("_")
-
-
 def written_values(graph: fx.Graph) -> set[fx.Node]:
     """Values an in-place operation may write (T5's ``relative_buckets += ...``), with everything they
     may be views of: folding them into a buffer would make the write accumulate across forwards."""
     blocked: set[fx.Node] = set()
-    pending = [arg for node in graph.nodes if _writes(node) for arg in node.all_input_nodes]
+    pending = [arg for node in graph.nodes if writes_in_place(node) for arg in node.all_input_nodes]
     while pending:
         node = pending.pop()
         if node not in blocked:
