@@ -24,7 +24,7 @@ from torch import nn
 
 from merak.distributed import groups
 from merak.pipeline.stage import StageModule
-from merak.shard.costs import MachineRates, calibrate
+from merak.shard.costs import MachineRates, calibrate, whole_model_flops
 from merak.shard.plan import PipelinePlan, ShardingOptions, needs_calibration, plan_pipeline
 from merak.tensor_parallel.options import TensorParallelOptions, split_model
 from merak.tensor_parallel.overlap import SubPipelinedStage, batch_size, halve
@@ -49,6 +49,8 @@ class Assembled:
     plan: PipelinePlan | None
     on_meta: bool
     tp_plan: ResolvedPlan | None = None
+    # Forward FLOPs of one microbatch through the whole unsliced model (tp > 1: counted before slicing).
+    forward_flops: int | None = None
 
 
 class CallModel(nn.Module):
@@ -126,6 +128,8 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
     """
     model, on_meta = build_model(build, seed=seed, init_device=init_device)
     model.train()
+    # Counted before slicing: the stages' own counts would include replicated layers once per tp rank.
+    whole_flops = whole_model_flops(model, example_inputs) if tensor_parallel.size > 1 else None
     tp_plan = split_model(model, tensor_parallel)
     if dtype != torch.float32:
         model.to(dtype)
@@ -160,4 +164,7 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         params = [p for s in local for p in stages[s].parameters()]
         count = materialize(model, params, seed=seed, device=device, init=init, also_in=stages)
         logger.info("materialized stage %s: %s parameters", ",".join(map(str, local)), f"{count:,}")
-    return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta, tp_plan=tp_plan)
+    if whole_flops is None and plan is not None and tensor_parallel.size == 1:
+        whole_flops = plan.forward_flops
+    return Assembled(model=model, stages=stages, plan=plan, on_meta=on_meta, tp_plan=tp_plan,
+                     forward_flops=whole_flops or None)

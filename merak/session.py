@@ -163,6 +163,7 @@ class TrainingSession:
                                 tp_rank=state.coordinates.tp)
         self.model = built.model  # the full model object: this rank's stage modules are its modules
         self.plan = built.plan
+        self.forward_flops = built.forward_flops  # per microbatch, the whole model
         convolutional_on_gpu = spec.channels_last and state.device.type == "cuda"
         self.engine = PipelineEngine(
             model=built.model, stages=built.stages, loss_fn=spec.loss_fn, state=state,
@@ -191,6 +192,8 @@ class TrainingSession:
             self.loader = self._loader(dataset, plan)
         self.metrics: MetricsWriter | None = None
         self.saved: list[str] = []
+        self.protected: set[str] = set()  # checkpoints save_total_limit never removes (the best one)
+        self._saved_at: dict[int, str] = {}
         self.skipped_in_a_row = 0
         # Collective callables whose dicts (rank 0's) join the run summary, e.g. the energy report.
         self.summary_sections: list[Callable[[], dict]] = []
@@ -233,14 +236,18 @@ class TrainingSession:
                 "global_batch_size": self.settings.global_batch_size}
 
     def save(self) -> str:
-        """Write a checkpoint of the current step (collective: every rank calls it)."""
+        """Write a checkpoint of the current step (collective: every rank calls it); a step already
+        saved is not written again."""
+        if self.saved and self.saved[-1] == self._saved_at.get(self.step):
+            return self.saved[-1]
         trainer = self.settings.trainer
         path = save_checkpoint(
             self.engine, self.settings.output_dir, step=self.step, run_info=self._run_info(),
             trainer_state={"consumed_samples": self.step * self.settings.global_batch_size},
             options=SaveOptions(save_total_limit=trainer.save_total_limit, no_save_rng=trainer.no_save_rng,
-                                no_save_optim=trainer.no_save_optim))
+                                no_save_optim=trainer.no_save_optim, keep=frozenset(self.protected)))
         self.saved.append(path)
+        self._saved_at[self.step] = path
         return path
 
     def train(self, on_step: StepListener | None = None,
@@ -326,7 +333,8 @@ class TrainingSession:
         """Mean loss over ``dataset`` sharded across dp (see :meth:`eval_batches`).
 
         Returns:
-            ``({"eval_loss", "eval_samples", "eval_steps", "eval_runtime_s"}, outputs)``: the metrics on
+            ``({"eval_loss", "eval_samples", "eval_steps", "eval_runtime", "eval_samples_per_second",
+            "eval_steps_per_second"}, outputs)`` (Hugging Face's names): the metrics on
             every rank; with ``keep_outputs``, on the last stage, ``(microbatch, outputs)`` pairs in
             order (else empty).
         """
@@ -342,11 +350,22 @@ class TrainingSession:
             raise ValueError(f"the evaluation set has {len(dataset)} samples, fewer than one evaluation step "
                              f"({plan.global_batch_size if plan else '?'} samples: micro batch x "
                              f"gradient_accumulation_steps x dp)")
-        metrics = {"eval_loss": sum(losses) / len(losses), "eval_samples": len(losses) * plan.global_batch_size,
-                   "eval_steps": len(losses), "eval_runtime_s": time.perf_counter() - started}
+        runtime = time.perf_counter() - started
+        samples = len(losses) * plan.global_batch_size
+        metrics = {"eval_loss": sum(losses) / len(losses), "eval_samples": samples, "eval_steps": len(losses),
+                   "eval_runtime": runtime, "eval_samples_per_second": samples / runtime,
+                   "eval_steps_per_second": len(losses) / runtime}
         return metrics, kept
 
     # -- reporting -----------------------------------------------------------------
+
+    def model_flops_per_step(self) -> float | None:
+        """Model FLOPs of one optimizer step: 3 x the forward FLOPs of the whole model (counted before
+        tensor-parallel slicing, so every layout reports the same number). Where they could not be
+        counted so, what the ranks counted while running. Collective."""
+        if self.forward_flops:
+            return 3.0 * self.forward_flops * self.settings.num_microbatches * self.settings.grid.dp
+        return self.engine.model_flops_per_step()
 
     def write_summary(self, timeline: dict | None = None, extra: dict | None = None) -> dict | None:
         """Gather every rank's memory figures; rank 0 writes summary.json (per stage: the most any of
@@ -357,7 +376,7 @@ class TrainingSession:
                  "peak_rss_bytes": peak_rss_bytes(), **engine.memory_report()}
         everyone = groups.gather_from_all(local)
         compile_reports = groups.gather_from_all(engine.compile_report())
-        flops_per_step = engine.model_flops_per_step()
+        flops_per_step = self.model_flops_per_step()
         sections = [section() for section in self.summary_sections]
         if self.state.rank != 0:
             return None

@@ -7,25 +7,16 @@ full tensors are joined from the tensor-parallel slices of every stage.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-import os
 import sys
 
 import torch
-from safetensors.torch import save_file
 
 from merak.checkpoint.files import CheckpointError
 from merak.checkpoint.load import CheckpointSource
+from merak.checkpoint.pretrained import write_pretrained
 
 logger = logging.getLogger(__name__)
-
-
-def _model_class(info: dict):
-    module = info["module"]
-    if not module.startswith("transformers."):  # only library classes are imported, never code from the file
-        raise CheckpointError(f"the checkpoint's model class comes from {module}, not transformers")
-    return getattr(importlib.import_module(module), info["class"])
 
 
 def export_pretrained(checkpoint: str, out_dir: str, *, dtype: torch.dtype | None = None) -> str:
@@ -42,26 +33,7 @@ def export_pretrained(checkpoint: str, out_dir: str, *, dtype: torch.dtype | Non
     state = {name: source.weight(name) for name in source.weight_names()}
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
-    os.makedirs(out_dir, exist_ok=True)
-    info = source.manifest.get("model_info")
-    if info is None:
-        save_file(state, os.path.join(out_dir, "model.safetensors"))
-        logger.info("wrote %d tensors to %s (not a Hugging Face model: no config.json)", len(state), out_dir)
-        return out_dir
-    cls = _model_class(info)
-    config = cls.config_class.from_dict(info["config"])
-    with torch.device("meta"):
-        model = cls(config)
-    _, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if unexpected:
-        raise CheckpointError(f"{checkpoint}: tensors the model does not have: {', '.join(unexpected[:5])}")
-    model.tie_weights()
-    still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta"]
-    if still_meta:
-        raise CheckpointError(f"{checkpoint} lacks {', '.join(still_meta[:5])}")
-    model.save_pretrained(out_dir, safe_serialization=True)
-    logger.info("exported %s (%s, %d tensors) to %s", checkpoint, info["class"], len(state), out_dir)
-    return out_dir
+    return write_pretrained(state, source.manifest.get("model_info"), out_dir, source=checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ import re
 import shutil
 import stat
 import zlib
+from collections.abc import Collection
 
 logger = logging.getLogger(__name__)
 
@@ -271,12 +272,13 @@ def read_json(checkpoint: str, manifest: dict, relative: str):
         raise CheckpointError(f"{checkpoint}: {relative} cannot be read ({error})") from None
 
 
-def rotate(root: str, keep: int | None, protect: str) -> None:
-    """Delete the oldest committed checkpoints beyond ``keep`` (never ``protect``)."""
+def rotate(root: str, keep: int | None, protect: str | Collection[str]) -> None:
+    """Delete the oldest committed checkpoints beyond ``keep`` (never those in ``protect``)."""
     if keep is None or keep < 1:
         return
+    kept = {os.path.abspath(p) for p in ([protect] if isinstance(protect, str) else protect)}
     found = list_checkpoints(root)
-    for _, path in found[:max(0, len(found) - keep)]:
-        if os.path.abspath(path) != os.path.abspath(protect):
-            logger.info("save_total_limit=%d: removing %s", keep, path)
-            shutil.rmtree(path, ignore_errors=True)
+    removable = [path for _, path in found if os.path.abspath(path) not in kept]
+    for path in removable[:max(0, len(found) - keep)]:
+        logger.info("save_total_limit=%d: removing %s", keep, path)
+        shutil.rmtree(path, ignore_errors=True)

@@ -286,6 +286,14 @@ def load_checkpoint(engine, checkpoint: str, *, options: LoadOptions = LoadOptio
     return trainer_state
 
 
+def load_weights(engine, checkpoint: str) -> int:
+    """Load only the weights of ``checkpoint`` into this rank's stage (any saving layout); the step, the
+    optimizer state and the schedule stay as they are. Returns tensors loaded."""
+    count = _load_weights(engine, CheckpointSource(checkpoint), strict=True)
+    engine.optimizer.refresh_master_weights()
+    return count
+
+
 def load_pretrained(engine, directory: str) -> int:
     """Load Hugging Face weights (safetensors) into this rank's stage; returns tensors loaded."""
     count = _load_weights(engine, PretrainedSource(directory), strict=False)

@@ -31,6 +31,7 @@ class SaveOptions:
     save_total_limit: int | None = -1
     no_save_rng: bool = False
     no_save_optim: bool = False
+    keep: frozenset[str] = frozenset()  # checkpoints rotation never removes (the best model's)
 
 
 def _barrier() -> None:
@@ -162,7 +163,7 @@ def save_checkpoint(engine, output_dir: str, *, step: int, trainer_state: dict, 
                     "zero_stage": engine.optimizer.zero.stage, "dtype": str(engine.optimizer.precision.dtype),
                     "model_info": engine.model_info, "run": run_info, "files": listing}
         files.commit(staging, final, manifest)
-        files.rotate(output_dir, options.save_total_limit, protect=final)
+        files.rotate(output_dir, options.save_total_limit, protect={final, *options.keep})
         total = sum(r["bytes"] for r in listing.values())
         logger.info("saved %s (%.1f MB in %.2f s)", final, total / 1e6, time.perf_counter() - started)
     _barrier()

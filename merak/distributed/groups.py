@@ -257,6 +257,12 @@ def gather_from_all(value) -> list:
     return everyone
 
 
+def barrier() -> None:
+    """Wait for every rank (nothing without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def broadcast_object(value, src: int = 0):
     """Rank ``src``'s ``value`` (any picklable object) on every rank; ``value`` without a process group."""
     if not dist.is_initialized():

@@ -73,7 +73,8 @@ class MerakArguments(TrainingArguments):
     zero_stage: int = _doc("ZeRO stage: 1 or 2.", default=1)
     zero_allgather_bucket_size: float = _doc("Elements per all-gather after the step.", default=500000000)
     zero_reduce_bucket_size: float = _doc("Elements per gradient reduce-scatter.", default=500000000)
-    save: bool = _doc("Write checkpoints (every save_steps and at the end).", default=False)
+    save: bool | None = _doc("Write checkpoints: True (every save_steps, or as save_strategy says, and at the "
+                             "end), False (none), None (as save_strategy says, Hugging Face's way).", default=None)
     finetune: bool = _doc("Load weights only from the checkpoint; step, optimizer and RNG start fresh.",
                           default=False)
     no_save_rng: bool = _doc("Do not save RNG states.", default=False)
@@ -184,8 +185,9 @@ def _enum_value(value) -> str:
     return getattr(value, "value", value)
 
 
-def trainer_settings(args: MerakArguments, *, total_steps_hint: int | None = None) -> dict:
-    """The ``trainer`` section of a run config from MerakArguments (merak.config.TrainerSettings names)."""
+def trainer_settings(args: MerakArguments, *, total_steps_hint: int | None = None, cadence=None) -> dict:
+    """The ``trainer`` section of a run config from MerakArguments (merak.config.TrainerSettings names);
+    with the resolved ``cadence`` (merak.hf.cadence), checkpoints are written as it says."""
     known = {f.name for f in dataclasses.fields(TrainerSettings)}
     values = {name: getattr(args, name) for name in known if hasattr(args, name)}
     values["train_schedule"] = SCHEDULE_ALIASES.get(args.train_schedule, args.train_schedule)
@@ -195,6 +197,12 @@ def trainer_settings(args: MerakArguments, *, total_steps_hint: int | None = Non
     values["save_steps"] = _steps(args.save_steps, total_steps_hint)
     values["logging_steps"] = _steps(args.logging_steps, total_steps_hint)
     values["disable_tqdm"] = bool(args.disable_tqdm)
+    values["save"] = bool(args.save)
+    if cadence is not None:
+        values["save"] = cadence.save_every is not None
+        values["save_steps"] = cadence.save_every or values["save_steps"]
+    values["no_save_optim"] = bool(args.no_save_optim or args.save_only_model)
+    values["no_save_rng"] = bool(args.no_save_rng or args.save_only_model)
     values["global_batch_size"] = None
     for name in ("zero_reduce_bucket_size", "zero_allgather_bucket_size"):
         values[name] = int(values[name]) if float(values[name]).is_integer() else values[name]

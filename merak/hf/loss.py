@@ -41,12 +41,16 @@ class LabelLoss:
             entropy (the same numbers, and it also handles vocabulary-parallel logits).
         label_name: the batch field holding the labels.
         shift: causal language models: position t predicts label t + 1.
+        label_smoothing: Hugging Face's ``label_smoothing_factor`` (with merak's cross entropy): the
+            target puts this much weight uniformly over the vocabulary.
     """
 
-    def __init__(self, loss_fn: Callable | None, *, label_name: str = "labels", shift: bool = False) -> None:
+    def __init__(self, loss_fn: Callable | None, *, label_name: str = "labels", shift: bool = False,
+                 label_smoothing: float = 0.0) -> None:
         self.loss_fn = loss_fn
         self.label_name = label_name
         self.shift = shift
+        self.label_smoothing = float(label_smoothing or 0.0)
 
     def __call__(self, output, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if self.label_name not in batch:
@@ -57,6 +61,9 @@ class LabelLoss:
             logits, labels = logits[..., :-1, :], labels[..., 1:]
         logits = logits.reshape(-1, logits.size(-1)).float()
         labels = labels.reshape(-1)
-        if self.loss_fn is None:
-            return cross_entropy(logits, labels, ignore_index=-100)
-        return self.loss_fn(logits, labels)
+        if self.loss_fn is not None:
+            return self.loss_fn(logits, labels)
+        if self.label_smoothing:
+            return nn.functional.cross_entropy(logits, labels, ignore_index=-100,
+                                               label_smoothing=self.label_smoothing)
+        return cross_entropy(logits, labels, ignore_index=-100)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -28,12 +29,14 @@ from transformers.trainer_callback import (
     TrainerControl,
     TrainerState,
 )
-from transformers.trainer_utils import EvalPrediction, PredictionOutput
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
 
 from merak.config import ConfigError, resolve_settings, total_steps
 from merak.data.batching import BatchPlan, stack_samples
 from merak.distributed import groups
 from merak.hf.arguments import MerakArguments, trainer_settings
+from merak.hf.cadence import Cadence, cadence_problems, resolve_cadence
+from merak.hf.fields import ignored_fields
 from merak.hf.loss import LabelLoss, is_causal_lm
 from merak.hf.predictions import gather_predictions
 from merak.recipe import RecipeSpec
@@ -82,19 +85,30 @@ class MerakTrainer:
                  eval_data=None, leaf_modules: Sequence = (), loss_fn: Callable | None = None, *,
                  compute_loss: Callable | None = None, data_collator: Callable | None = None,
                  callbacks: Sequence = (), model_init: Callable[[], nn.Module] | None = None, tp_plan=None,
-                 train_dataset=None, eval_dataset=None, processing_class=None) -> None:
+                 train_dataset=None, eval_dataset=None, processing_class=None,
+                 compute_metrics: Callable | None = None, do_train: bool | None = None,
+                 optimizers=(None, None)) -> None:
         if (model is None) == (model_init is None):
             raise ValueError("give the model or model_init (not both)")
+        if any(part is not None for part in optimizers):
+            raise ValueError("optimizers=(optimizer, scheduler) is not supported: merak builds the optimizer "
+                             "of each rank's stage from the arguments (optim, learning_rate, lr_scheduler_type...)")
         self.args = args if args is not None else MerakArguments(output_dir="merak-output")
         if not isinstance(self.args, MerakArguments):
             raise TypeError(f"args must be MerakArguments, got {type(self.args).__name__}")
+        if do_train is not None:  # the seed API passes it to the trainer
+            self.args.do_train = do_train
         self.train_data = train_data if train_data is not None else train_dataset
         self.eval_data = eval_data if eval_data is not None else eval_dataset
         self.processing_class = processing_class
-        self.state_grid = groups.get_state() if groups.is_initialized() else groups.init(1, 1, 1)
+        self.compute_metrics = compute_metrics
+        self.state_grid = groups.get_state() if groups.is_initialized() else self._init_from_environment()
         if not logging.getLogger().handlers:  # a plain script: show merak's progress and summary on rank 0
             logging.basicConfig(level=logging.INFO if self.state_grid.rank == 0 else logging.WARNING,
                                 format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        if self.args.tf32 is not None and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = bool(self.args.tf32)
+            torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         if model is not None and self.args.lora_config:
             from merak.lora import apply_lora
 
@@ -103,7 +117,8 @@ class MerakTrainer:
         self._from_init = model_init is not None
         label_name = (self.args.label_names or ["labels"])[0]
         self.loss = compute_loss or LabelLoss(loss_fn, label_name=label_name,
-                                              shift=model is not None and is_causal_lm(model))
+                                              shift=model is not None and is_causal_lm(model),
+                                              label_smoothing=self.args.label_smoothing_factor)
         self.collate = data_collator or default_collate
         self.spec = RecipeSpec(
             name=type(model).__name__ if model is not None else "model_init",
@@ -112,9 +127,13 @@ class MerakTrainer:
             load_dataset=lambda _prepared, _model: self._require_train_data(), collate=self.collate,
             leaf_modules=tuple(leaf_modules), tp_plan=tp_plan if tp_plan is not None else user_plan(),
             tokens_per_sample=lambda _cfg: self._tokens_per_sample())
-        self.settings = self._settings()
-        # DefaultFlowCallback keeps the control flags the built-in callbacks read; merak decides logging and
-        # evaluation itself, stops at max_steps, and saves only with save=True.
+        self.settings, self.cadence = self._settings()
+        ignored = ignored_fields(self.args)
+        if ignored and self.is_world_process_zero():
+            logger.warning("MerakArguments: merak does not implement %s; %s no effect",
+                           "; ".join(ignored), "it has" if len(ignored) == 1 else "they have")
+        # DefaultFlowCallback keeps the control flags the built-in callbacks read; merak decides logging,
+        # evaluation and saving itself (MerakTrainer.cadence) and stops at max_steps.
         handlers = [DefaultFlowCallback, *([PrinterCallback] if self.args.disable_tqdm else [])]
         from transformers.integrations import get_reporting_integration_callbacks
 
@@ -125,6 +144,16 @@ class MerakTrainer:
         self.control = TrainerControl()
         self.session: TrainingSession | None = None
         self.summary: dict | None = None
+        self._evaluated_at: int | None = None
+
+    def _init_from_environment(self):
+        """Without ``merak.init``: one process, or data parallelism over a launcher's processes
+        (torchrun or srun set WORLD_SIZE), as a Hugging Face script expects."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        backend = "gloo" if self.args.use_cpu else (self.args.ddp_backend or self.args.backend)
+        if world > 1:
+            logger.info("merak.init was not called: data parallelism over the %d processes (dp=%d)", world, world)
+        return groups.init(dp=world, tp=1, pp=1, backend=backend, timeout_s=self.args.timeout_s)
 
     # -- set-up ----------------------------------------------------------------
 
@@ -138,22 +167,30 @@ class MerakTrainer:
         ids = sample.get("input_ids")
         return int(ids.numel()) if ids is not None else 1
 
-    def _settings(self):
+    def _settings(self) -> tuple:
+        """The run settings and the cadence (when to log, evaluate and save) of these arguments."""
         args, grid = self.args, self.state_grid.grid
-        problems = args.problems()
+        problems = args.problems() + cadence_problems(args)
         if args.parallel_vocab and grid.tp > 1 and isinstance(self.loss, LabelLoss) and self.loss.loss_fn:
             problems.append("parallel_vocab with tp > 1 gives the loss vocabulary slices of the logits: leave "
                             "loss_fn unset (merak's vocabulary-parallel cross entropy)")
+        if args.parallel_vocab and grid.tp > 1 and args.label_smoothing_factor:
+            problems.append("label_smoothing_factor with parallel_vocab and tp > 1 is not supported: the "
+                            "smoothing term needs the whole vocabulary's log-probabilities; set parallel_vocab=False")
         if args.lora_config and grid.tp > 1:
             problems.append("lora_config with tp > 1 is not supported (peft's adapter layers have no "
                             "tensor-parallel plan): use dp and pp")
+        if args.use_cpu and self.state_grid.device.type != "cpu":
+            problems.append(f"use_cpu=True but merak.init chose {self.state_grid.device}: call "
+                            f"merak.init(..., backend='gloo')")
         if problems:
             raise ConfigError("invalid MerakArguments:\n  - " + "\n  - ".join(problems))
         settings = self._resolve(trainer_settings(args))
-        if args.logging_steps < 1 or args.save_steps < 1:  # Hugging Face: a fraction of the run's steps
-            steps = total_steps(settings, self._train_plan(settings).steps_per_epoch)
-            settings = self._resolve(trainer_settings(args, total_steps_hint=steps))
-        return settings
+        steps_per_epoch = self._train_plan(settings).steps_per_epoch
+        steps = total_steps(settings, steps_per_epoch)
+        cadence = resolve_cadence(args, steps_per_epoch=steps_per_epoch, total_steps=steps,
+                                  has_eval_data=self.eval_data is not None)
+        return self._resolve(trainer_settings(args, total_steps_hint=steps, cadence=cadence)), cadence
 
     def _resolve(self, trainer: dict):
         """Run settings from a trainer section, validated like a recipe's."""
@@ -189,31 +226,52 @@ class MerakTrainer:
             self.session = TrainingSession(self.spec, self.settings, None, steps=steps, state=self.state_grid,
                                            resume=resume)
             self.model = self.session.model
+            grid = self.state_grid.grid
+            if (grid.pp > 1 or grid.tp > 1) and not self.args.lora_config:  # save_adapter gathers adapters
+                # The model object holds this rank's stage (sliced with tp): its other tensors are never
+                # trained, so saving it would write a wrong model without a word.
+                self.model.save_pretrained = self._refuse_partial_save
             self.callback_handler.model = self.model
             self.callback_handler.optimizer = self.session.engine.optimizer.optimizer
             self.callback_handler.lr_scheduler = self.session.engine.lr_scheduler
         return self.session
 
+    def _refuse_partial_save(self, *args, **kwargs):
+        grid = self.state_grid.grid
+        raise RuntimeError(
+            f"trainer.model is split over {grid.pp} pipeline stages x {grid.tp} tensor-parallel ranks: this "
+            f"process trained only its own part. Call trainer.save_model(directory) on every rank; it gathers "
+            f"the whole trained model and writes it where from_pretrained loads it")
+
     # -- training --------------------------------------------------------------
 
-    def train(self, resume_from_checkpoint: str | bool | None = None):
-        """Train for ``max_steps`` (or the epochs); returns a ``TrainOutput``-like summary dict.
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs) -> TrainOutput:
+        """Train for ``max_steps`` (or the epochs); returns a ``TrainOutput`` on every rank.
 
-        Evaluates every ``eval_steps`` when ``eval_strategy='steps'`` and at the end when
-        ``do_eval``; saves checkpoints when ``save`` is set (and an adapter with LoRA).
+        Logs, evaluates and saves as the ``*_strategy`` fields say (:mod:`merak.hf.cadence`),
+        evaluates once more at the end with ``do_eval`` (unless the last step was just evaluated),
+        and with ``load_best_model_at_end`` ends with the best evaluated checkpoint's weights. The
+        run summary (throughput, memory, the plan) is ``self.summary`` on rank 0.
         """
+        if kwargs:
+            raise TypeError(f"train() got arguments merak does not take: {', '.join(sorted(kwargs))} "
+                            f"(hyperparameter search is not supported)")
         if resume_from_checkpoint is not None:
             if self.session is not None:
                 raise ValueError("resume_from_checkpoint must be given to the first train()/evaluate() call: "
                                  "this trainer's model is built already")
             self.args.resume_from_checkpoint = resume_from_checkpoint
-            self.settings = self._settings()
+            self.settings, self.cadence = self._settings()
         session = self._session()
-        self.state.global_step = session.step
-        self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
-        logging_steps = max(1, self.settings.trainer.logging_steps)
+        cadence = self.cadence
+        self.state.global_step = first_step = session.step
         steps_per_epoch = self._train_plan().steps_per_epoch
-        eval_every = self._eval_every()
+        self.state.num_train_epochs = -(-session.steps // steps_per_epoch)
+        losses: list[float] = []
+        started = time.perf_counter()
+        self.control = self.callback_handler.on_train_begin(self.args, self.state, self.control)
+        if cadence.eval_on_start and first_step == 0:
+            self._evaluate_and_keep_best(session)
 
         def before(step: int) -> None:
             self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
@@ -221,34 +279,93 @@ class MerakTrainer:
         def after(step: int, result, record) -> bool:
             self.state.global_step = step
             self.state.epoch = step / steps_per_epoch
+            losses.append(result.loss)
             self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
-            if step % logging_steps == 0:
-                self.log({"loss": result.loss, "learning_rate": result.learning_rate,
-                          "grad_norm": result.grad_norm})
-            if eval_every and step % eval_every == 0:
-                self.evaluate()
+            if cadence.logs_at(step):
+                self.log({"loss": result.loss, "grad_norm": result.grad_norm, "learning_rate": result.learning_rate})
+            if cadence.evaluates_at(step):
+                self._evaluate_and_keep_best(session)
             # Callbacks may decide differently on different ranks: rank 0's decision holds.
             wants = groups.broadcast_object([self.control.should_training_stop, self.control.should_save])
-            trainer = self.settings.trainer
-            if wants[1] and trainer.save and step % trainer.save_steps and step != session.steps:
-                session.save()  # a callback asked for a checkpoint the schedule would not write
+            if wants[1] and self.settings.trainer.save:
+                session.save()  # a callback asked for a checkpoint (a step is never saved twice)
             self.control.should_save = False
             return bool(wants[0])
 
         with self._run_directory_locked():
             self.summary = session.train(on_step=after, before_step=before)
-        if self.args.do_eval and self.eval_data is not None:
-            metrics = self.evaluate()
-            if self.summary is not None:
-                self.summary["eval"] = metrics
+        if self.args.do_eval and self.eval_data is not None and self._evaluated_at != session.step:
+            self._evaluate_and_keep_best(session)
+        if cadence.load_best and self.state.best_model_checkpoint:
+            from merak.checkpoint.load import load_weights
+
+            load_weights(session.engine, self.state.best_model_checkpoint)
+            if self.is_world_process_zero():
+                logger.info("loaded the best model (%s %.4g) from %s", cadence.best_metric,
+                            self.state.best_metric, self.state.best_model_checkpoint)
         if self.args.lora_config:
             from merak.lora import save_adapter
 
             save_adapter(self, os.path.join(self.settings.output_dir, "adapter"))
+        metrics = self._train_metrics(losses, session.step - first_step, time.perf_counter() - started)
+        self.log(metrics)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         if self.summary is not None:
             logger.info("\n%s", format_summary(self.summary))
-        return self.summary
+        return TrainOutput(session.step, metrics["train_loss"], metrics)
+
+    def _train_metrics(self, losses: list[float], steps: int, runtime: float) -> dict:
+        """Hugging Face's end-of-training metrics, rank 0's numbers on every rank (collective)."""
+        samples = steps * self.settings.global_batch_size
+        flops = (self.summary or {}).get("flops") or {}
+        metrics = {"train_runtime": round(runtime, 4),
+                   "train_samples_per_second": round(samples / runtime, 3) if runtime else 0.0,
+                   "train_steps_per_second": round(steps / runtime, 3) if runtime else 0.0,
+                   "total_flos": float(flops.get("model_flops_per_step") or 0.0) * steps,
+                   "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+                   "epoch": self.state.epoch}
+        return groups.broadcast_object(metrics)
+
+    def _evaluate_and_keep_best(self, session: TrainingSession) -> dict:
+        """Evaluate; with ``save_strategy='best'`` or ``load_best_model_at_end``, checkpoint a new best."""
+        metrics = self.evaluate()
+        cadence: Cadence = self.cadence
+        if not (cadence.save_best or cadence.load_best):
+            return metrics
+        if cadence.best_metric not in metrics:
+            raise ConfigError(f"metric_for_best_model={self.args.metric_for_best_model!r}: the evaluation "
+                              f"gives {', '.join(sorted(metrics))}")
+        value = float(metrics[cadence.best_metric])
+        if cadence.is_better(value, self.state.best_metric):  # the same numbers on every rank
+            previous = self.state.best_model_checkpoint
+            path = session.save()
+            session.protected.discard(previous)
+            session.protected.add(path)
+            self.state.best_metric, self.state.best_model_checkpoint = value, path
+        return metrics
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the whole trained model to ``output_dir`` (default ``args.output_dir``); collective.
+
+        Every rank's stage (and tensor-parallel slice) is gathered on the main process, which writes a
+        directory ``from_pretrained`` loads (config.json + model.safetensors; model.safetensors alone for a
+        model that is not a Hugging Face model), the ``processing_class`` (tokenizer) and
+        ``training_args.bin``. With LoRA, the adapter alone, as peft saves it.
+        """
+        directory = os.path.abspath(output_dir or self.args.output_dir)
+        if self.args.lora_config:
+            self.save_adapter(directory)
+            return
+        from merak.checkpoint.pretrained import save_pretrained_model
+
+        session = self._session()
+        save_pretrained_model(session.engine, directory)
+        if self.is_world_process_zero():
+            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+                self.processing_class.save_pretrained(directory)
+            torch.save(self.args, os.path.join(directory, "training_args.bin"))
+            logger.info("saved the model to %s", directory)
+        groups.barrier()
 
     @contextlib.contextmanager
     def _run_directory_locked(self) -> Iterator[None]:
@@ -269,14 +386,10 @@ class MerakTrainer:
             if lock is not None:
                 lock.release()
 
-    def _eval_every(self) -> int | None:
-        strategy = getattr(self.args.eval_strategy, "value", self.args.eval_strategy)
-        if strategy != "steps" or self.eval_data is None:
-            return None
-        return max(1, int(self.args.eval_steps or self.settings.trainer.logging_steps))
-
     def log(self, logs: dict) -> None:
         """Record ``logs`` in the state's history and hand them to the callbacks (TensorBoard...)."""
+        if self.state.epoch is not None:
+            logs = {**logs, "epoch": self.state.epoch}
         entry = {**logs, "step": self.state.global_step}
         self.state.log_history.append(entry)
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
@@ -307,6 +420,7 @@ class MerakTrainer:
         metrics, _ = session.evaluate(_Samples(dataset), micro_batch_size=self._eval_micro_batch(),
                                       eval_iters=eval_iters if eval_iters is not None else self.args.eval_iters)
         metrics = {f"{metric_key_prefix}_{k.removeprefix('eval_')}": v for k, v in metrics.items()}
+        self._evaluated_at = session.step
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         if session.metrics is not None:

@@ -221,3 +221,27 @@ def measure_units(units: GraphUnits, example_inputs: Mapping[str, torch.Tensor])
             if name in saved:
                 buffer.copy_(saved[name])
     return recorder.costs
+
+
+def whole_model_flops(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> int | None:
+    """Forward FLOPs of ``model`` on one microbatch, counted on fake tensors (no kernel runs, no memory).
+
+    Taken before tensor-parallel slicing, it is the model's own number, the same whatever the layout.
+    None when the forward cannot run on fake tensors (a data-dependent branch, say)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    counter = FlopCounterMode(display=False)
+    training = model.training
+    model.eval()  # no running statistics or other state updated; the same matrix products
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            fake = {name: mode.from_tensor(value) if isinstance(value, torch.Tensor) else value
+                    for name, value in inputs.items()}
+            with counter:
+                model(**fake)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+        logger.debug("model FLOPs not counted on fake tensors: %s", error)
+        return None
+    finally:
+        model.train(training)
+    return int(counter.get_total_flops())

@@ -98,6 +98,12 @@ class PipelinePlan:
     def num_stages(self) -> int:
         return len(self.boundaries) - 1
 
+    @property
+    def forward_flops(self) -> int:
+        """Forward FLOPs of one microbatch through the whole model, as captured (before any
+        tensor-parallel slicing): the same whatever the layout."""
+        return sum(r.forward_flops for r in self.reports)
+
     def stage(self, stage_id: int) -> StageModule:
         """The module of stage ``stage_id``: its shards applied in order."""
         first = self.boundaries[stage_id]

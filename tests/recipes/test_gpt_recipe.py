@@ -62,7 +62,7 @@ def test_train_writes_metrics_and_summary(tmp_path, cache_dir):
 @pytest.mark.timeout(300)
 def test_same_losses_single_process_and_pipeline(tmp_path, cache_dir):
     """Through train.py, one process, dp2 x pp2 and dp2 x tp2 x pp2 print the same loss curve."""
-    runs = {}
+    runs, flops = {}, {}
     for name, layout in (("single", ["parallel=single", "trainer.gradient_accumulation_steps=8",
                                      "trainer.per_device_train_batch_size=2"]),
                          ("dp2_pp2", ["parallel=dp2_pp2"]),
@@ -72,8 +72,11 @@ def test_same_losses_single_process_and_pipeline(tmp_path, cache_dir):
         result = _train([*TOY, *layout, "trainer.max_steps=3", f"hydra.run.dir={run_dir}"], cache_dir)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[name] = [m["loss"] for m in _metrics(run_dir)]
+        flops[name] = json.loads((run_dir / "summary.json").read_text())["flops"]["model_flops_per_step"]
     assert runs["single"] == pytest.approx(runs["dp2_pp2"], rel=1e-6)
     assert runs["single"] == pytest.approx(runs["dp2_tp2_pp2"], rel=1e-6)
+    # The model's FLOPs do not depend on the layout (tp ranks do not each count the replicated layers).
+    assert flops["single"] > 0 and flops["dp2_pp2"] == flops["single"] == flops["dp2_tp2_pp2"], flops
 
 
 @pytest.mark.timeout(600)

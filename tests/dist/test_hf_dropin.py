@@ -1,0 +1,179 @@
+"""A Hugging Face Trainer script with only the class names changed runs on merak: it trains to one
+process's numbers (label smoothing included), evaluates and saves on its strategies, ends with the best
+model, returns a TrainOutput on every rank, writes TensorBoard logs, and save_model() writes a model
+from_pretrained loads, gathered from every pipeline stage."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+
+import merak
+from merak.data.batching import BatchPlan, stack_samples
+from merak.distributed.launch import spawn_workers
+
+pytestmark = pytest.mark.dist
+
+SEED, STEPS, MICRO, MICROBATCHES, LR, SMOOTHING = 11, 4, 2, 2, 3e-3, 0.1
+VOCAB, SEQ = 80, 10
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(SEED)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def samples(count: int, seed: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    return [{"input_ids": (ids := torch.randint(0, VOCAB, (SEQ,), generator=generator)), "labels": ids.clone()}
+            for _ in range(count)]
+
+
+def smoothed_loss(model, batch) -> torch.Tensor:
+    """Hugging Face's label-smoothed causal-LM loss (its LabelSmoother on shifted labels)."""
+    logits = model(input_ids=batch["input_ids"]).logits[:, :-1].reshape(-1, VOCAB)
+    return torch.nn.functional.cross_entropy(logits.float(), batch["labels"][:, 1:].reshape(-1),
+                                             label_smoothing=SMOOTHING)
+
+
+def _script(output_dir: str) -> None:
+    """What a Hugging Face user writes, with TrainingArguments/Trainer renamed (no merak.init: the
+    trainer takes the launcher's processes as data parallelism)."""
+    from merak import MerakArguments, MerakTrainer
+
+    args = MerakArguments(
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=MICRO, per_device_eval_batch_size=MICRO,
+        gradient_accumulation_steps=MICROBATCHES, learning_rate=LR, lr_scheduler_type="constant", seed=SEED,
+        label_smoothing_factor=SMOOTHING, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+        save_steps=2, save_total_limit=1, load_best_model_at_end=True, logging_steps=1, report_to=["tensorboard"],
+        do_eval=True, disable_tqdm=True, timeout_s=120)
+    trainer = MerakTrainer(model=build_model(), args=args, train_dataset=samples(48, 1),
+                           eval_dataset=samples(8, 2))
+    output = trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model()
+    rank = torch.distributed.get_rank()
+    with open(os.path.join(output_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump({"global_step": output.global_step, "training_loss": output.training_loss,
+                   "metrics": output.metrics, "eval": metrics, "best_metric": trainer.state.best_metric,
+                   "best_checkpoint": trainer.state.best_model_checkpoint,
+                   "history": trainer.state.log_history}, handle)
+
+
+def _reference(train, evaluation):
+    """One process, the same global batches: AdamW, clipping, constant rate, label smoothing; the
+    evaluation loss after every second step."""
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    plan = BatchPlan(num_samples=len(train), micro_batch_size=MICRO * MICROBATCHES * 2, num_microbatches=1,
+                     seed=SEED)
+    losses, evaluations = [], {}
+    for step in range(STEPS):
+        batch = stack_samples([train[i] for i in plan.global_batch(step).tolist()])
+        optimizer.zero_grad()
+        loss = smoothed_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % 2 == 0:
+            with torch.no_grad():
+                evaluations[step + 1] = smoothed_loss(model.eval(), stack_samples(evaluation)).item()
+            model.train()
+    return losses, evaluations
+
+
+def test_hugging_face_script_with_renamed_classes(tmp_path):
+    output_dir = str(tmp_path / "run")
+    spawn_workers(_script, world_size=2, args=(output_dir,))
+    ranks = []
+    for rank in range(2):
+        with open(os.path.join(output_dir, f"rank{rank}.json"), encoding="utf-8") as handle:
+            ranks.append(json.load(handle))
+    first = ranks[0]
+    # TrainOutput on every rank, the same numbers.
+    assert [r["global_step"] for r in ranks] == [STEPS, STEPS]
+    assert ranks[1]["training_loss"] == first["training_loss"] and ranks[1]["metrics"] == first["metrics"]
+    assert {"train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss",
+            "epoch"} <= set(first["metrics"])
+    assert first["metrics"]["total_flos"] > 0
+
+    losses, evaluations = _reference(samples(48, 1), samples(8, 2))
+    logged = [entry for entry in first["history"] if "loss" in entry]
+    assert [entry["step"] for entry in logged] == [1, 2, 3, 4]
+    assert [entry["loss"] for entry in logged] == pytest.approx(losses, rel=1e-5)
+    assert all({"learning_rate", "grad_norm", "epoch"} <= set(entry) for entry in logged)
+    assert first["training_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
+    # Evaluated at steps 2 and 4 (eval_steps), then by the script's evaluate(): do_eval's evaluation at the
+    # end is not a repeat of step 4's.
+    evaluated = [entry for entry in first["history"] if "eval_loss" in entry]
+    assert [entry["step"] for entry in evaluated] == [2, 4, 4]
+    assert [entry["eval_loss"] for entry in evaluated][:2] == pytest.approx([evaluations[2], evaluations[4]],
+                                                                         rel=1e-5)
+    assert {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second"} <= set(evaluated[0])
+    # load_best_model_at_end: the weights after train() are the best evaluation's.
+    best_step = min(evaluations, key=evaluations.get)
+    assert first["best_metric"] == pytest.approx(evaluations[best_step], rel=1e-5)
+    assert first["best_checkpoint"].endswith(f"checkpoint-{best_step}")
+    assert os.path.isdir(first["best_checkpoint"])  # save_total_limit=1 never removes the best
+    assert first["eval"]["eval_loss"] == pytest.approx(evaluations[best_step], rel=1e-5)
+    # save_model(): a directory from_pretrained loads, holding the best weights.
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(output_dir).eval()
+    with torch.no_grad():
+        assert smoothed_loss(loaded, stack_samples(samples(8, 2))).item() == pytest.approx(
+            evaluations[best_step], rel=1e-5)
+    assert os.path.isfile(os.path.join(output_dir, "training_args.bin"))
+    # report_to=["tensorboard"]: transformers' own callback wrote event files.
+    assert glob.glob(os.path.join(output_dir, "**", "events.out.tfevents.*"), recursive=True)
+
+
+def _pipeline_save(output_dir: str) -> None:
+    merak.init(dp=1, tp=1, pp=2)
+    args = merak.MerakArguments(output_dir=output_dir, max_steps=2, per_device_train_batch_size=MICRO,
+                                per_device_eval_batch_size=MICRO, gradient_accumulation_steps=MICROBATCHES,
+                                learning_rate=LR, seed=SEED, save=False, disable_tqdm=True, timeout_s=120)
+    trainer = merak.MerakTrainer(model=build_model(), args=args, train_data=samples(32, 1),
+                                 eval_data=samples(8, 2))
+    trainer.train()
+    metrics = trainer.evaluate()
+    refused = ""
+    try:
+        trainer.model.save_pretrained(os.path.join(output_dir, "partial"))
+    except RuntimeError as error:
+        refused = str(error)
+    trainer.save_model(os.path.join(output_dir, "model"))
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(output_dir, "result.json"), "w", encoding="utf-8") as handle:
+            json.dump({"eval_loss": metrics["eval_loss"], "refused": refused}, handle)
+
+
+def test_save_model_gathers_every_stage(tmp_path):
+    output_dir = str(tmp_path / "run")
+    spawn_workers(_pipeline_save, world_size=2, args=(output_dir,))
+    with open(os.path.join(output_dir, "result.json"), encoding="utf-8") as handle:
+        result = json.load(handle)
+    # The model object holds one stage: saving it is refused, never written half-trained.
+    assert "save_model" in result["refused"] and not os.path.exists(os.path.join(output_dir, "partial"))
+    assert not glob.glob(os.path.join(output_dir, "checkpoint-*"))  # save=False: no checkpoints
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "model")).eval()
+    batch = stack_samples(samples(8, 2))
+    with torch.no_grad():
+        loss = loaded(input_ids=batch["input_ids"], labels=batch["labels"]).loss.item()
+    assert loss == pytest.approx(result["eval_loss"], rel=1e-5)  # every tensor is the trained one
+    untrained = build_model()
+    changed = [name for name, p in loaded.named_parameters() if not torch.equal(p, untrained.get_parameter(name))]
+    assert len(changed) == len(list(untrained.parameters()))
