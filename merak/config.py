@@ -18,6 +18,7 @@ from merak.config_fields import typed_section
 from merak.distributed.topology import RankGrid
 from merak.optim.schedule import LR_SCHEDULES
 from merak.pipeline.schedules import schedule_names
+from merak.trackers import tracker_problems
 
 
 class ConfigError(ValueError):
@@ -100,6 +101,13 @@ class TrainerSettings:
     # steps in a row the run stops with an error (fp16 overflows that a smaller loss scale may still cure
     # do not count). Must be >= 1.
     max_consecutive_skipped_steps: int = 3
+    # Evaluation on held-out samples and experiment trackers (recipes; MerakTrainer uses its eval_data and
+    # transformers' own callbacks instead).
+    eval_steps: int | None = None
+    eval_iters: int | None = None
+    eval_holdout: float = 0.05
+    report_to: str | list[str] = "none"
+    run_name: str | None = None
     # Checkpoints (merak.checkpoint).
     save: bool = False
     save_steps: int = 500
@@ -226,6 +234,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     problems.extend(_tensor_parallel_problems(spec.tensor_parallel_plan(cfg.model), trainer, grid))
     problems.extend(_optimizer_problems(trainer, grid))
     problems.extend(_checkpoint_problems(trainer))
+    problems.extend(tracker_problems(trainer.report_to))
     problems.extend(_compile_problems(trainer, launcher))
     if grid and trainer.train_schedule in schedule_names():
         from merak.energy.settings import energy_problems

@@ -164,6 +164,9 @@ _RANGES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("trainer", "simulated_tflops"): (lambda v: _finite(v) and v > 0, "must be a positive number"),
     ("trainer", "num_warmup_steps"): (lambda v: v >= 0, "must be an integer >= 0"),
     ("trainer", "num_prof_steps"): (lambda v: v >= 1, "must be a positive integer"),
+    ("trainer", "eval_steps"): (lambda v: v >= 1, "must be null (no evaluation) or a positive integer"),
+    ("trainer", "eval_iters"): (lambda v: v >= 1, "must be null (the whole held-out set) or a positive integer"),
+    ("trainer", "eval_holdout"): (lambda v: 0 < v <= 0.5, "must be within (0, 0.5]"),
     ("launcher", "timeout_s"): (lambda v: _finite(v) and v > 0, "must be a positive number of seconds"),
 }
 

@@ -49,11 +49,14 @@ class MetricsWriter:
         enabled: False on ranks that do not report.
         start_step: steps already done (a resumed run keeps metrics.jsonl up to there and appends).
         progress_bar: show a progress bar on stderr.
+        trackers: experiment trackers (``trainer.report_to``) that get the logged steps and evaluations.
     """
 
     def __init__(self, *, output_dir: str, total_steps: int, samples_per_step: int, tokens_per_sample: int,
-                 enabled: bool, logging_steps: int = 1, start_step: int = 0, progress_bar: bool = True) -> None:
+                 enabled: bool, logging_steps: int = 1, start_step: int = 0, progress_bar: bool = True,
+                 trackers=None) -> None:
         self.enabled = enabled
+        self.trackers = trackers  # merak.trackers.Trackers (rank 0), or None
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
         self.logging_steps = max(1, logging_steps)
@@ -85,6 +88,9 @@ class MetricsWriter:
         if step % self.logging_steps == 0:
             self._file.write(json.dumps(_strict_json(asdict(record))) + "\n")
             self._file.flush()
+            if self.trackers is not None:
+                self.trackers.log({"train/loss": loss, "train/learning_rate": lr, "train/grad_norm": grad_norm,
+                                   "train/samples_per_s": record.samples_per_s}, step)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             self._bar.update(1)
@@ -98,12 +104,17 @@ class MetricsWriter:
         elif self.enabled:
             with open(self._path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(entry) + "\n")
+        if self.trackers is not None and "step" in entry:
+            self.trackers.log({f"eval/{key.removeprefix('eval_')}": value for key, value in entry.items()
+                               if key.startswith("eval_")}, entry["step"])
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
     def throughput(self) -> dict[str, float]:
         """Median step time (first step excluded as warm-up when there are more) and rates."""

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils.data import Subset
 
 from merak.assemble import assemble
 from merak.checkpoint import load_checkpoint, load_pretrained, save_checkpoint
@@ -46,6 +47,7 @@ from merak.report import (
 from merak.shard.costs import calibrate
 from merak.shard.plan import ShardingOptions, needs_calibration
 from merak.tensor_parallel.options import TensorParallelOptions
+from merak.trackers import Trackers, tracker_names
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +142,19 @@ def assemble_worker(spec, settings: RunSettings, prepared, *, stage_id: int, dev
         dtype=dtype)
 
 
+class SizeOnly:
+    """The held-out set's size on ranks that read no data (they only count evaluation steps)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        raise RuntimeError("this rank reads no data: only the first and last pipeline stages load samples")
+
+
 class TrainingSession:
     """This worker's stage, optimizer and data, ready to train, evaluate and report.
 
@@ -184,12 +199,17 @@ class TrainingSession:
         self.first_step = self._start()  # after seeding: a checkpoint's RNG states win
         self.step = self.first_step
         self.loader = None
+        self.eval_dataset = None  # samples held out of training for trainer.eval_steps
+        self.last_eval: dict | None = None
         if self.feeds_data:
-            dataset = spec.load_dataset(prepared, settings.model_cfg)
+            dataset, self.eval_dataset = self._hold_out(spec.load_dataset(prepared, settings.model_cfg))
             plan = BatchPlan(num_samples=len(dataset), micro_batch_size=trainer.per_device_train_batch_size,
                              num_microbatches=settings.num_microbatches, dp_size=grid.dp,
                              dp_rank=state.coordinates.dp, seed=trainer.seed)
             self.loader = self._loader(dataset, plan)
+        if trainer.eval_steps:  # evaluation steps are collective: every rank needs the held-out size
+            size = groups.broadcast_object(len(self.eval_dataset) if self.eval_dataset is not None else None)
+            self.eval_dataset = self.eval_dataset if self.eval_dataset is not None else SizeOnly(size)
         self.metrics: MetricsWriter | None = None
         self.saved: list[str] = []
         self.protected: set[str] = set()  # checkpoints save_total_limit never removes (the best one)
@@ -197,6 +217,21 @@ class TrainingSession:
         self.skipped_in_a_row = 0
         # Collective callables whose dicts (rank 0's) join the run summary, e.g. the energy report.
         self.summary_sections: list[Callable[[], dict]] = []
+
+    def _hold_out(self, dataset):
+        """``(training samples, held-out samples)``: with ``trainer.eval_steps``, the last
+        ``eval_holdout`` of the dataset (at least one evaluation step) is kept out of training."""
+        trainer, settings = self.settings.trainer, self.settings
+        if not trainer.eval_steps:
+            return dataset, None
+        total = len(dataset)
+        one_step = settings.global_batch_size
+        held = max(round(total * trainer.eval_holdout), one_step)
+        if total - held < one_step:
+            raise ValueError(f"trainer.eval_steps: the dataset has {total} samples, too few to hold out {held} "
+                             f"for evaluation and still train one global batch of {one_step}; lower "
+                             f"trainer.eval_holdout or the batch size, or use more data")
+        return Subset(dataset, range(total - held)), Subset(dataset, range(total - held, total))
 
     def _loader(self, dataset, plan: BatchPlan) -> MicrobatchLoader:
         trainer = self.settings.trainer
@@ -260,11 +295,14 @@ class TrainingSession:
             The run summary on rank 0, None on the other ranks.
         """
         trainer, settings = self.settings.trainer, self.settings
+        trackers = Trackers(tracker_names(trainer.report_to), settings.output_dir, run_name=trainer.run_name,
+                            config=self._run_info()) if self.is_reporting_rank else None
         self.metrics = MetricsWriter(output_dir=settings.output_dir, total_steps=self.steps,
                                      samples_per_step=settings.global_batch_size,
                                      tokens_per_sample=self.spec.tokens_per_sample(settings.model_cfg),
                                      enabled=self.is_reporting_rank, logging_steps=trainer.logging_steps,
-                                     start_step=self.first_step, progress_bar=not trainer.disable_tqdm)
+                                     start_step=self.first_step, progress_bar=not trainer.disable_tqdm,
+                                     trackers=trackers)
         stop = False
         while self.step < self.steps and not stop:
             if before_step is not None:
@@ -280,6 +318,8 @@ class TrainingSession:
             self._check_finite(result)
             if on_step is not None:
                 stop = bool(on_step(self.step, result, record))
+            if trainer.eval_steps and (self.step % trainer.eval_steps == 0 or self.step == self.steps or stop):
+                self.evaluate_held_out()
             if trainer.save and (self.step % trainer.save_steps == 0 or self.step == self.steps or stop):
                 self.save()
         self.metrics.close()
@@ -287,7 +327,20 @@ class TrainingSession:
             self.loader.close()
         timeline = write_timelines(self.engine, schedule=trainer.train_schedule, output_dir=settings.output_dir,
                                    rank=self.state.rank) if trainer.wall_clock_breakdown else None
-        return self.write_summary(timeline)
+        return self.write_summary(timeline, extra={"eval": self.last_eval} if self.last_eval else None)
+
+    def evaluate_held_out(self) -> dict:
+        """Evaluate the held-out samples (``trainer.eval_steps``); rank 0 logs the metrics and writes them
+        to metrics.jsonl and the trackers. Collective."""
+        trainer = self.settings.trainer
+        metrics, _ = self.evaluate(self.eval_dataset, micro_batch_size=trainer.per_device_train_batch_size,
+                                   eval_iters=trainer.eval_iters)
+        self.last_eval = {"step": self.step, **metrics}
+        if self.is_reporting_rank:
+            self.metrics.log_event(self.last_eval)
+            logger.info("step %d: eval_loss %.4f on %d held-out samples", self.step, metrics["eval_loss"],
+                        metrics["eval_samples"])
+        return metrics
 
     def _check_finite(self, result: StepResult) -> None:
         """Count skipped steps in a row (fp16 overflows a smaller loss scale may cure do not count);

@@ -273,12 +273,13 @@ def read_json(checkpoint: str, manifest: dict, relative: str):
 
 
 def rotate(root: str, keep: int | None, protect: str | Collection[str]) -> None:
-    """Delete the oldest committed checkpoints beyond ``keep`` (never those in ``protect``)."""
+    """Delete the oldest committed checkpoints beyond the newest ``keep``, except those in ``protect``
+    (the one just written, the best model's)."""
     if keep is None or keep < 1:
         return
     kept = {os.path.abspath(p) for p in ([protect] if isinstance(protect, str) else protect)}
     found = list_checkpoints(root)
-    removable = [path for _, path in found if os.path.abspath(path) not in kept]
-    for path in removable[:max(0, len(found) - keep)]:
-        logger.info("save_total_limit=%d: removing %s", keep, path)
-        shutil.rmtree(path, ignore_errors=True)
+    for _, path in found[:max(0, len(found) - keep)]:
+        if os.path.abspath(path) not in kept:
+            logger.info("save_total_limit=%d: removing %s", keep, path)
+            shutil.rmtree(path, ignore_errors=True)

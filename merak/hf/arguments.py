@@ -48,19 +48,21 @@ class MerakArguments(TrainingArguments):
                                                  default=None)
     trace_method: str | None = _doc("fx (torch.fx, falling back to torch.export), dynamo (torch.export), or "
                                     "None (no tracing).", default="fx")
-    trace_model: str = _doc("A model class name to register for tracing (accepted for compatibility: merak "
-                            "captures any class).", default="")
-    init_method_std: float = _doc("Std of the normal init of weights created for tensor parallelism (merak "
-                                  "slices the model's own initialized weights, so this only applies to "
-                                  "weights built on the meta device without an init of their own).", default=0.02)
+    trace_model: str = _doc("A model class name to register for tracing: merak captures any class, so it is "
+                            "only checked to name the model's class.", default="")
+    init_method_std: float = _doc("Std of the init of tensor-parallel weights in the original. Not used: merak's "
+                                  "tensor-parallel shards are slices of the model's own initialized weights "
+                                  "(one process's numbers); another value is named in the trainer's warning.",
+                                  default=0.02)
     activation_checkpointing: bool = _doc("Recompute activations in the backward (merak's recomputation, per "
                                           "pipeline part; gradient_checkpointing is its alias).", default=True)
     checkpoint_num_layers: int = _doc("Parts (layers) per checkpointed chunk.", default=1)
     input_names: list[str] | None = _doc("Forward arguments fed from the data (default: the dataset fields the "
                                          "model's forward accepts).", default=None)
-    num_layers: int | None = _doc("Layers of the model (default: from its config).", default=None)
-    seq_length: int | None = _doc("Sequence length (default: from the model config).", default=None)
-    num_heads: int | None = _doc("Attention heads (default: from the model config).", default=None)
+    num_layers: int | None = _doc("Layers of the model; sets shard_count's default to 2 x num_layers (without "
+                                  "it merak chooses the shard count).", default=None)
+    seq_length: int | None = _doc("Sequence length; checked against the training samples.", default=None)
+    num_heads: int | None = _doc("Attention heads; checked against the model config.", default=None)
     wall_clock_breakdown: bool = _doc("Record every instruction's time; write timeline.png/json.", default=False)
     measure_activation_memory: bool = _doc("Count every tensor saved for backward to report the exact peak of "
                                            "saved activations per stage (costs host time).", default=False)
@@ -131,6 +133,19 @@ class MerakArguments(TrainingArguments):
     timeout_s: float = _doc("A collective waiting longer fails instead of hanging.", default=600.0)
     cuda_graphs: bool = _doc("Replay compiled stages as CUDA graphs (needs torch_compile and CUDA).",
                              default=False)
+    # energy (Merak-Zeus's names; docs/energy.md)
+    profile: bool = _doc("Profile every pipeline instruction's time and energy at each GPU clock instead of "
+                         "training (train() or profile()); writes the profile the energy planner reads.",
+                         default=False)
+    num_warmup_steps: int = _doc("Profiling: steps run at each clock before measuring.", default=2)
+    num_prof_steps: int = _doc("Profiling: steps measured at each clock.", default=4)
+    pfo_server_url: str | None = _doc("A Perseus/zeus server that chooses each instruction's clock while "
+                                      "training.", default=None)
+    energy_device: str = _doc("auto (NVML on CUDA machines, else simulated), nvml or simulated.", default="auto")
+    simulated_gpu: str = _doc("The simulated GPU's model (energy features without a GPU).", default="A100")
+    simulated_tflops: float = _doc("The simulated GPU's speed, TFLOP/s.", default=0.004)
+    frequency_plan: str | None = _doc("A frequency plan (merak-energy plan output): each instruction runs at "
+                                      "its planned clock.", default=None)
     max_consecutive_skipped_steps: int = _doc(
         "Steps in a row whose loss or gradient norm is not finite (each skipped on every rank) before training "
         "stops with an error; fp16 overflows a smaller loss scale may cure do not count.", default=3)
@@ -177,6 +192,30 @@ class MerakArguments(TrainingArguments):
             problems.append(f"lora_config={self.lora_config}: no such file or directory")
         if self.logging_steps <= 0:
             problems.append(f"logging_steps={self.logging_steps}: use a positive number")
+        if self.custom_partition is not None and self.partition_method != "custom":
+            problems.append(f"custom_partition={self.custom_partition} is only read with partition_method='custom' "
+                            f"(it is {self.partition_method!r}): set partition_method='custom' or drop it")
+        if self.num_layers is not None and self.num_layers < 1:
+            problems.append(f"num_layers={self.num_layers}: use a positive number")
+        return problems
+
+    def model_problems(self, model, sample: dict | None) -> list[str]:
+        """The seed's model-size fields checked against the model and a training sample: merak reads the
+        sizes from the model itself, so a value that disagrees is a mistake worth stopping for."""
+        problems = []
+        config = getattr(model, "config", None)
+        heads = next((getattr(config, name) for name in ("num_attention_heads", "n_head", "num_heads")
+                      if config is not None and isinstance(getattr(config, name, None), int)), None)
+        if self.num_heads is not None and heads is not None and self.num_heads != heads:
+            problems.append(f"num_heads={self.num_heads} but the model has {heads} attention heads")
+        ids = (sample or {}).get("input_ids")
+        if self.seq_length is not None and ids is not None and ids.shape[-1] != self.seq_length:
+            problems.append(f"seq_length={self.seq_length} but the training samples hold {ids.shape[-1]} tokens")
+        if self.trace_model and model is not None:
+            names = {cls.__name__ for cls in type(model).__mro__}
+            if self.trace_model not in names:
+                problems.append(f"trace_model={self.trace_model!r} but the model is a {type(model).__name__} "
+                                f"(merak captures any class: leave trace_model empty)")
         return problems
 
 
@@ -197,6 +236,10 @@ def trainer_settings(args: MerakArguments, *, total_steps_hint: int | None = Non
     values["save_steps"] = _steps(args.save_steps, total_steps_hint)
     values["logging_steps"] = _steps(args.logging_steps, total_steps_hint)
     values["disable_tqdm"] = bool(args.disable_tqdm)
+    # MerakTrainer evaluates its eval_data and reports through transformers' callbacks itself.
+    values.update(eval_steps=None, eval_iters=None, report_to="none", run_name=None)
+    if args.shard_count is None and args.num_layers:  # the original's default: two shards per layer
+        values["shard_count"] = 2 * args.num_layers
     values["save"] = bool(args.save)
     if cadence is not None:
         values["save"] = cadence.save_every is not None

@@ -55,6 +55,12 @@ HINTS = {
 }
 
 
+# Fields of the original Merak API that have no effect here, with their defaults and why.
+MERAK_UNUSED = {
+    "init_method_std": (0.02, "tensor-parallel shards are slices of the model's own initialized weights"),
+}
+
+
 def _default(field: dataclasses.Field):
     if field.default is not dataclasses.MISSING:
         return field.default
@@ -79,7 +85,10 @@ def ignored_fields(args) -> list[str]:
             continue
         hint = HINTS.get(name)
         ignored.append(f"{name}={_plain(value)!r}" + (f" ({hint})" if hint else ""))
+    for name, (default, why) in MERAK_UNUSED.items():
+        if getattr(args, name, default) != default:
+            ignored.append(f"{name}={getattr(args, name)!r} ({why})")
     return ignored
 
 
-__all__ = ["HINTS", "HONOURED", "SATISFIED", "ignored_fields"]
+__all__ = ["HINTS", "HONOURED", "MERAK_UNUSED", "SATISFIED", "ignored_fields"]

@@ -13,6 +13,7 @@ recipe has, and drives the same :class:`merak.session.TrainingSession`.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOu
 from merak.config import ConfigError, resolve_settings, total_steps
 from merak.data.batching import BatchPlan, stack_samples
 from merak.distributed import groups
+from merak.energy.runtime import start_energy
 from merak.hf.arguments import MerakArguments, trainer_settings
 from merak.hf.cadence import Cadence, cadence_problems, resolve_cadence
 from merak.hf.fields import ignored_fields
@@ -43,6 +45,7 @@ from merak.recipe import RecipeSpec
 from merak.report import format_summary
 from merak.run_directory import RunDirectoryBusy, RunDirectoryLock
 from merak.session import TrainingSession
+from merak.tensor_parallel import plan_for
 from merak.tensor_parallel.seed_api import user_plan
 
 logger = logging.getLogger(__name__)
@@ -77,7 +80,9 @@ class MerakTrainer:
         model_init: ``() -> nn.Module``, called by merak after seeding; with ``args.init_device``
             ``meta`` or ``auto`` a giant model is built without memory and each rank materializes
             only its own stage.
-        tp_plan: a merak TPPlan for ``tp > 1`` (default: the plan from ``merak.set_tp_layer_lists``).
+        tp_plan: for ``tp > 1``, a merak TPPlan or a transformers-style dict (``{"model.layers.*.self_attn.q_proj":
+            "colwise", ...}``); default: the plan from ``merak.set_tp_layer_lists``, else the model family's
+            plan merak holds, else the model's own transformers plan (:func:`merak.tensor_parallel.plan_for`).
         train_dataset, eval_dataset: Hugging Face names for ``train_data`` and ``eval_data``.
     """
 
@@ -120,12 +125,17 @@ class MerakTrainer:
                                               shift=model is not None and is_causal_lm(model),
                                               label_smoothing=self.args.label_smoothing_factor)
         self.collate = data_collator or default_collate
+        # The user's plan, else the model family's or transformers' own (merak.tensor_parallel.defaults);
+        # LoRA with tp > 1 is refused in _settings with its own reason.
+        plan = None if self.args.lora_config else plan_for(
+            model if model is not None else model_init, tp_plan if tp_plan is not None else user_plan(),
+            tp=self.state_grid.grid.tp)
         self.spec = RecipeSpec(
             name=type(model).__name__ if model is not None else "model_init",
             build_model=(lambda _cfg: self.model) if model is not None else (lambda _cfg: model_init()),
             loss_fn=self.loss, prepare_data=lambda _data, _model: None,
             load_dataset=lambda _prepared, _model: self._require_train_data(), collate=self.collate,
-            leaf_modules=tuple(leaf_modules), tp_plan=tp_plan if tp_plan is not None else user_plan(),
+            leaf_modules=tuple(leaf_modules), tp_plan=plan,
             tokens_per_sample=lambda _cfg: self._tokens_per_sample())
         self.settings, self.cadence = self._settings()
         ignored = ignored_fields(self.args)
@@ -145,6 +155,7 @@ class MerakTrainer:
         self.session: TrainingSession | None = None
         self.summary: dict | None = None
         self._evaluated_at: int | None = None
+        self.energy = None  # merak.energy.runtime.EnergyRuntime with profile, frequency_plan or pfo_server_url
 
     def _init_from_environment(self):
         """Without ``merak.init``: one process, or data parallelism over a launcher's processes
@@ -171,6 +182,7 @@ class MerakTrainer:
         """The run settings and the cadence (when to log, evaluate and save) of these arguments."""
         args, grid = self.args, self.state_grid.grid
         problems = args.problems() + cadence_problems(args)
+        problems += args.model_problems(self.model, self._require_train_data()[0] if self.train_data else None)
         if args.parallel_vocab and grid.tp > 1 and isinstance(self.loss, LabelLoss) and self.loss.loss_fn:
             problems.append("parallel_vocab with tp > 1 gives the loss vocabulary slices of the logits: leave "
                             "loss_fn unset (merak's vocabulary-parallel cross entropy)")
@@ -223,8 +235,13 @@ class MerakTrainer:
             steps = self._steps()
             self.state.max_steps = steps
             resume = find_checkpoint(self.settings.trainer.resume_from_checkpoint, self.settings.output_dir)
+            self.energy = start_energy(self.settings.trainer, self.state_grid)
             self.session = TrainingSession(self.spec, self.settings, None, steps=steps, state=self.state_grid,
-                                           resume=resume)
+                                           resume=resume, hooks=self.energy.hooks if self.energy else ())
+            if self.energy is not None:
+                self.energy.bind(self.session.engine.executor)
+                if not self.args.profile:
+                    self.session.summary_sections.append(lambda: {"energy": self.energy.summary()})
             self.model = self.session.model
             grid = self.state_grid.grid
             if (grid.pp > 1 or grid.tp > 1) and not self.args.lora_config:  # save_adapter gathers adapters
@@ -262,6 +279,9 @@ class MerakTrainer:
                                  "this trainer's model is built already")
             self.args.resume_from_checkpoint = resume_from_checkpoint
             self.settings, self.cadence = self._settings()
+        if self.args.profile:
+            profile = self.profile()
+            return TrainOutput(self.session.step, float("nan"), {"profile": profile})
         session = self._session()
         cadence = self.cadence
         self.state.global_step = first_step = session.step
@@ -307,12 +327,48 @@ class MerakTrainer:
             from merak.lora import save_adapter
 
             save_adapter(self, os.path.join(self.settings.output_dir, "adapter"))
+        if self.args.text_generation and self.eval_data is not None:
+            self._generate_from_eval_prompts()
+        if self.energy is not None:
+            self.energy.close()  # the clocks go back to the driver
         metrics = self._train_metrics(losses, session.step - first_step, time.perf_counter() - started)
         self.log(metrics)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         if self.summary is not None:
             logger.info("\n%s", format_summary(self.summary))
         return TrainOutput(session.step, metrics["train_loss"], metrics)
+
+    def profile(self) -> dict | None:
+        """Profile every pipeline instruction's time and energy at each GPU clock (``profile=True``; a
+        simulated GPU without one) instead of training; writes the profile ``merak-energy plan`` reads.
+        Returns the profile summary on rank 0 (None elsewhere). Collective."""
+        if not self.args.profile:
+            raise ValueError("profile() needs MerakArguments(profile=True)")
+        from merak.energy.profile import run_profile
+
+        session = self._session()
+        os.makedirs(self.settings.output_dir, exist_ok=True)
+        try:
+            self.summary = run_profile(session, self.energy)
+        finally:
+            self.energy.close()
+        return self.summary
+
+    def _generate_from_eval_prompts(self, count: int = 4) -> None:
+        """``text_generation``: continue the first evaluation samples' ``input_ids`` up to ``out_seq_length``
+        tokens; rank 0 logs them and writes ``generated.jsonl`` in the output directory."""
+        samples = _Samples(self.eval_data)
+        prompts = [samples[i]["input_ids"].tolist() for i in range(min(count, len(samples)))]
+        generated = self.generate(prompts)
+        if self.is_world_process_zero():
+            path = os.path.join(self.settings.output_dir, "generated.jsonl")
+            with open(path, "w", encoding="utf-8") as handle:
+                for prompt, tokens in zip(prompts, generated):
+                    handle.write(json.dumps({"prompt": prompt, "generated": tokens[len(prompt):]}) + "\n")
+            decode = getattr(self.processing_class, "decode", None)
+            for tokens in generated[:1]:
+                logger.info("generated: %s", decode(tokens) if decode else tokens)
+            logger.info("wrote %d generated sequences to %s", len(generated), path)
 
     def _train_metrics(self, losses: list[float], steps: int, runtime: float) -> dict:
         """Hugging Face's end-of-training metrics, rank 0's numbers on every rank (collective)."""
@@ -337,9 +393,8 @@ class MerakTrainer:
                               f"gives {', '.join(sorted(metrics))}")
         value = float(metrics[cadence.best_metric])
         if cadence.is_better(value, self.state.best_metric):  # the same numbers on every rank
-            previous = self.state.best_model_checkpoint
+            session.protected.discard(self.state.best_model_checkpoint)  # no longer the best: rotation may go on
             path = session.save()
-            session.protected.discard(previous)
             session.protected.add(path)
             self.state.best_metric, self.state.best_model_checkpoint = value, path
         return metrics

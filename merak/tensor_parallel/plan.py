@@ -18,7 +18,7 @@ from torch import nn
 
 from merak.shard.split import module_pattern
 from merak.tensor_parallel.layers import STYLES, ParallelContext, parallelize, weight_in_out
-from merak.tensor_parallel.sequence import SequenceParallelPlan, install_sequence_parallel
+from merak.tensor_parallel.sequence import SequenceParallelPlan, install_sequence_parallel, mark_partial
 from merak.tensor_parallel.slicing import TensorSlice, record_slice, slice_tensor_
 
 
@@ -47,6 +47,12 @@ class TPPlan:
         sequence: where the sequence-parallel region starts, gathers and ends (None:
             this model has no sequence-parallel plan).
         blocks: transformer-block globs for ``tp_overlapping_level=2`` (empty: not supported).
+        heads: column or row rule (the same glob) -> features of one attention head: each
+            rank must get whole heads (a key projection of 1 head of 8 features cannot
+            split over 2 ranks, although 8 features can).
+        partial: module globs whose replicated parameters see only this rank's part of
+            the features (a per-head norm over the heads of a column layer): their
+            gradients are summed over the tp group.
     """
 
     styles: Mapping[str, str] = field(default_factory=dict)
@@ -58,6 +64,8 @@ class TPPlan:
     ratios: tuple[tuple[int, int, str], ...] = ()
     sequence: SequenceParallelPlan | None = None
     blocks: tuple[str, ...] = ()
+    heads: Mapping[str, int] = field(default_factory=dict)
+    partial: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ class Change:
     """One module (or tensor) the plan changes."""
 
     name: str
-    kind: str  # a style, 'sliced', or 'attributes'
+    kind: str  # a style, 'sliced', 'attributes' or 'partial gradients'
     detail: str = ""
 
     def __str__(self) -> str:
@@ -82,6 +90,7 @@ class ResolvedPlan:
     attributes: dict[str, tuple[str, ...]]
     sequence: SequenceParallelPlan | None
     changes: list[Change]
+    partial: tuple[str, ...] = ()  # modules whose parameters' gradients are summed over the tp group
 
     def describe(self) -> str:
         return "\n".join(str(c) for c in self.changes)
@@ -97,7 +106,7 @@ def _check_divisible(what: str, value: int, tp: int, problems: list[str]) -> Non
         problems.append(f"{what} = {value} is not divisible by tp={tp}")
 
 
-def _layer_problems(name: str, module: nn.Module, style: str, parts: int, tp: int) -> list[str]:
+def _layer_problems(name: str, module: nn.Module, style: str, parts: int, tp: int, head: int = 0) -> list[str]:
     problems: list[str] = []
     if style in ("column", "row"):
         try:
@@ -111,6 +120,9 @@ def _layer_problems(name: str, module: nn.Module, style: str, parts: int, tp: in
                              out_features // parts if out_features % parts == 0 else out_features, tp, problems)
         else:
             _check_divisible(f"{name} input features", in_features, tp, problems)
+        split = (out_features // parts if style == "column" else in_features)
+        if head and not problems and split % head == 0:
+            _check_divisible(f"{name} attention heads ({head} features each)", split // head, tp, problems)
     elif style == "vocab":
         if not isinstance(module, nn.Embedding):
             return [f"{name}: vocab style needs nn.Embedding, got {type(module).__name__}"]
@@ -148,6 +160,9 @@ def resolve_plan(model: nn.Module, plan: TPPlan, *, tp: int, parallel_vocab: boo
     for pattern in plan.fused:
         if rules.get(pattern) != "column":
             problems.append(f"fused {pattern!r} must also be a column rule (the same glob)")
+    for pattern in plan.heads:
+        if rules.get(pattern) not in ("column", "row"):
+            problems.append(f"heads {pattern!r} must also be a column or row rule (the same glob)")
     for pattern, style in rules.items():
         matched = _match(pattern, names)
         if not matched:
@@ -158,7 +173,7 @@ def resolve_plan(model: nn.Module, plan: TPPlan, *, tp: int, parallel_vocab: boo
                 problems.append(f"module {name!r} is matched twice ({layers[name][0]} and {style})")
                 continue
             layers[name] = (style, parts)
-            problems.extend(_layer_problems(name, modules[name], style, parts, tp))
+            problems.extend(_layer_problems(name, modules[name], style, parts, tp, plan.heads.get(pattern, 0)))
     for name, style in _ratio_matches(modules, plan.ratios, problems).items():
         if name not in layers:
             layers[name] = (style, 1)
@@ -195,6 +210,7 @@ def resolve_plan(model: nn.Module, plan: TPPlan, *, tp: int, parallel_vocab: boo
         for name in owners:
             _check_divisible(f"{name}.{attr}", getattr(modules[name], attr), tp, problems)
             attributes[name] = tuple(dict.fromkeys((*attributes.get(name, ()), attr)))
+    partial = _partial_modules(plan.partial, names, layers, problems)
     sequence = plan.sequence if sequence_parallel else None
     if sequence_parallel:
         if plan.sequence is None:
@@ -207,10 +223,25 @@ def resolve_plan(model: nn.Module, plan: TPPlan, *, tp: int, parallel_vocab: boo
     changes = [Change(n, style, f"{parts} fused blocks" if parts > 1 else "") for n, (style, parts) in layers.items()]
     changes += [Change(f"{m}.{t}", "sliced", f"dimension {d}") for (m, t), d in tensors.items()]
     changes += [Change(n, "attributes", ", ".join(a)) for n, a in attributes.items()]
+    changes += [Change(n, "partial gradients", "summed over the tp group") for n in partial]
     order = {n: i for i, n in enumerate(names)}
     changes.sort(key=lambda c: order.get(c.name, order.get(c.name.rsplit(".", 1)[0], len(order))))
     return ResolvedPlan(tp=tp, layers=layers, tensors=tensors, attributes=attributes, sequence=sequence,
-                        changes=changes)
+                        changes=changes, partial=partial)
+
+
+def _partial_modules(patterns, names: list[str], layers: dict, problems: list[str]) -> tuple[str, ...]:
+    """The modules of ``partial`` rules; a split layer's gradients are its own slice, never partial."""
+    found: dict[str, None] = {}
+    for pattern in patterns:
+        matched = _match(pattern, names)
+        if not matched:
+            problems.append(f"partial {pattern!r} matches no module")
+        for name in matched:
+            if name in layers:
+                problems.append(f"{name!r} is both a {layers[name][0]} layer and partial")
+            found[name] = None
+    return tuple(found)
 
 
 def _ratio_matches(modules: dict[str, nn.Module], ratios, problems: list[str]) -> dict[str, str]:
@@ -276,6 +307,9 @@ def apply_plan(model: nn.Module, resolved: ResolvedPlan, ctx: ParallelContext) -
     for name, attrs in resolved.attributes.items():
         for attr in attrs:
             setattr(modules[name], attr, getattr(modules[name], attr) // ctx.size)
+    for name in resolved.partial:
+        for param in modules[name].parameters():
+            mark_partial(param)
     if resolved.sequence is not None:
         column_layers = {n for n, (style, _) in resolved.layers.items() if style == "column"}
         install_sequence_parallel(model, resolved.sequence, ctx, gathers_itself=column_layers)

@@ -100,13 +100,19 @@ def install_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, ctx,
     for name in plan._matches(plan.sharded, names):
         for param in modules[name].parameters():
             if id(param) not in sliced:
-                setattr(param, SEQUENCE_PARTIAL_ATTR, True)
+                mark_partial(param)
 
 
 def _sliced_parameters(module: nn.Module):
     return [getattr(module, n) for n in slices_of(module) if isinstance(getattr(module, n), nn.Parameter)]
 
 
+def mark_partial(param: nn.Parameter) -> None:
+    """Record that ``param``'s gradient is a partial sum over the tp group (the engine sums it)."""
+    setattr(param, SEQUENCE_PARTIAL_ATTR, True)
+
+
 def sequence_partial(param: nn.Parameter) -> bool:
-    """True when ``param``'s gradient is a partial sum over the sequence chunks of the tp group."""
+    """True when ``param``'s gradient is a partial sum over the tp group: over the sequence
+    chunks (sequence parallelism) or over the heads (a per-head norm, ``TPPlan.partial``)."""
     return getattr(param, SEQUENCE_PARTIAL_ATTR, False)

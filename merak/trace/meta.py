@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from merak.tensor_parallel.sequence import mark_partial, sequence_partial
 from merak.tensor_parallel.slicing import TensorSlice, slices_of
 
 InitFn = Callable[[nn.Module, nn.Module], None]  # (model, module) -> None, initializes module's parameters
@@ -159,6 +160,8 @@ def materialize(model: nn.Module, parameters: Iterable[nn.Parameter], *, seed: i
                 if param.device.type == "meta" and id(param) not in fresh:
                     fresh[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
                                                     requires_grad=param.requires_grad)
+                    if sequence_partial(param):  # the tp plan's mark lives on the parameter object
+                        mark_partial(fresh[id(param)])
     _replace_parameters([model, *also_in], fresh)
     full_size = _FullSizeSlices(model, device)
     with torch.no_grad():

@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from merak.tensor_parallel import TPPlan
+from merak.tensor_parallel.model_plans import bert_plan
 
 INPUT_NAMES = ("input_ids",)
 SPLIT_POINTS = ("bert.encoder.layer.*",)
 
-# Megatron's split of a BERT layer: query, key, value and the first MLP layer by output
-# features (each rank keeps num_heads / tp heads), the attention output and the second MLP
-# layer by input features. The MLM head's transform and the layer norms stay replicated.
-# With parallel_vocab the word embedding and the tied MLM decoder are split by vocabulary.
-TP_PLAN = TPPlan(
-    styles={"bert.encoder.layer.*.attention.self.query": "column",
-            "bert.encoder.layer.*.attention.self.key": "column",
-            "bert.encoder.layer.*.attention.self.value": "column",
-            "bert.encoder.layer.*.attention.output.dense": "row",
-            "bert.encoder.layer.*.intermediate.dense": "column",
-            "bert.encoder.layer.*.output.dense": "row"},
-    attributes={"bert.encoder.layer.*.attention.self": ("num_attention_heads", "all_head_size")},
-    vocab={"bert.embeddings.word_embeddings": "vocab", "cls.predictions.decoder": "column"},
-)
+# merak's BERT plan (merak.tensor_parallel.model_plans.bert_plan: Megatron's split of every encoder
+# layer; with parallel_vocab the word embedding and the tied MLM decoder) for BertForMaskedLM.
+TP_PLAN = bert_plan()
 
 
 def example_inputs(model_cfg, micro_batch_size: int) -> dict[str, torch.Tensor]:

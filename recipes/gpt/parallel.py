@@ -10,27 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from merak.tensor_parallel import SequenceParallelPlan, TPPlan
+from merak.tensor_parallel.model_plans import gpt2_plan
 
 INPUT_NAMES = ("input_ids",)
 SPLIT_POINTS = ("transformer.h.*",)
 
-# Megatron's split of a GPT block: the fused query/key/value projection and the first MLP
-# layer by output features (each rank keeps num_heads / tp heads), the two output
-# projections by input features. With parallel_vocab the tied embedding and LM head are
-# split by vocabulary. With sequence_parallel the activations between the attention and
-# MLP blocks (layer norms, residuals, dropout) hold seq_length / tp positions per rank.
-TP_PLAN = TPPlan(
-    styles={"transformer.h.*.attn.c_attn": "column", "transformer.h.*.attn.c_proj": "row",
-            "transformer.h.*.mlp.c_fc": "column", "transformer.h.*.mlp.c_proj": "row"},
-    fused={"transformer.h.*.attn.c_attn": 3},
-    attributes={"transformer.h.*.attn": ("num_heads", "split_size")},
-    vocab={"transformer.wte": "vocab", "lm_head": "column"},
-    sequence=SequenceParallelPlan(enter=("transformer.drop",),
-                                  regions=("transformer.h.*.attn", "transformer.h.*.mlp"),
-                                  exit=("transformer.ln_f",), sharded=("transformer.h.*",)),
-    blocks=("transformer.h.*",),
-)
+# merak's GPT-2 plan (merak.tensor_parallel.model_plans.gpt2_plan: Megatron's split of every
+# block, vocabulary and sequence parallel regions) for GPT2LMHeadModel.
+TP_PLAN = gpt2_plan()
 
 
 def example_inputs(model_cfg, micro_batch_size: int) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ data fields the model's forward accepts, so no fixed ``input_names`` are needed.
 
 from __future__ import annotations
 
-from merak.tensor_parallel import TPPlan
+from merak.tensor_parallel.model_plans import hf_swin_plan, timm_swin_plan
+from merak.tensor_parallel.plan import TPPlan
 from recipes.vision.data import (  # noqa: F401
     example_inputs,
     image_model_problems,
@@ -20,31 +21,12 @@ from recipes.vision.data import (  # noqa: F401
 # ``layers.*.blocks.*``. conf/train.yaml takes the points of the chosen model from ``model.split_points``.
 SPLIT_POINTS = ("swin.encoder.layers.*.blocks.*",)
 
-# Megatron's split of a Swin block: the query/key/value projections and the first MLP layer
-# by output features (each rank keeps num_heads / tp heads of its stage), the attention output
-# and the second MLP layer by input features; each rank keeps the columns of its heads of the
-# relative position bias table (positions x heads). Patch embedding and merging, layer norms
-# and the classifier stay replicated. The Hugging Face and timm models name their modules
-# differently, and a rule that matches nothing is an error, so each source has its plan
-# (tp_plan, the recipe's plan, picks it from model.source).
-_HF_BLOCK = "swin.encoder.layers.*.blocks.*"
-HF_TP_PLAN = TPPlan(
-    styles={f"{_HF_BLOCK}.attention.q_proj": "column", f"{_HF_BLOCK}.attention.k_proj": "column",
-            f"{_HF_BLOCK}.attention.v_proj": "column", f"{_HF_BLOCK}.attention.o_proj": "row",
-            f"{_HF_BLOCK}.mlp.fc1": "column", f"{_HF_BLOCK}.mlp.fc2": "row"},
-    attributes={f"{_HF_BLOCK}.attention": ("num_attention_heads",)},
-    sliced={f"{_HF_BLOCK}.attention.relative_position_bias.relative_position_bias_table": 1},
-)
-# timm's WindowAttention stacks query, key and value in one ``qkv`` layer (3 fused blocks) and
-# reads num_heads to shape them and the shifted-window mask.
-_TIMM_BLOCK = "layers.*.blocks.*"
-TIMM_TP_PLAN = TPPlan(
-    styles={f"{_TIMM_BLOCK}.attn.qkv": "column", f"{_TIMM_BLOCK}.attn.proj": "row",
-            f"{_TIMM_BLOCK}.mlp.fc1": "column", f"{_TIMM_BLOCK}.mlp.fc2": "row"},
-    fused={f"{_TIMM_BLOCK}.attn.qkv": 3},
-    attributes={f"{_TIMM_BLOCK}.attn": ("num_heads",)},
-    sliced={f"{_TIMM_BLOCK}.attn.relative_position_bias_table": 1},
-)
+# merak's Swin plans (merak.tensor_parallel.model_plans: Megatron's split of every Swin block, the
+# relative position bias table by heads). The Hugging Face and timm models name their modules
+# differently, and a rule that matches nothing is an error, so each source has its plan (tp_plan,
+# the recipe's plan, picks it from model.source).
+HF_TP_PLAN = hf_swin_plan()
+TIMM_TP_PLAN = timm_swin_plan()
 TP_PLAN = HF_TP_PLAN
 
 

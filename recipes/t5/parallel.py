@@ -13,29 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from merak.tensor_parallel import TPPlan
+from merak.tensor_parallel.model_plans import t5_plan
 
 INPUT_NAMES = ("input_ids", "decoder_input_ids")
 SPLIT_POINTS = ("encoder.block.*", "decoder.block.*")
 
-# Megatron's split of every T5 attention (self-attention and the decoder's cross-attention):
-# q, k, v by output features (each rank keeps num_heads / tp heads), o by input features;
-# the feed-forward's input layers (wi, or wi_0 and wi_1 for gated activations) by output
-# features and wo by input features. The first block of each stack owns the relative
-# position bias table (buckets x heads): each rank keeps the columns of its heads. Attention
-# layers without the table make a zero bias of n_heads heads, hence n_heads is divided. With
-# parallel_vocab the token embedding (one weight shared by ``shared``, both stacks'
-# ``embed_tokens`` and ``lm_head``) is split by vocabulary, and so are the logits.
-_ATTENTION = "*.block.*.layer.*.*Attention"  # SelfAttention, and EncDecAttention in the decoder
-TP_PLAN = TPPlan(
-    styles={f"{_ATTENTION}.q": "column", f"{_ATTENTION}.k": "column", f"{_ATTENTION}.v": "column",
-            f"{_ATTENTION}.o": "row",
-            "*.block.*.layer.*.DenseReluDense.wi*": "column", "*.block.*.layer.*.DenseReluDense.wo": "row"},
-    attributes={_ATTENTION: ("n_heads", "inner_dim")},
-    sliced={"*.block.0.layer.0.SelfAttention.relative_attention_bias": 1},
-    vocab={"shared": "vocab", "encoder.embed_tokens": "vocab", "decoder.embed_tokens": "vocab",
-           "lm_head": "column"},
-)
+# merak's T5 plan (merak.tensor_parallel.model_plans.t5_plan: Megatron's split of every attention and
+# feed-forward, the relative position bias by heads; with parallel_vocab the shared token embedding
+# and the logits) for T5ForConditionalGeneration.
+TP_PLAN = t5_plan()
 
 
 def example_inputs(model_cfg, micro_batch_size: int) -> dict[str, torch.Tensor]:

@@ -9,7 +9,8 @@ data fields the model's forward accepts, so no fixed ``input_names`` are needed.
 
 from __future__ import annotations
 
-from merak.tensor_parallel import TPPlan
+from merak.tensor_parallel.model_plans import hf_vit_plan, timm_vit_plan
+from merak.tensor_parallel.plan import TPPlan
 from recipes.vision.data import (  # noqa: F401
     example_inputs,
     image_model_problems,
@@ -20,25 +21,11 @@ from recipes.vision.data import (  # noqa: F401
 # ``blocks.*``. conf/train.yaml takes the points of the chosen model from ``model.split_points``.
 SPLIT_POINTS = ("vit.layers.*",)
 
-# Megatron's split of an encoder block: the query/key/value projections and the first MLP
-# layer by output features (each rank keeps num_heads / tp heads), the attention output and
-# the second MLP layer by input features. The patch embedding, the layer norms and the
-# classifier stay replicated. The Hugging Face and timm models name their modules
-# differently, and a rule that matches nothing is an error, so each source has its plan
-# (tp_plan, the recipe's plan, picks it from model.source).
-HF_TP_PLAN = TPPlan(
-    styles={"vit.layers.*.attention.q_proj": "column", "vit.layers.*.attention.k_proj": "column",
-            "vit.layers.*.attention.v_proj": "column", "vit.layers.*.attention.o_proj": "row",
-            "vit.layers.*.mlp.fc1": "column", "vit.layers.*.mlp.fc2": "row"},
-    attributes={"vit.layers.*.attention": ("num_attention_heads",)},
-)
-# timm's Attention stacks query, key and value in one ``qkv`` layer (3 fused blocks).
-TIMM_TP_PLAN = TPPlan(
-    styles={"blocks.*.attn.qkv": "column", "blocks.*.attn.proj": "row",
-            "blocks.*.mlp.fc1": "column", "blocks.*.mlp.fc2": "row"},
-    fused={"blocks.*.attn.qkv": 3},
-    attributes={"blocks.*.attn": ("num_heads", "attn_dim")},
-)
+# merak's ViT plans (merak.tensor_parallel.model_plans: Megatron's split of every encoder block). The
+# Hugging Face and timm models name their modules differently, and a rule that matches nothing is an
+# error, so each source has its plan (tp_plan, the recipe's plan, picks it from model.source).
+HF_TP_PLAN = hf_vit_plan()
+TIMM_TP_PLAN = timm_vit_plan()
 TP_PLAN = HF_TP_PLAN
 
 

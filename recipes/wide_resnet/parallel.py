@@ -8,7 +8,7 @@ torchvision's ResNet takes the images as ``x``.
 
 from __future__ import annotations
 
-from merak.tensor_parallel import TPPlan
+from merak.tensor_parallel.model_plans import resnet_plan
 from recipes.vision.data import (  # noqa: F401
     example_inputs,
     image_model_problems,
@@ -20,14 +20,9 @@ SPLIT_POINTS = ("layer?.*",)
 MIN_IMAGE_SIZE = 32  # the stem and three strided stages divide the image by 32
 STAGE_PLANES = (64, 128, 256, 512)  # torchvision's Bottleneck planes per stage
 
-# Megatron's MLP split applied to every Bottleneck: the 1x1 conv1 by output channels, its batch
-# norm bn1 on this rank's channels (per-channel statistics, so exact), the 3x3 conv2 by input
-# channels (its output summed over the tp group). conv3, bn2, bn3, the downsample branch, the
-# stem and the classifier stay replicated.
-TP_PLAN = TPPlan(
-    styles={"layer?.*.conv1": "conv_column", "layer?.*.conv2": "conv_row"},
-    sliced={"layer?.*.bn1": 0},
-)
+# merak's ResNet plan (merak.tensor_parallel.model_plans.resnet_plan: Megatron's MLP split applied to
+# every Bottleneck: conv1 by output channels, bn1 on this rank's channels, conv2 by input channels).
+TP_PLAN = resnet_plan()
 
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:

@@ -1,7 +1,7 @@
 """A Hugging Face Trainer script with only the class names changed runs on merak: it trains to one
 process's numbers (label smoothing included), evaluates and saves on its strategies, ends with the best
 model, returns a TrainOutput on every rank, writes TensorBoard logs, and save_model() writes a model
-from_pretrained loads, gathered from every pipeline stage."""
+from_pretrained loads, gathered from every pipeline stage and tensor-parallel slice."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def test_hugging_face_script_with_renamed_classes(tmp_path):
 
 
 def _pipeline_save(output_dir: str) -> None:
-    merak.init(dp=1, tp=1, pp=2)
+    merak.init(dp=1, tp=2, pp=2)  # no tp_plan: transformers' own plan for Llama
     args = merak.MerakArguments(output_dir=output_dir, max_steps=2, per_device_train_batch_size=MICRO,
                                 per_device_eval_batch_size=MICRO, gradient_accumulation_steps=MICROBATCHES,
                                 learning_rate=LR, seed=SEED, save=False, disable_tqdm=True, timeout_s=120)
@@ -159,9 +159,9 @@ def _pipeline_save(output_dir: str) -> None:
             json.dump({"eval_loss": metrics["eval_loss"], "refused": refused}, handle)
 
 
-def test_save_model_gathers_every_stage(tmp_path):
+def test_save_model_gathers_every_stage_and_tensor_parallel_slice(tmp_path):
     output_dir = str(tmp_path / "run")
-    spawn_workers(_pipeline_save, world_size=2, args=(output_dir,))
+    spawn_workers(_pipeline_save, world_size=4, args=(output_dir,))
     with open(os.path.join(output_dir, "result.json"), encoding="utf-8") as handle:
         result = json.load(handle)
     # The model object holds one stage: saving it is refused, never written half-trained.
@@ -177,3 +177,45 @@ def test_save_model_gathers_every_stage(tmp_path):
     untrained = build_model()
     changed = [name for name, p in loaded.named_parameters() if not torch.equal(p, untrained.get_parameter(name))]
     assert len(changed) == len(list(untrained.parameters()))
+
+
+def _energy_and_generation(output_dir: str) -> None:
+    merak.init(dp=1, tp=1, pp=2)
+    common = dict(per_device_train_batch_size=MICRO, per_device_eval_batch_size=MICRO,
+                  gradient_accumulation_steps=MICROBATCHES, learning_rate=LR, seed=SEED, save=False,
+                  disable_tqdm=True, timeout_s=120, split_method="layer_split",
+                  custom_split_points=["model.layers.*"])
+    profiler = merak.MerakTrainer(
+        model=build_model(), train_data=samples(32, 1),
+        args=merak.MerakArguments(output_dir=os.path.join(output_dir, "profile"), max_steps=2, profile=True,
+                                  num_warmup_steps=1, num_prof_steps=1,
+                                  **{**common, "gradient_accumulation_steps": 1}))  # one microbatch per step
+    summary = profiler.profile()
+    writer = merak.MerakTrainer(
+        model=build_model(), train_data=samples(32, 1), eval_data=samples(4, 2),
+        args=merak.MerakArguments(output_dir=os.path.join(output_dir, "generate"), max_steps=1,
+                                  text_generation=True, out_seq_length=SEQ + 3, temperature=0, **common))
+    writer.train()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(output_dir, "result.json"), "w", encoding="utf-8") as handle:
+            json.dump({"profile": summary}, handle)
+
+
+def test_energy_profile_and_text_generation_from_the_trainer(tmp_path):
+    output_dir = str(tmp_path / "run")
+    spawn_workers(_energy_and_generation, world_size=2, args=(output_dir,))
+    with open(os.path.join(output_dir, "result.json"), encoding="utf-8") as handle:
+        summary = json.load(handle)["profile"]
+    # Every instruction of both stages at each profiled clock of the simulated GPU.
+    assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 2} and summary["clocks_profiled"] >= 2
+    import csv
+
+    with open(summary["profile"], encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == summary["rows"] > 0
+    assert {row["pp_rank"] for row in rows} == {"0", "1"} and {"forward", "backward"} <= {row["instruction"] for row in rows}
+    with open(os.path.join(output_dir, "generate", "generated.jsonl"), encoding="utf-8") as handle:
+        generated = [json.loads(line) for line in handle]
+    prompts = [sample["input_ids"].tolist() for sample in samples(4, 2)]
+    assert [g["prompt"] for g in generated] == prompts
+    assert all(len(g["generated"]) == 3 for g in generated)

@@ -3,20 +3,19 @@
 Each case splits a tiny model (tests/tiny_models.py) with its recipe's TP plan
 through the whole automatic path (split, capture, shard, partition) and trains
 it with the pipeline engine; the reference trains the unsplit model in one
-process on the same microbatches with the same optimizer. A worker's gradient
-of a sliced parameter is its slice of the reference gradient
-(merak.tensor_parallel.slicing records which slice).
+process on the same microbatches with the same optimizer (tests/tp_parity.py
+compares them).
 """
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import pytest
 import tiny_models
 import torch
 from microbatch_reference import train_microbatches
+from tp_parity import compare_workers, save_worker, step_record
 
 from merak.assemble import assemble
 from merak.distributed import groups
@@ -24,7 +23,6 @@ from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel.options import TensorParallelOptions
-from merak.tensor_parallel.slicing import parameter_slices
 from recipes.bert import model as bert_model
 from recipes.bert import parallel as bert_parallel
 from recipes.swin import parallel as swin_parallel
@@ -41,8 +39,6 @@ MICROBATCHES = 4
 TP = 2
 OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0,
                            lr_scheduler_type="constant")
-LOSS_RTOL = 1e-6
-GRAD_RTOL = 5e-6
 # Tiny models: tests/tiny_models.py, plus T5 with a vocabulary divisible by tp for parallel_vocab.
 MODELS = {**tiny_models.ALL, "t5-vocab104": functools.partial(tiny_models.t5, vocab_size=104),
           "bert-vocab102": functools.partial(tiny_models.bert, vocab_size=102)}
@@ -102,17 +98,12 @@ def _train(out_dir: str, case: str) -> None:
             example_inputs=example,
             tensor_parallel=TensorParallelOptions(plan=plan, size=TP, rank=state.coordinates.tp,
                                                   parallel_vocab=vocab))
-        slices = parameter_slices(built.model)
         engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=_loss_fn(name), state=state,
                                 schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS)
         data = _microbatches(name)
-        records = []
-        for step in range(STEPS):
-            result = engine.train_step(data[step * MICROBATCHES:(step + 1) * MICROBATCHES])
-            grads = {n: p.grad.detach().clone() for n, p in engine.named_parameters() if p.grad is not None}
-            records.append({"loss": result.loss, "grads": grads})
-        torch.save({"records": records, "slices": slices, "changes": len(built.tp_plan.changes)},
-                   Path(out_dir) / f"rank{state.rank}.pt")
+        records = [step_record(engine, engine.train_step(data[step * MICROBATCHES:(step + 1) * MICROBATCHES]))
+                   for step in range(STEPS)]
+        save_worker(out_dir, state.rank, built.model, records, len(built.tp_plan.changes))
     finally:
         groups.shutdown()
 
@@ -128,26 +119,7 @@ def _reference(name: str) -> list[dict]:
 def test_tp2_matches_single_process(case, tmp_path):
     name, _, pp, _, vocab = CASES[case]
     spawn_workers(_train, world_size=TP * pp, args=(str(tmp_path), case))
-    reference = _reference(name)
-    seen, sliced = set(), set()
-    for rank in range(TP * pp):
-        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        assert saved["changes"] > 0, case
-        for step, (got, want) in enumerate(zip(saved["records"], reference, strict=True)):
-            where = f"{case} rank {rank} step {step}"
-            assert got["loss"] == pytest.approx(want["loss"], rel=LOSS_RTOL), where
-            for param_name, grad in got["grads"].items():
-                expected = want["grads"][param_name]
-                if param_name in saved["slices"]:
-                    expected = saved["slices"][param_name].take(expected)
-                    sliced.add(param_name)
-                assert grad.shape == expected.shape, f"{where}: gradient of {param_name}"
-                # Relative to the gradient, with a floor: attention key biases get ~1e-11 gradients.
-                error = float((grad - expected).norm() / expected.norm().clamp_min(1e-4))
-                assert error < GRAD_RTOL, f"{where}: gradient of {param_name} off by {error:.2e}"
-                seen.add(param_name)
-    assert seen == set(reference[0]["grads"]), case
-    assert sliced, f"{case}: no parameter was split"
+    sliced = compare_workers(tmp_path, TP * pp, _reference(name), case)
     if vocab:
         embedding = "shared.weight" if name.startswith("t5") else "bert.embeddings.word_embeddings.weight"
         assert embedding in sliced, f"{case}: the embedding was not split by vocabulary"

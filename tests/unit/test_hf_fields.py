@@ -105,3 +105,32 @@ def test_contradictory_strategies_are_named(tmp_path, fields, message):
     assert any(message in problem for problem in cadence_problems(_args(tmp_path, **fields)))
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("'", ".")):
         merak.MerakTrainer(model=_Tiny(), args=_args(tmp_path, max_steps=1, **fields), train_data=_data(8))
+
+
+def test_seed_size_fields_are_checked_against_the_model_and_data(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16))
+    sample = {"input_ids": torch.zeros(12, dtype=torch.long)}
+    assert _args(tmp_path, num_heads=4, seq_length=12, trace_model="GPT2LMHeadModel").model_problems(model, sample) == []
+    problems = _args(tmp_path, num_heads=8, seq_length=16, trace_model="Qwen2ForCausalLM").model_problems(model, sample)
+    assert problems == ["num_heads=8 but the model has 4 attention heads",
+                        "seq_length=16 but the training samples hold 12 tokens",
+                        "trace_model='Qwen2ForCausalLM' but the model is a GPT2LMHeadModel (merak captures any "
+                        "class: leave trace_model empty)"]
+
+
+def test_num_layers_sets_the_original_shard_count_and_custom_partition_needs_custom(tmp_path):
+    from merak.hf.arguments import trainer_settings
+
+    assert trainer_settings(_args(tmp_path, num_layers=6))["shard_count"] == 12
+    assert trainer_settings(_args(tmp_path, num_layers=6, shard_count=5))["shard_count"] == 5
+    assert trainer_settings(_args(tmp_path))["shard_count"] is None
+    problems = _args(tmp_path, custom_partition=[0, 3, 6]).problems()
+    assert any("only read with partition_method='custom'" in p for p in problems)
+    assert not _args(tmp_path, custom_partition=[0, 3, 6], partition_method="custom").problems()
+
+
+def test_unused_seed_field_is_named(tmp_path):
+    assert ignored_fields(_args(tmp_path, init_method_std=0.01)) == [
+        "init_method_std=0.01 (tensor-parallel shards are slices of the model's own initialized weights)"]
