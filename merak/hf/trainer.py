@@ -13,7 +13,6 @@ recipe has, and drives the same :class:`merak.session.TrainingSession`.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -33,14 +32,16 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
 
 from merak.config import ConfigError, resolve_settings, total_steps
-from merak.data.batching import BatchPlan, stack_samples
+from merak.data.batching import BatchPlan
 from merak.distributed import groups
 from merak.energy.runtime import start_energy
 from merak.hf.arguments import MerakArguments, trainer_settings
 from merak.hf.cadence import Cadence, cadence_problems, resolve_cadence
 from merak.hf.fields import ignored_fields
 from merak.hf.loss import LabelLoss, is_causal_lm
+from merak.hf.outputs import TrainerOutputs
 from merak.hf.predictions import gather_predictions
+from merak.hf.samples import Samples, default_collate
 from merak.recipe import RecipeSpec
 from merak.report import format_summary
 from merak.run_directory import RunDirectoryBusy, RunDirectoryLock
@@ -51,16 +52,7 @@ from merak.tensor_parallel.seed_api import user_plan
 logger = logging.getLogger(__name__)
 
 
-def _to_tensors(sample) -> dict[str, torch.Tensor]:
-    return {key: torch.as_tensor(value) for key, value in sample.items()}
-
-
-def default_collate(samples) -> dict[str, torch.Tensor]:
-    """Stack the fields of dict samples (lists, numpy arrays or tensors)."""
-    return stack_samples([_to_tensors(sample) for sample in samples])
-
-
-class MerakTrainer:
+class MerakTrainer(TrainerOutputs):
     """Train, evaluate, predict and generate with the model split over ``merak.init``'s grid.
 
     Args:
@@ -171,7 +163,7 @@ class MerakTrainer:
     def _require_train_data(self):
         if self.train_data is None:
             raise ValueError("MerakTrainer needs train_data (it also shapes the graph merak captures)")
-        return _Samples(self.train_data)
+        return Samples(self.train_data)
 
     def _tokens_per_sample(self) -> int:
         sample = self._require_train_data()[0]
@@ -338,38 +330,6 @@ class MerakTrainer:
             logger.info("\n%s", format_summary(self.summary))
         return TrainOutput(session.step, metrics["train_loss"], metrics)
 
-    def profile(self) -> dict | None:
-        """Profile every pipeline instruction's time and energy at each GPU clock (``profile=True``; a
-        simulated GPU without one) instead of training; writes the profile ``merak-energy plan`` reads.
-        Returns the profile summary on rank 0 (None elsewhere). Collective."""
-        if not self.args.profile:
-            raise ValueError("profile() needs MerakArguments(profile=True)")
-        from merak.energy.profile import run_profile
-
-        session = self._session()
-        os.makedirs(self.settings.output_dir, exist_ok=True)
-        try:
-            self.summary = run_profile(session, self.energy)
-        finally:
-            self.energy.close()
-        return self.summary
-
-    def _generate_from_eval_prompts(self, count: int = 4) -> None:
-        """``text_generation``: continue the first evaluation samples' ``input_ids`` up to ``out_seq_length``
-        tokens; rank 0 logs them and writes ``generated.jsonl`` in the output directory."""
-        samples = _Samples(self.eval_data)
-        prompts = [samples[i]["input_ids"].tolist() for i in range(min(count, len(samples)))]
-        generated = self.generate(prompts)
-        if self.is_world_process_zero():
-            path = os.path.join(self.settings.output_dir, "generated.jsonl")
-            with open(path, "w", encoding="utf-8") as handle:
-                for prompt, tokens in zip(prompts, generated):
-                    handle.write(json.dumps({"prompt": prompt, "generated": tokens[len(prompt):]}) + "\n")
-            decode = getattr(self.processing_class, "decode", None)
-            for tokens in generated[:1]:
-                logger.info("generated: %s", decode(tokens) if decode else tokens)
-            logger.info("wrote %d generated sequences to %s", len(generated), path)
-
     def _train_metrics(self, losses: list[float], steps: int, runtime: float) -> dict:
         """Hugging Face's end-of-training metrics, rank 0's numbers on every rank (collective)."""
         samples = steps * self.settings.global_batch_size
@@ -398,29 +358,6 @@ class MerakTrainer:
             session.protected.add(path)
             self.state.best_metric, self.state.best_model_checkpoint = value, path
         return metrics
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the whole trained model to ``output_dir`` (default ``args.output_dir``); collective.
-
-        Every rank's stage (and tensor-parallel slice) is gathered on the main process, which writes a
-        directory ``from_pretrained`` loads (config.json + model.safetensors; model.safetensors alone for a
-        model that is not a Hugging Face model), the ``processing_class`` (tokenizer) and
-        ``training_args.bin``. With LoRA, the adapter alone, as peft saves it.
-        """
-        directory = os.path.abspath(output_dir or self.args.output_dir)
-        if self.args.lora_config:
-            self.save_adapter(directory)
-            return
-        from merak.checkpoint.pretrained import save_pretrained_model
-
-        session = self._session()
-        save_pretrained_model(session.engine, directory)
-        if self.is_world_process_zero():
-            if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
-                self.processing_class.save_pretrained(directory)
-            torch.save(self.args, os.path.join(directory, "training_args.bin"))
-            logger.info("saved the model to %s", directory)
-        groups.barrier()
 
     @contextlib.contextmanager
     def _run_directory_locked(self) -> Iterator[None]:
@@ -472,7 +409,7 @@ class MerakTrainer:
         if dataset is None:
             raise ValueError("evaluate() needs eval_data (or an eval_dataset argument)")
         session = self._session()
-        metrics, _ = session.evaluate(_Samples(dataset), micro_batch_size=self._eval_micro_batch(),
+        metrics, _ = session.evaluate(Samples(dataset), micro_batch_size=self._eval_micro_batch(),
                                       eval_iters=eval_iters if eval_iters is not None else self.args.eval_iters)
         metrics = {f"{metric_key_prefix}_{k.removeprefix('eval_')}": v for k, v in metrics.items()}
         self._evaluated_at = session.step
@@ -486,7 +423,7 @@ class MerakTrainer:
         """Logits and labels for every sample of whole evaluation steps, in dataset order, on every
         rank; with ``args.text_generation`` the generated token ids instead (see :meth:`generate`)."""
         if self.args.text_generation:
-            samples = _Samples(test_dataset)
+            samples = Samples(test_dataset)
             prompts = [samples[i]["input_ids"].tolist() for i in range(len(samples))]
             generated = self.generate(prompts)
             width = max(len(g) for g in generated)
@@ -495,7 +432,7 @@ class MerakTrainer:
                 padded[row, :len(tokens)] = tokens
             return PredictionOutput(predictions=padded, label_ids=None, metrics={})
         session = self._session()
-        metrics, kept = session.evaluate(_Samples(test_dataset), micro_batch_size=self._eval_micro_batch(),
+        metrics, kept = session.evaluate(Samples(test_dataset), micro_batch_size=self._eval_micro_batch(),
                                          keep_outputs=True)
         predictions, labels = gather_predictions(session, kept, label_name=self._label_name(),
                                                  parallel_vocab=self.settings.trainer.parallel_vocab)
@@ -510,43 +447,3 @@ class MerakTrainer:
 
     def _label_name(self) -> str:
         return (self.args.label_names or ["labels"])[0]
-
-    def generate(self, prompts: Sequence[Sequence[int]], *, max_length: int | None = None,
-                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None) -> list[list[int]]:
-        """Continue each prompt (token ids) through the pipeline with a KV cache on every stage.
-
-        Defaults come from the arguments: ``out_seq_length`` (total length, prompt included),
-        ``temperature`` (0: greedy), ``top_k``, ``top_p`` and ``seed``. Every rank returns all
-        sequences; prompts are spread over the dp replicas.
-        """
-        from merak.generation import GenerationOptions, generate
-
-        args = self.args
-        options = GenerationOptions(
-            max_length=max_length or args.out_seq_length,
-            temperature=args.temperature if temperature is None else temperature,
-            top_k=args.top_k if top_k is None else top_k, top_p=args.top_p if top_p is None else top_p,
-            seed=args.seed if seed is None else seed)
-        return generate(self._session(), prompts, options)
-
-    # -- adapters ---------------------------------------------------------------
-
-    def save_adapter(self, directory: str) -> None:
-        """Write the LoRA adapter alone (peft's ``save_pretrained`` layout); collective."""
-        from merak.lora import save_adapter
-
-        save_adapter(self, directory)
-
-
-class _Samples:
-    """A dataset whose samples are dicts of tensors (Hugging Face datasets give lists)."""
-
-    def __init__(self, dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return _to_tensors(self.dataset[int(index)])
