@@ -1,9 +1,10 @@
-"""The original run_bert.py command line: see examples/seed_api.py and docs/trainer_api.md."""
+"""The original run_bert.py command line (BERT): see examples/seed_api.py and docs/trainer_api.md."""
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# realpath: a symbolic link to this script, made elsewhere, still finds the repository.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 import merak  # noqa: E402,F401  (before transformers)
 from examples.seed_api import main  # noqa: E402
