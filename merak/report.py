@@ -29,7 +29,7 @@ class StepRecord:
 
     step: int
     loss: float
-    lr: float
+    learning_rate: float
     grad_norm: float
     step_time_s: float
     samples_per_s: float
@@ -78,7 +78,7 @@ class MetricsWriter:
     def log_step(self, *, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float,
                  skipped: bool = False, loss_scale: float = 1.0) -> StepRecord:
         """Record one optimizer step (``step`` counts from 1) and return its record."""
-        record = StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm, step_time_s=step_time_s,
+        record = StepRecord(step=step, loss=loss, learning_rate=lr, grad_norm=grad_norm, step_time_s=step_time_s,
                             samples_per_s=self.samples_per_step / step_time_s,
                             tokens_per_s=self.samples_per_step * self.tokens_per_sample / step_time_s,
                             skipped=skipped, loss_scale=loss_scale)

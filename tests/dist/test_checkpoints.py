@@ -72,7 +72,7 @@ def test_resume_is_bit_exact(layout, tmp_path):
     want, got = _metrics(straight), _metrics(resumed)
     assert sorted(got) == [3, 4]
     for step in (3, 4):
-        for key in ("loss", "grad_norm", "lr", "loss_scale", "skipped"):
+        for key in ("loss", "grad_norm", "learning_rate", "loss_scale", "skipped"):
             assert got[step][key] == want[step][key], (step, key)
     # Weights, optimizer pieces and RNG states after the last step: the same bytes.
     for folder in ("model", "optimizer", "rng"):
@@ -105,7 +105,7 @@ def test_checkpoint_loads_into_other_layouts(target, tmp_path, tp_source):
     for step in (3, 4):  # step 3: the weights; step 4: also the optimizer state and lr schedule
         assert got[step]["loss"] == pytest.approx(want[step]["loss"], rel=1e-6), step
         assert got[step]["grad_norm"] == pytest.approx(want[step]["grad_norm"], rel=1e-5), step
-        assert got[step]["lr"] == pytest.approx(want[step]["lr"], rel=1e-12), step
+        assert got[step]["learning_rate"] == pytest.approx(want[step]["learning_rate"], rel=1e-12), step
 
 
 def _crash_rank1_at_step4(original):
@@ -178,7 +178,7 @@ def test_finetune_and_no_optimizer_state(tmp_path):
          f"trainer.resume_from_checkpoint={source / 'checkpoint-2'}")
     # Finetuning restarts the step and schedule (same lr as a fresh run) from the trained weights.
     f, t = _metrics(fresh), _metrics(finetuned)
-    assert sorted(t) == [1, 2] and [t[s]["lr"] for s in (1, 2)] == [f[s]["lr"] for s in (1, 2)]
+    assert sorted(t) == [1, 2] and [t[s]["learning_rate"] for s in (1, 2)] == [f[s]["learning_rate"] for s in (1, 2)]
     assert t[1]["loss"] < f[1]["loss"] - 1e-3
     # Resuming a checkpoint without optimizer state continues the step with a fresh optimizer.
     _run(resumed, "parallel=dp2", "trainer.max_steps=3", f"trainer.resume_from_checkpoint={source / 'checkpoint-2'}")

@@ -46,7 +46,7 @@ def test_train_writes_metrics_and_summary(tmp_path, cache_dir):
     metrics = _metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for record in metrics:
-        assert {"loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s"} <= set(record)
+        assert {"loss", "learning_rate", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s"} <= set(record)
         assert record["tokens_per_s"] > 0
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     summary = json.loads((run_dir / "summary.json").read_text())
