@@ -27,6 +27,7 @@ from merak.config import (
     resolve_settings,
     total_steps,
 )
+from merak.console import configure_worker_logging, only_errors, use_merak_format
 from merak.data.batching import BatchPlan
 from merak.distributed import groups
 from merak.distributed.launch import (
@@ -63,12 +64,6 @@ EXIT_CANNOT_START = 2
 EXIT_FAILED = 1
 
 
-def _configure_worker_logging(rank: int) -> None:
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING, force=True,
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-
-
 def _steps_per_epoch(settings: RunSettings, num_samples: int) -> int:
     plan = BatchPlan(num_samples=num_samples, micro_batch_size=settings.trainer.per_device_train_batch_size,
                      num_microbatches=settings.num_microbatches, dp_size=settings.grid.dp)
@@ -84,6 +79,7 @@ def run(spec, cfg) -> dict:
         merak.distributed.launch.WorkerFailed: when a worker fails (others are stopped).
         merak.distributed.launch.RunInterrupted: on SIGINT or SIGTERM (workers are stopped).
     """
+    use_merak_format()
     outside_world = existing_world_size()
     settings = resolve_settings(spec, cfg, world_size=outside_world)
     with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
@@ -140,7 +136,9 @@ def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> 
         return dry_run(spec, settings, prepared)
     if (settings.trainer.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1 \
             or pipeline_chunks(settings.trainer) > 1:
-        plan_before_launch(spec, settings, prepared)  # only to fail early; workers plan again, identically
+        # Only to fail early: the workers plan again, identically, and report it then (once, on rank 0).
+        with only_errors():
+            plan_before_launch(spec, settings, prepared)
     _warn_if_sends_must_be_buffered(settings)
     warn_about_idle_stages(settings)
     grid = settings.grid
@@ -162,7 +160,9 @@ def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> 
     if "profile" in summary:
         logger.info("instruction profile: %s", summary["profile"])
     else:
-        logger.info("\n%s", format_summary(summary))
+        logger.info("%s", format_summary(summary))
+    # Only rank 0 (or the launcher of the workers) gets here: the other ranks returned above.
+    logger.info("run directory: %s", os.path.abspath(settings.output_dir))
     return summary
 
 
@@ -277,7 +277,7 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
     grid = settings.grid
     state = groups.init(grid.dp, grid.tp, grid.pp, backend=settings.launcher.backend,
                         timeout_s=settings.launcher.timeout_s)
-    _configure_worker_logging(state.rank)
+    configure_worker_logging(state.rank)
     energy = None
     try:
         settings, resume = _agree_on_output_dir(settings, resume)

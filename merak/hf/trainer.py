@@ -32,6 +32,7 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
 
 from merak.config import ConfigError, resolve_settings, total_steps
+from merak.console import DATE_FORMAT, log_format
 from merak.data.batching import BatchPlan
 from merak.distributed import groups
 from merak.energy.runtime import start_energy
@@ -101,8 +102,9 @@ class MerakTrainer(TrainerOutputs):
         self.compute_metrics = compute_metrics
         self.state_grid = groups.get_state() if groups.is_initialized() else self._init_from_environment()
         if not logging.getLogger().handlers:  # a plain script: show merak's progress and summary on rank 0
-            logging.basicConfig(level=logging.INFO if self.state_grid.rank == 0 else logging.WARNING,
-                                format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+            rank = self.state_grid.rank
+            logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                                format=log_format(f"rank {rank}"), datefmt=DATE_FORMAT)
         if self.args.tf32 is not None and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = bool(self.args.tf32)
             torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak.distributed import collectives
 from merak.optim.clip import global_grad_norm
 from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors, ensure_grads
 from merak.optim.precision import LossScaler, PrecisionOptions
@@ -284,7 +285,7 @@ class DistributedOptimizer:
         if pre != 1.0:
             flat_in.mul_(pre)
         out = torch.empty(flat_in.numel() // self.dp_size, device=flat_in.device)
-        dist.reduce_scatter_tensor(out, flat_in, group=self.dp_group)
+        collectives.reduce_scatter_single(out, flat_in, group=self.dp_group)
         if post != 1.0:
             out.mul_(post)
         offset = 0
@@ -346,7 +347,7 @@ class DistributedOptimizer:
                                                  (0, self.pieces[i].size - self.pieces[i].length))
                          for i in bucket])
         gathered = torch.empty(own.numel() * self.dp_size, dtype=dtype, device=own.device)
-        dist.all_gather_into_tensor(gathered, own, group=self.dp_group)
+        collectives.all_gather_single(gathered, own, group=self.dp_group)
         rows = gathered.view(self.dp_size, -1)
         offset = 0
         for i in bucket:

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from merak.distributed import collectives
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -143,7 +145,7 @@ def all_gather(x: Tensor, name: str, dim: int) -> Tensor:
         return torch.cat([x] * entry.size, dim=dim)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] * entry.size, *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=entry.group)
+    collectives.all_gather_single(out, moved, group=entry.group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -154,7 +156,7 @@ def reduce_scatter(x: Tensor, name: str, dim: int) -> Tensor:
         return own_chunk(x, name, dim)
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((moved.shape[0] // entry.size, *moved.shape[1:]))
-    dist.reduce_scatter_tensor(out, moved, group=entry.group)
+    collectives.reduce_scatter_single(out, moved, group=entry.group)
     return out.movedim(0, dim).contiguous()
 
 

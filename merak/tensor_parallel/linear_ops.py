@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from merak.distributed import collectives
 from merak.tensor_parallel import comm
 
 
@@ -72,7 +73,7 @@ def _start(kind: str, tensor: Tensor, name: str, dim: int, overlap: bool):
     else:
         moved = tensor.movedim(dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] // entry.size, *moved.shape[1:]))
-        work = dist.reduce_scatter_tensor(out, moved, group=entry.group, async_op=overlap)
+        work = collectives.reduce_scatter_single(out, moved, group=entry.group, async_op=overlap)
 
     def wait() -> Tensor:
         if overlap:

@@ -228,7 +228,8 @@ def capture(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, met
                 return CapturedGraph(module, "fx", ordered, None, leaf_scopes, notes)
             except TraceError as fx_error:
                 notes.append(f"torch.fx failed, used torch.export: {_first_lines(fx_error, 2)}")
-                logger.info("%s", notes[-1])
+                # Expected for most Hugging Face models, so not news; if export fails too, the error names both.
+                logger.debug("%s", notes[-1])
                 try:
                     module, out_spec = _export_stack_once(model, examples, notes)
                 except TraceError as export_error:

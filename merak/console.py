@@ -1,0 +1,51 @@
+"""What a run prints: one log format for the launching process and every worker.
+
+The process that calls :func:`merak.run` logs through Hydra's handlers (console and the run
+directory's ``<job>.log``); the workers it spawns configure their own. Both use
+``HH:MM:SS [who] LEVEL logger: message``, where ``who`` is ``main`` for the launching process and
+``rank N`` for a worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+DATE_FORMAT = "%H:%M:%S"
+# Hydra's default job_logging format: replaced, so that the console shows one format. A format the
+# user chose (hydra/job_logging=...) is left as it is.
+HYDRA_DEFAULT_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+
+
+def log_format(who: str) -> str:
+    """The format of every merak log line, for the process named ``who``."""
+    return f"%(asctime)s [{who}] %(levelname)s %(name)s: %(message)s"
+
+
+def configure_worker_logging(rank: int) -> None:
+    """A worker's logging: rank 0 reports progress (INFO); the other ranks only what goes wrong."""
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, force=True,
+                        format=log_format(f"rank {rank}"), datefmt=DATE_FORMAT)
+
+
+def use_merak_format(who: str = "main") -> None:
+    """Give the root logger's handlers that still use Hydra's default format merak's format."""
+    for handler in logging.getLogger().handlers:
+        if handler.formatter is not None and handler.formatter._fmt == HYDRA_DEFAULT_FORMAT:
+            handler.setFormatter(logging.Formatter(log_format(who), datefmt=DATE_FORMAT))
+
+
+@contextlib.contextmanager
+def only_errors(name: str = "merak") -> Iterator[None]:
+    """Show only errors of logger ``name`` (and its children) for the duration.
+
+    For work that is done again later in the run, where it reports the same lines itself.
+    """
+    target = logging.getLogger(name)
+    previous = target.level
+    target.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        target.setLevel(previous)
