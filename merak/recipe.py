@@ -1,9 +1,16 @@
-"""RecipeSpec: what a recipe hands to merak.run."""
+"""RecipeSpec: what a recipe hands to merak.run; load_spec: a train.py finds its own spec."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import os
+import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,3 +87,74 @@ class RecipeSpec:
         """The TP plan for ``model_cfg`` (see ``tp_plan``)."""
         return self.tp_plan(model_cfg) if callable(self.tp_plan) else self.tp_plan
 
+
+def load_spec(script: str | os.PathLike) -> RecipeSpec:
+    """The ``SPEC`` of the recipe directory that holds ``script``: ``SPEC = load_spec(__file__)`` in a train.py.
+
+    The directory's ``spec.py`` is imported as a module of the directory's own package (see
+    :func:`recipe_package`), so a copied recipe directory trains its own files, wherever it lies.
+
+    Raises:
+        FileNotFoundError: the directory has no ``__init__.py`` or no ``spec.py``.
+        TypeError: its ``spec.py`` defines no ``SPEC`` RecipeSpec.
+    """
+    folder = Path(script).resolve().parent
+    if not (folder / "spec.py").is_file():
+        raise FileNotFoundError(f"{folder} has no spec.py: a recipe defines SPEC = RecipeSpec(...) there")
+    module = importlib.import_module(f"{recipe_package(folder)}.spec")
+    spec = getattr(module, "SPEC", None)
+    if not isinstance(spec, RecipeSpec):
+        raise TypeError(f"{module.__file__} defines no SPEC = merak.recipe.RecipeSpec(...)")
+    return spec
+
+
+def recipe_package(folder: str | os.PathLike) -> str:
+    """The name under which the package in ``folder`` is imported (imported first when needed).
+
+    Its dotted name in the packages around it (``recipes.gpt``) when that name imports from this
+    very directory (this repository's recipes, installed or run from the checkout); otherwise
+    (a copy elsewhere, or a name taken by another package) a name made from the directory's path,
+    the same in every process, under which the directory is registered as a package.
+    """
+    folder = Path(folder).resolve()
+    if not (folder / "__init__.py").is_file():
+        raise FileNotFoundError(f"{folder} is not a recipe package: it needs an __init__.py")
+    parts, top = [folder.name], folder
+    while (top.parent / "__init__.py").is_file():
+        top = top.parent
+        parts.insert(0, top.name)
+    if all(part.isidentifier() for part in parts) and _imports_from(parts[0], top):
+        name = ".".join(parts)
+        if Path(importlib.import_module(name).__file__).resolve().parent == folder:
+            return name
+    return _register_package(folder)
+
+
+def _imports_from(name: str, folder: Path) -> bool:
+    """Whether the top-level package ``name`` is the one in ``folder``."""
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):  # a broken or half-initialised module of that name
+        return False
+    locations = (found.submodule_search_locations or []) if found is not None else []
+    return any(Path(location).resolve() == folder for location in locations)
+
+
+def _register_package(folder: Path) -> str:
+    """Import ``folder`` as a package under a name derived from its path, so that its modules'
+    relative imports work and the spec's functions pickle by reference (a spawned worker runs
+    the train.py again, which registers the same name)."""
+    digest = hashlib.sha256(str(folder).encode()).hexdigest()[:10]
+    stem = re.sub(r"\W", "_", folder.name)
+    name = f"_merak_recipe_{stem}_{digest}"
+    if name not in sys.modules:
+        found = importlib.util.spec_from_file_location(name, folder / "__init__.py",
+                                                       submodule_search_locations=[str(folder)])
+        module = importlib.util.module_from_spec(found)
+        sys.modules[name] = module
+        try:
+            found.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return name

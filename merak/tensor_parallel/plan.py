@@ -214,7 +214,8 @@ def resolve_plan(model: nn.Module, plan: TPPlan, *, tp: int, parallel_vocab: boo
     sequence = plan.sequence if sequence_parallel else None
     if sequence_parallel:
         if plan.sequence is None:
-            problems.append("sequence_parallel=true but this model's TP plan has no sequence-parallel region")
+            problems.append("sequence_parallel=true but this model's TP plan has no sequence-parallel region: set "
+                            "trainer.sequence_parallel=false")
         else:
             problems.extend(plan.sequence.problems(names))
     if problems:

@@ -28,7 +28,7 @@ def example_inputs(model_cfg, micro_batch_size: int) -> dict[str, torch.Tensor]:
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
     """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
-    from recipes.bert.data import FIRST_WORD
+    from .data import FIRST_WORD
 
     problems = []
     for field in ("hidden_size", "num_heads", "num_layers", "ffn_size", "seq_length", "vocab_size"):

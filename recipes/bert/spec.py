@@ -1,7 +1,8 @@
 """The bert recipe as merak sees it."""
 
 from merak.recipe import RecipeSpec
-from recipes.bert import data, model, parallel
+
+from . import data, model, parallel
 
 SPEC = RecipeSpec(
     name="bert",

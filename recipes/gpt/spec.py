@@ -1,7 +1,8 @@
 """The gpt recipe as merak sees it."""
 
 from merak.recipe import RecipeSpec
-from recipes.gpt import data, model, parallel
+
+from . import data, model, parallel
 
 SPEC = RecipeSpec(
     name="gpt",

@@ -1,8 +1,9 @@
 """The swin recipe as merak sees it."""
 
 from merak.recipe import RecipeSpec
-from recipes.swin import model, parallel
 from recipes.vision import data, loss
+
+from . import model, parallel
 
 SPEC = RecipeSpec(
     name="swin",

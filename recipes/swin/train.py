@@ -3,7 +3,10 @@
 import hydra
 
 import merak
-from recipes.swin.spec import SPEC
+from merak.recipe import load_spec
+
+# spec.py of this directory, imported as this directory's package: a copy of the directory trains its own code.
+SPEC = load_spec(__file__)
 
 
 @hydra.main(version_base=None, config_path="conf", config_name="train")

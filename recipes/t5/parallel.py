@@ -32,7 +32,7 @@ def example_inputs(model_cfg, micro_batch_size: int) -> dict[str, torch.Tensor]:
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
     """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
-    from recipes.t5.data import FIRST_WORD
+    from .data import FIRST_WORD
 
     problems = []
     for field in ("d_model", "d_kv", "d_ff", "num_heads", "num_layers", "num_decoder_layers", "vocab_size",

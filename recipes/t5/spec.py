@@ -1,7 +1,8 @@
 """The t5 recipe as merak sees it."""
 
 from merak.recipe import RecipeSpec
-from recipes.t5 import data, model, parallel
+
+from . import data, model, parallel
 
 SPEC = RecipeSpec(
     name="t5",

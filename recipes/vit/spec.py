@@ -2,7 +2,8 @@
 
 from merak.recipe import RecipeSpec
 from recipes.vision import data, loss
-from recipes.vit import model, parallel
+
+from . import model, parallel
 
 SPEC = RecipeSpec(
     name="vit",

@@ -9,7 +9,8 @@ to 0.01 M as the reference tables are. Sources of the expected numbers:
   ("gpt2")`` with the paper's widths (so vocab 50257 and n_positions 1024) and Wide ResNets as torchvision
   ``ResNet(Bottleneck, [3, 4, 6, 3] or [3, 4, 23, 3], width_per_group=64 * k)``.
 * HF: the model built from the public Hugging Face config of that name (gpt2*, t5-*, google/vit-*,
-  microsoft/swin-*), whose counts are the well-known ones (e.g. gpt2 124,439,808; t5-base 222,903,552).
+  microsoft/swin-*, meta-llama/Llama-3.*), whose counts are the well-known ones (e.g. gpt2 124,439,808;
+  t5-base 222,903,552).
 * timm: ``timm.create_model(name)`` with its default sizes (vit_base_patch16_224 86.57 M, ...).
 * repo: this repository's own demo and toy sizes.
 
@@ -81,6 +82,12 @@ EXPECTED = {
         "timm-swin-base": (87.77, 1024),   # timm swin_base_patch4_window7_224
         "timm-swin-large": (196.53, 1024),  # timm swin_large_patch4_window7_224
     },
+    "llama": {
+        "toy": (1.63, 16),                # repo
+        "llama-3.2-1b": (1235.81, 512),   # HF meta-llama/Llama-3.2-1B (1,235,814,400)
+        "llama-3.2-3b": (3212.75, 512),   # HF meta-llama/Llama-3.2-3B (3,212,749,824)
+        "llama-3.1-8b": (8030.26, 512),   # HF meta-llama/Llama-3.1-8B (8,030,261,248)
+    },
     "wide_resnet": {
         "toy": (19.53, 16),                 # repo
         "wide_resnet50_2": (68.88, 1536),   # torchvision wide_resnet50_2, the same model as wide-resnet50_2
@@ -99,6 +106,7 @@ REQUIRED = {
             "gpt3-2.7b", "gpt3-6.7b", "gpt3-13b", "gpt3-175b"],
     "bert": ["bert-base-uncased", "bert-large-uncased"],
     "t5": ["t5-small", "t5-base", "t5-large"],
+    "llama": ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"],
     "vit": ["vit-base", "vit-large", "timm-vit-base", "timm-vit-large"],
     "swin": ["swin-base", "swin-large", "timm-swin-base", "timm-swin-large"],
     "wide_resnet": ["wide-resnet50_2", "wide-resnet50_4", "wide-resnet50_8", "wide-resnet101_2",

@@ -1,0 +1,1 @@
+"""Llama-family causal language models (transformers' LlamaForCausalLM)."""

@@ -1,0 +1,18 @@
+"""Train a Llama with merak: python recipes/llama/train.py [model=...] [parallel=...] [trainer.*=...]."""
+
+import hydra
+
+import merak
+from merak.recipe import load_spec
+
+# spec.py of this directory, imported as this directory's package: a copy of the directory trains its own code.
+SPEC = load_spec(__file__)
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="train")
+def main(cfg) -> None:
+    merak.run_command(SPEC, cfg)
+
+
+if __name__ == "__main__":
+    main()
