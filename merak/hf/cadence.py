@@ -35,7 +35,8 @@ class Cadence:
     greater_is_better: bool
 
     def evaluates_at(self, step: int) -> bool:
-        return bool(self.eval_every) and step % self.eval_every == 0 and step > self.eval_delay
+        # Hugging Face evaluates once eval_delay steps (or epochs, counted in steps here) have passed.
+        return bool(self.eval_every) and step % self.eval_every == 0 and step >= self.eval_delay
 
     def logs_at(self, step: int) -> bool:
         return (bool(self.log_every) and step % self.log_every == 0) or (self.log_first_step and step == 1)

@@ -68,10 +68,10 @@ def test_trainer_warns_once_naming_the_ignored_fields(tmp_path, caplog):
 
 
 def test_strategies_resolve_to_steps(tmp_path):
-    args = _args(tmp_path, logging_strategy="epoch", eval_strategy="epoch", save_strategy="epoch", eval_delay=1)
+    args = _args(tmp_path, logging_strategy="epoch", eval_strategy="epoch", save_strategy="epoch", eval_delay=2)
     cadence = resolve_cadence(args, steps_per_epoch=5, total_steps=20, has_eval_data=True)
-    assert (cadence.log_every, cadence.eval_every, cadence.save_every, cadence.eval_delay) == (5, 5, 5, 5)
-    assert not cadence.evaluates_at(5) and cadence.evaluates_at(10)
+    assert (cadence.log_every, cadence.eval_every, cadence.save_every, cadence.eval_delay) == (5, 5, 5, 10)
+    assert not cadence.evaluates_at(5) and cadence.evaluates_at(10)  # from the second epoch's end, as HF
     fractions = _args(tmp_path, eval_strategy="steps", eval_steps=0.25, save_steps=0.5, logging_steps=0.1)
     cadence = resolve_cadence(fractions, steps_per_epoch=100, total_steps=40, has_eval_data=True)
     assert (cadence.log_every, cadence.eval_every, cadence.save_every) == (4, 10, 20)
