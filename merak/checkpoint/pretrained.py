@@ -14,11 +14,11 @@ import logging
 import os
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from merak.checkpoint.files import CheckpointError
 from merak.checkpoint.tensors import join_slices, weight_entries
+from merak.distributed import groups
 
 logger = logging.getLogger(__name__)
 
@@ -30,21 +30,12 @@ def _model_class(info: dict):
     return getattr(importlib.import_module(module), info["class"])
 
 
-def _gather_to_main(value) -> list | None:
-    """Every rank's ``value`` on rank 0 (None elsewhere); ``[value]`` without a process group."""
-    if not dist.is_initialized():
-        return [value]
-    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(value, everyone, dst=0)
-    return everyone
-
-
 def gather_weights(engine) -> dict[str, torch.Tensor] | None:
     """Every full tensor of the model (parameters and persistent buffers), by the model's names, on
     rank 0; None on the other ranks. Collective: every rank calls it. Rank 0 needs the whole model's
     size in host memory (for models too large, save a checkpoint and run ``merak-export``)."""
     local = [(e.name, e.tensor.cpu(), e.slice) for e in weight_entries(engine)]
-    everyone = _gather_to_main(local)
+    everyone = groups.gather_to_first(local)
     if everyone is None:
         return None
     whole: dict[str, torch.Tensor] = {}
@@ -100,10 +91,7 @@ def save_pretrained_model(engine, out_dir: str) -> str | None:
             write_pretrained(state, engine.model_info, out_dir)
         except (CheckpointError, OSError) as error:
             problem = str(error)
-    if dist.is_initialized():
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
+    problem = groups.broadcast_object(problem)
     if problem is not None:
         raise CheckpointError(f"the model was not saved to {out_dir}: {problem}")
     return out_dir if state is not None else None

@@ -257,6 +257,16 @@ def gather_from_all(value) -> list:
     return everyone
 
 
+def gather_to_first(value) -> list | None:
+    """Every rank's ``value`` (any picklable object) on rank 0, in rank order; None on the other ranks;
+    ``[value]`` without a process group."""
+    if not dist.is_initialized():
+        return [value]
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, everyone, dst=0)
+    return everyone
+
+
 def barrier() -> None:
     """Wait for every rank (nothing without a process group)."""
     if dist.is_initialized():
