@@ -128,8 +128,10 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
     """
     model, on_meta = build_model(build, seed=seed, init_device=init_device)
     model.train()
-    # Counted before slicing: the stages' own counts would include replicated layers once per tp rank.
-    whole_flops = whole_model_flops(model, example_inputs) if tensor_parallel.size > 1 else None
+    # Counted before slicing (the stages' own counts would include replicated layers once per tp rank),
+    # for the run summary: a plan-only run (dry run) has no use for it.
+    whole_flops = whole_model_flops(model, example_inputs) if tensor_parallel.size > 1 and materialize_stage \
+        else None
     tp_plan = split_model(model, tensor_parallel)
     if dtype != torch.float32:
         model.to(dtype)
