@@ -22,6 +22,14 @@ def _at(base: str, name: str) -> str:
     return f"{base}.{name}" if base else name
 
 
+def _vision_block_styles(block: str) -> dict[str, str]:
+    """Transformers' ViT and Swin blocks share their layer names: q/k/v and fc1 by output features,
+    o_proj and fc2 by input features."""
+    return {f"{block}.attention.q_proj": "column", f"{block}.attention.k_proj": "column",
+            f"{block}.attention.v_proj": "column", f"{block}.attention.o_proj": "row",
+            f"{block}.mlp.fc1": "column", f"{block}.mlp.fc2": "row"}
+
+
 def gpt2_plan(base: str = "transformer", lm_head: str | None = "lm_head") -> TPPlan:
     """GPT-2: Megatron's split of every block.
 
@@ -97,9 +105,7 @@ def hf_vit_plan(base: str = "vit") -> TPPlan:
     """
     layer = _at(base, "layers.*")
     return TPPlan(
-        styles={f"{layer}.attention.q_proj": "column", f"{layer}.attention.k_proj": "column",
-                f"{layer}.attention.v_proj": "column", f"{layer}.attention.o_proj": "row",
-                f"{layer}.mlp.fc1": "column", f"{layer}.mlp.fc2": "row"},
+        styles=_vision_block_styles(layer),
         attributes={f"{layer}.attention": ("num_attention_heads",)},
     )
 
@@ -126,9 +132,7 @@ def hf_swin_plan(base: str = "swin") -> TPPlan:
     """
     block = _at(base, "encoder.layers.*.blocks.*")
     return TPPlan(
-        styles={f"{block}.attention.q_proj": "column", f"{block}.attention.k_proj": "column",
-                f"{block}.attention.v_proj": "column", f"{block}.attention.o_proj": "row",
-                f"{block}.mlp.fc1": "column", f"{block}.mlp.fc2": "row"},
+        styles=_vision_block_styles(block),
         attributes={f"{block}.attention": ("num_attention_heads",)},
         sliced={f"{block}.attention.relative_position_bias.relative_position_bias_table": 1},
     )
