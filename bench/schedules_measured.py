@@ -65,7 +65,7 @@ class Contender:
     chunks: int = 1
 
 
-NONE = RecomputeOptions()
+NONE = RecomputeOptions(activation_checkpointing=False)
 FULL = RecomputeOptions(activation_checkpointing=True)
 CONTENDERS = (
     Contender("1f1b none", "1f1b", NONE),

@@ -6,13 +6,13 @@ Public API::
     merak.init(dp=2, tp=1, pp=2)          # or let merak.run launch the workers
     merak.run(spec, cfg)                  # recipes: validate, launch, train, summarize
     merak.run_command(spec, cfg)          # the same in a train.py: one-line errors, exit statuses
-    args = merak.MerakArguments(output_dir="out", ...)   # transformers.TrainingArguments + Merak's fields
+    args = merak.MerakArguments(output_dir="out", ...)   # Hugging Face's TrainingArguments + Merak's fields
     merak.MerakTrainer(model=model, args=args, train_data=ds).train()
 """
 
 from merak.compat.torchvision_ops import ensure_torchvision_importable
 
-# Before anything imports torchvision (transformers and timm do): see compat/.
+# Before anything imports torchvision (the Hugging Face libraries and timm do): see compat/.
 ensure_torchvision_importable()
 
 from merak.distributed import (
@@ -29,11 +29,22 @@ from merak.distributed import (
 
 from merak.tensor_parallel.seed_api import set_tp_layer_lists
 
+# Registers the Hugging Face models' default TP plans (merak.core.plan_sources) before any plan is asked for.
+from merak.hf import tp_plans as _hf_tp_plans  # noqa: F401
+
 __version__ = "0.1.0"
 
 
+def hydra_main(*, config_path: str, config_name: str):
+    """``hydra.main`` for a recipe's ``train.py``: command-line overrides of ``trainer.*`` and
+    ``launcher.*`` are checked first, a problem reported in one line. See :mod:`merak.overrides`."""
+    from merak.overrides import hydra_main as _hydra_main
+
+    return _hydra_main(config_path=config_path, config_name=config_name)
+
+
 def __getattr__(name: str):
-    # The trainer API imports transformers: load it only when asked for.
+    # The trainer API imports the Hugging Face libraries: load it only when asked for.
     if name in ("MerakArguments", "MerakTrainer"):
         from merak import hf
 
@@ -74,6 +85,7 @@ __all__ = [
     "get_rank_grid",
     "get_tp_rank",
     "get_tp_size",
+    "hydra_main",
     "init",
     "run",
     "run_command",

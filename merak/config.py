@@ -1,144 +1,89 @@
 """Run settings: the Hydra config checked and turned into typed values, before any worker starts.
 
-Only this module and merak.runner read the config; the engine layers get plain
-keyword arguments. The ``trainer`` section uses MerakArguments' field names.
+The ``trainer`` group is composed of sections, each a dataclass beside the subsystem that consumes
+it (merak/*/settings.py), with its defaults, ranges and own checks; this module composes them,
+checks what spans sections and the layout, and reads the ``launcher`` and ``parallel`` groups.
+Only this module and merak.runner read the config; the engine layers get plain options.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 import os
+import typing
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from merak.config_fields import typed_section
+from merak.checkpoint.settings import CheckpointSettings
+from merak.config_fields import positive_int_problem, typed_section
+from merak.data.settings import BatchSettings
+from merak.distributed.settings import LauncherSettings
 from merak.distributed.topology import RankGrid
-from merak.optim.schedule import LR_SCHEDULES
-from merak.pipeline.schedules import schedule_names
-from merak.trackers import tracker_problems
+from merak.energy.settings import EnergySettings
+from merak.optim.settings import OptimizerSettings, PrecisionSettings, ZeroSettings
+from merak.pipeline.settings import CompileSettings, ScheduleSettings
+from merak.report_settings import ReportSettings
+from merak.shard.settings import ShardingSettings
+from merak.tensor_parallel.settings import TensorParallelSettings
 
 
 class ConfigError(ValueError):
     """The run config cannot work; the message names each field and what to change."""
 
 
-@dataclass(frozen=True)
-class TrainerSettings:
-    """The ``trainer`` config group (MerakArguments / TrainingArguments names)."""
-
-    output_dir: str | None = None
-    seed: int = 42
-    max_steps: int = -1
-    num_train_epochs: float = 1.0
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    global_batch_size: int | None = None
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0
-    logging_steps: int = 1
-    disable_tqdm: bool = False
-    peak_tflops: float | None = None
-    train_schedule: str = "1f1b"
-    # Automatic pipeline splitting (merak.shard.plan.ShardingOptions).
-    trace_method: str | None = "fx"
-    split_method: str = "min_bytes"
-    shard_count: int | None = None
-    custom_split_points: list[str] | None = None
-    partition_method: str = "autopipe"
-    custom_partition: list[int] | None = None
-    input_names: list[str] | None = None
-    leaf_modules: list[str] | None = None
-    init_device: str = "auto"
-    autopipe_costs: str = "estimate"
-    # Tensor parallelism (merak.tensor_parallel.options.TensorParallelOptions).
-    parallel_vocab: bool = False
-    sequence_parallel: bool = False
-    sequence_dim: int = 1
-    tp_overlapping_level: int = 0
-    # Recomputation and schedule details (merak.engine.RecomputeOptions, merak.pipeline).
-    activation_checkpointing: bool = True
-    checkpoint_num_layers: int = 1
-    activation_checkpoint_ratio: float | list[float] | None = None
-    pipeline_chunks: int | None = None
-    dealloc_pipeoutput: bool = False
-    wall_clock_breakdown: bool = False
-    measure_activation_memory: bool = False
-    # Compiled stages (merak.pipeline.compiled); the first three are Hugging Face's names.
-    torch_compile: bool = False
-    torch_compile_backend: str | None = None
-    torch_compile_mode: str | None = None
-    cuda_graphs: bool = False
-    # Data loading (merak.data.batching.MicrobatchLoader).
-    dataloader_num_workers: int | None = None
-    dataloader_pin_memory: bool = True
-    # Optimizer, ZeRO and mixed precision (merak.optim.distributed, merak.optim.precision).
-    optim: str = "adamw_torch"
-    zero_optimization: bool = False
-    zero_stage: int = 1
-    zero_reduce_bucket_size: int | float = 500_000_000  # elements; DeepSpeed configs write 5e8
-    zero_allgather_bucket_size: int | float = 500_000_000
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
-    zero_allow_untested_optimizer: bool = False
-    fp16: bool = False
-    bf16: bool = False
-    loss_scale: float = 0.0
-    initial_scale_power: int = 32
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
-    # A step whose loss or gradient norm is not finite is skipped on every rank; after this many skipped
-    # steps in a row the run stops with an error (fp16 overflows that a smaller loss scale may still cure
-    # do not count). Must be >= 1.
-    max_consecutive_skipped_steps: int = 3
-    # Evaluation on held-out samples and experiment trackers (recipes; MerakTrainer uses its eval_data and
-    # transformers' own callbacks instead).
-    eval_steps: int | None = None
-    eval_iters: int | None = None
-    eval_holdout: float = 0.05
-    report_to: str | list[str] = "none"
-    run_name: str | None = None
-    # Checkpoints (merak.checkpoint).
-    save: bool = False
-    save_steps: int = 500
-    save_total_limit: int | None = -1
-    resume_from_checkpoint: str | bool | None = None
-    finetune: bool = False
-    no_save_rng: bool = False
-    no_save_optim: bool = False
-    no_load_rng: bool = False
-    no_load_optim: bool = False
-    pretrained_weights: str | None = None
-    # Energy (merak.energy, docs/energy.md); the first four are Merak-Zeus's names.
-    profile: bool = False
-    num_warmup_steps: int = 2
-    num_prof_steps: int = 4
-    pfo_server_url: str | None = None
-    energy_device: str = "auto"
-    simulated_gpu: str = "A100"
-    simulated_tflops: float = 0.004
-    frequency_plan: str | None = None
+# The sections of the ``trainer`` config group, each defined beside the code that consumes it. Their
+# field names are MerakArguments' (Hugging Face's where it has one), so the group stays flat:
+# ``trainer.learning_rate``, not ``trainer.optimizer.learning_rate``.
+TRAINER_SECTIONS: dict[str, type] = {
+    "batch": BatchSettings,
+    "optimizer": OptimizerSettings,
+    "precision": PrecisionSettings,
+    "zero": ZeroSettings,
+    "sharding": ShardingSettings,
+    "tensor_parallel": TensorParallelSettings,
+    "schedule": ScheduleSettings,
+    "compile": CompileSettings,
+    "checkpoint": CheckpointSettings,
+    "energy": EnergySettings,
+    "report": ReportSettings,
+}
 
 
-@dataclass(frozen=True)
-class LauncherSettings:
-    """The ``launcher`` config group: how workers start and talk."""
+def _section_view(cls):
+    """A property returning the ``cls`` section of a TrainerSettings (computed once)."""
 
-    start_method: str = "auto"
-    backend: str = "auto"
-    threads_per_rank: int = 1
-    timeout_s: float = 600.0
-    keep_freed_memory: bool = True
+    def view(self):
+        return cls(**{field.name: getattr(self, field.name) for field in dataclasses.fields(cls)})
+
+    view.__doc__ = f"The {cls.__name__} section of these settings."
+    return functools.cached_property(view)
+
+
+def _compose_trainer_settings() -> type:
+    """TrainerSettings: every field of every section, flat, with the section's default and range, plus
+    a property per section (``trainer.optimizer``, ``trainer.zero``...) returning it as its own object."""
+    fields, owner = [], {}
+    for section, cls in TRAINER_SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if field.name in owner:
+                raise TypeError(f"trainer.{field.name} is defined by two sections: {owner[field.name]} and {section}")
+            owner[field.name] = section
+            default = ({"default_factory": field.default_factory} if field.default is dataclasses.MISSING
+                       else {"default": field.default})
+            fields.append((field.name, hints[field.name], dataclasses.field(metadata=field.metadata, **default)))
+    namespace = {section: _section_view(cls) for section, cls in TRAINER_SECTIONS.items()}
+    namespace["__doc__"] = ("The ``trainer`` config group (MerakArguments / TrainingArguments names): the fields of "
+                            "every section in TRAINER_SECTIONS, each also reachable as its section object.")
+    composed = dataclasses.make_dataclass("TrainerSettings", fields, frozen=True, namespace=namespace)
+    composed.__module__ = __name__  # pickled with the run settings when workers are spawned
+    return composed
+
+
+TrainerSettings = _compose_trainer_settings()
 
 
 @dataclass(frozen=True)
@@ -164,13 +109,6 @@ def _section(cfg: DictConfig, name: str, cls, problems: list[str]):
     return typed_section(values, cls, name, problems)
 
 
-def _positive_int(value, field: str, problems: list[str]) -> bool:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        problems.append(f"{field}={value!r} must be a positive integer")
-        return False
-    return True
-
-
 def _default_output_dir() -> str:
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -183,6 +121,9 @@ def _default_output_dir() -> str:
 def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) -> RunSettings:
     """Check the whole config and return typed settings, or raise ConfigError listing every problem.
 
+    Each section checks its own values; the checks here are the ones that span sections or need the
+    layout.
+
     Args:
         spec: the recipe's RecipeSpec (for model-specific layout and data checks).
         cfg: the composed Hydra config.
@@ -193,270 +134,131 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     launcher = _section(cfg, "launcher", LauncherSettings, problems)
     parallel = OmegaConf.to_container(cfg.get("parallel") or {}, resolve=True)
     degrees = {axis: parallel.get(axis, 1) for axis in ("dp", "tp", "pp")}
-    layout_ok = all(_positive_int(v, f"parallel.{k}", problems) for k, v in degrees.items())
+    layout_ok = all([positive_int_problem(f"parallel.{k}", v, problems) for k, v in degrees.items()])
     grid = RankGrid(**degrees) if layout_ok else None
     if grid and world_size is not None and world_size != grid.world_size:
         problems.append(
             f"parallel.dp*tp*pp = {grid.dp}*{grid.tp}*{grid.pp} = {grid.world_size} but the launcher "
             f"started {world_size} processes; make them equal (e.g. torchrun --nproc_per_node)")
-    if trainer.train_schedule not in schedule_names():
-        problems.append(f"trainer.train_schedule={trainer.train_schedule!r} is unknown; choose one of "
-                        f"{', '.join(schedule_names())}")
-    if trainer.lr_scheduler_type not in LR_SCHEDULES:
-        problems.append(f"trainer.lr_scheduler_type={trainer.lr_scheduler_type!r} is unknown; choose one of "
-                        f"{', '.join(LR_SCHEDULES)}")
-    micro_ok = _positive_int(trainer.per_device_train_batch_size, "trainer.per_device_train_batch_size", problems)
-    _positive_int(trainer.gradient_accumulation_steps, "trainer.gradient_accumulation_steps", problems)
-    if trainer.max_steps == 0 or (trainer.max_steps < 0 and trainer.num_train_epochs <= 0):
-        problems.append("nothing to train: set trainer.max_steps > 0 or trainer.num_train_epochs > 0")
-    if launcher.start_method not in ("auto", "fork", "spawn", "forkserver"):
-        problems.append(f"launcher.start_method={launcher.start_method!r}; use auto, fork, spawn or forkserver")
-    if launcher.backend not in ("auto", "gloo", "nccl"):
-        problems.append(f"launcher.backend={launcher.backend!r}; use auto, gloo or nccl")
-    _positive_int(launcher.threads_per_rank, "launcher.threads_per_rank", problems)
-    workers = trainer.dataloader_num_workers
-    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 0):
-        problems.append(f"trainer.dataloader_num_workers={workers!r} must be null (automatic) or an integer >= 0")
-    num_microbatches = trainer.gradient_accumulation_steps
-    batch_ok = trainer.global_batch_size is None or _positive_int(
-        trainer.global_batch_size, "trainer.global_batch_size", problems)
-    if grid and micro_ok and batch_ok and trainer.global_batch_size is not None:
-        per_step = trainer.per_device_train_batch_size * grid.dp
-        if trainer.global_batch_size % per_step:
-            problems.append(
-                f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by "
-                f"per_device_train_batch_size*dp = {trainer.per_device_train_batch_size}*{grid.dp}; "
-                "change one of them")
-        else:
-            num_microbatches = trainer.global_batch_size // per_step
-    problems.extend(_sharding_problems(spec, trainer, grid))
-    problems.extend(_schedule_problems(trainer, grid, num_microbatches))
-    problems.extend(_tensor_parallel_problems(spec.tensor_parallel_plan(cfg.model), trainer, grid))
-    problems.extend(_optimizer_problems(trainer, grid))
-    problems.extend(_checkpoint_problems(trainer))
-    problems.extend(tracker_problems(trainer.report_to))
-    problems.extend(_compile_problems(trainer, launcher))
-    if grid and trainer.train_schedule in schedule_names():
-        from merak.energy.settings import energy_problems
-
-        problems.extend(energy_problems(trainer, grid, num_microbatches, pipeline_chunks(trainer)))
-    # Model checks run even when the layout is invalid, so every problem is listed at once.
-    problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
-    problems.extend(spec.check_data(cfg.data))
+    pp = grid.pp if grid else None
+    problems.extend(trainer.batch.problems())
+    problems.extend(trainer.optimizer.problems())
+    problems.extend(launcher.problems())
+    num_microbatches = _microbatches(trainer.batch, grid, problems)
+    problems.extend(trainer.sharding.problems(pp=pp, has_split_points=bool(spec.split_points),
+                                              builds_own_stages=spec.build_stages is not None))
+    problems.extend(trainer.schedule.problems(pp=pp, num_microbatches=num_microbatches))
+    problems.extend(trainer.tensor_parallel.problems(plan=spec.tensor_parallel_plan(cfg.model),
+                                                     tp=grid.tp if grid else 1))
+    problems.extend(trainer.precision.problems())
+    problems.extend(trainer.zero.problems(trainer.optim))
+    problems.extend(trainer.checkpoint.problems())
+    problems.extend(trainer.report.problems())
+    problems.extend(trainer.compile.problems(on_cuda=_trains_on_cuda(launcher)))
+    problems.extend(_cross_section_problems(trainer, grid))
+    if grid and not trainer.schedule.problems(pp=None, num_microbatches=0):
+        problems.extend(trainer.energy.problems(schedule=trainer.train_schedule, pp=grid.pp,
+                                                num_microbatches=num_microbatches, num_chunks=trainer.schedule.chunks))
+    # Model checks run even when the layout is invalid, so every problem is listed at once; the recipe's
+    # own checks run on values of the right types.
+    if _recipe_section_ok(cfg, "model", spec.model_schema, problems):
+        problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
+    if _recipe_section_ok(cfg, "data", spec.data_schema, problems):
+        problems.extend(spec.check_data(cfg.data))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     return RunSettings(grid=grid, trainer=trainer, launcher=launcher, model_cfg=cfg.model, data_cfg=cfg.data,
                        output_dir=trainer.output_dir or _default_output_dir(), num_microbatches=num_microbatches)
 
 
-def _sharding_problems(spec, trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
-    """Checks of the pipeline-splitting settings that need no model."""
-    from merak.assemble import INIT_DEVICES
-    from merak.shard.partition import custom_boundary_problem
-    from merak.shard.plan import AUTOPIPE_COSTS, PARTITION_METHODS
-    from merak.shard.split import SPLIT_METHODS
-    from merak.trace.capture import TRACE_METHODS
-
-    problems = []
-    if trainer.trace_method is None:
-        if grid and grid.pp > 1 and spec.build_stages is None:
-            problems.append(f"trainer.trace_method=null with parallel.pp={grid.pp}: without tracing the "
-                            f"recipe must supply stages (RecipeSpec.build_stages); use trace_method=fx")
-    elif trainer.trace_method not in TRACE_METHODS:
-        problems.append(f"trainer.trace_method={trainer.trace_method!r}; choose fx, dynamo or null")
-    if trainer.split_method not in SPLIT_METHODS:
-        problems.append(f"trainer.split_method={trainer.split_method!r}; choose one of {', '.join(SPLIT_METHODS)}")
-    elif trainer.split_method == "layer_split" and not (trainer.custom_split_points or spec.split_points):
-        problems.append("trainer.split_method=layer_split needs trainer.custom_split_points (module names or "
-                        "globs such as 'transformer.h.*'); this recipe has no default split points")
-    if trainer.shard_count is not None:
-        _positive_int(trainer.shard_count, "trainer.shard_count", problems)
-    if trainer.partition_method not in PARTITION_METHODS:
-        problems.append(f"trainer.partition_method={trainer.partition_method!r}; choose one of "
-                        f"{', '.join(PARTITION_METHODS)}")
-    elif trainer.partition_method == "custom":
-        if not trainer.custom_partition:
-            problems.append("trainer.partition_method=custom needs trainer.custom_partition: pp+1 shard "
-                            "boundaries such as [0, 6, 12]")
-        elif grid:
-            problem = custom_boundary_problem(trainer.custom_partition, grid.pp)
-            if problem:
-                problems.append(f"trainer.{problem}")
-    if trainer.autopipe_costs not in AUTOPIPE_COSTS:
-        problems.append(f"trainer.autopipe_costs={trainer.autopipe_costs!r}; choose one of "
-                        f"{', '.join(AUTOPIPE_COSTS)}")
-    if trainer.init_device not in INIT_DEVICES:
-        problems.append(f"trainer.init_device={trainer.init_device!r}; choose one of {', '.join(INIT_DEVICES)}")
-    return problems
+def _recipe_section_ok(cfg: DictConfig, name: str, schema: type | None, problems: list[str]) -> bool:
+    """Check the recipe's ``model`` or ``data`` group against its schema (RecipeSpec.model_schema,
+    data_schema); whether it has none or every value fits."""
+    if schema is None:
+        return True
+    found: list[str] = []
+    _section(cfg, name, schema, found)
+    problems.extend(found)
+    return not found
 
 
-def pipeline_chunks(trainer: TrainerSettings) -> int:
-    """Model chunks per pipeline rank: the setting, else 2 for interleaved schedules and 1 otherwise."""
-    from merak.pipeline.schedules import DEFAULT_CHUNKS, schedule_info
-
-    if trainer.pipeline_chunks is not None:
-        return trainer.pipeline_chunks
-    return DEFAULT_CHUNKS if schedule_info(trainer.train_schedule).chunked else 1
-
-
-def _schedule_problems(trainer: TrainerSettings, grid: RankGrid | None, num_microbatches: int) -> list[str]:
-    """Checks of the schedule and recomputation settings (the schedule is built and simulated)."""
-    from merak.pipeline.recompute import stage_checkpoint_ratios
-    from merak.pipeline.schedules import build_schedule, schedule_info
-    from merak.pipeline.simulate import ScheduleError, simulate
-
-    if trainer.train_schedule not in schedule_names():
-        return []  # reported with the other basic checks
-    problems = []
-    info = schedule_info(trainer.train_schedule)
-    name = f"trainer.train_schedule={trainer.train_schedule}"
-    chunks = trainer.pipeline_chunks
-    if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
-        return [f"trainer.pipeline_chunks={chunks!r} must be a positive integer"]
-    if chunks is not None and chunks > 1 and not info.chunked:
-        problems.append(f"trainer.pipeline_chunks={chunks} needs an interleaved schedule "
-                        f"(train_schedule=interleaved_1f1b)")
-    if info.needs_checkpoint_ratio and not (trainer.activation_checkpointing
-                                            and trainer.activation_checkpoint_ratio is not None):
-        problems.append(f"{name} moves recomputation off the critical path: it needs "
-                        f"trainer.activation_checkpointing=true and trainer.activation_checkpoint_ratio (the "
-                        f"first stage's ratio, e.g. 0.5)")
-    if trainer.tp_overlapping_level == 2 and trainer.activation_checkpointing and grid and grid.tp > 1:
-        problems.append("trainer.tp_overlapping_level=2 runs stage halves on two threads and cannot recompute "
-                        "them: set trainer.activation_checkpointing=false")
-    if grid is None or num_microbatches < 1:
-        return problems
-    pieces = grid.pp * pipeline_chunks(trainer)
-    if trainer.activation_checkpoint_ratio is not None:
-        try:
-            stage_checkpoint_ratios(trainer.activation_checkpoint_ratio, pieces)
-        except (TypeError, ValueError) as error:
-            problems.append(f"trainer.{error}")
-    try:
-        lists = [build_schedule(name=trainer.train_schedule, stage_id=s, num_stages=grid.pp,
-                                num_microbatches=num_microbatches, num_chunks=pipeline_chunks(trainer))
-                 for s in range(grid.pp)]
-        simulate(lists)
-    except (ValueError, ScheduleError) as error:
-        problems.append(f"{name} with pp={grid.pp} and {num_microbatches} microbatches "
-                        f"(gradient_accumulation_steps): {error}")
-    if pipeline_chunks(trainer) > 1 and trainer.trace_method is None:
-        problems.append("interleaved schedules cut the model into pp x pipeline_chunks pieces: they need a "
-                        "captured graph (trace_method=fx or dynamo)")
-    return problems
+def _microbatches(batch: BatchSettings, grid: RankGrid | None, problems: list[str]) -> int:
+    """Microbatches per step: global_batch_size / (per_device_train_batch_size x dp) when the global
+    batch is set (and divides), else gradient_accumulation_steps."""
+    size = batch.per_device_train_batch_size
+    if batch.global_batch_size is None or grid is None or batch.problems():
+        return batch.gradient_accumulation_steps
+    per_step = size * grid.dp
+    if batch.global_batch_size % per_step:
+        problems.append(f"trainer.global_batch_size={batch.global_batch_size} is not divisible by "
+                        f"per_device_train_batch_size*dp = {size}*{grid.dp}; change one of them")
+        return batch.gradient_accumulation_steps
+    return batch.global_batch_size // per_step
 
 
-def compile_options(trainer: TrainerSettings):
-    """The compiled-stage settings. As in Hugging Face's TrainingArguments, naming a backend or a mode
-    turns compilation on."""
-    from merak.pipeline.compiled import CompileOptions
-
-    enabled = bool(trainer.torch_compile or trainer.torch_compile_backend or trainer.torch_compile_mode)
-    return CompileOptions(enabled=enabled, backend=trainer.torch_compile_backend or "inductor",
-                          mode=trainer.torch_compile_mode, cuda_graphs=trainer.cuda_graphs)
-
-
-def _compile_problems(trainer: TrainerSettings, launcher: LauncherSettings) -> list[str]:
+def _trains_on_cuda(launcher: LauncherSettings) -> bool:
     import torch
 
-    try:
-        options = compile_options(trainer)
-    except ValueError as error:
-        return [f"trainer.{error}"]
+    return torch.cuda.is_available() and launcher.backend != "gloo"
+
+
+def _cross_section_problems(trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
+    """Settings of two sections that cannot work together."""
     problems = []
-    if options.enabled:
-        from torch._dynamo import list_backends
-
-        if options.backend not in list_backends(exclude_tags=()):
-            problems.append(f"trainer.torch_compile_backend={options.backend!r} is not a torch.compile backend; "
-                            f"choose one of {', '.join(list_backends())}")
-    if options.uses_cuda_graphs and (not torch.cuda.is_available() or launcher.backend == "gloo"):
-        problems.append("trainer.cuda_graphs=true (or a torch_compile_mode with CUDA graphs) needs CUDA devices; "
-                        "this run trains on the CPU")
-    return problems
-
-
-def _tensor_parallel_problems(plan, trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
-    """Checks of the tensor-parallel settings that need no model (the plan is checked on the model
-    before launch, see merak.runner.plan_before_launch)."""
-    from merak.tensor_parallel.options import TensorParallelOptions, option_problems
-
     tp = grid.tp if grid else 1
-    options = TensorParallelOptions(plan=plan, size=tp, overlap_level=trainer.tp_overlapping_level)
-    problems = option_problems(options, prefix="trainer.")
-    # sequence_dim's range is checked with its type (merak.config_fields), whatever tp is.
-    if tp > 1 and trainer.trace_method is None and grid and grid.pp > 1:
+    if trainer.tp_overlapping_level == 2 and trainer.activation_checkpointing and tp > 1:
+        problems.append("trainer.tp_overlapping_level=2 runs stage halves on two threads and cannot recompute "
+                        "them: set trainer.activation_checkpointing=false")
+    if trainer.zero_optimization and trainer.zero_stage == 2 and trainer.tp_overlapping_level == 2 and tp > 1:
+        problems.append("trainer.zero_stage=2 reduces gradients as autograd produces them, and "
+                        "tp_overlapping_level=2 produces them on two threads in no fixed order: use "
+                        "zero_stage=1 or tp_overlapping_level 0 or 1")
+    traced = trainer.trace_method is not None
+    if grid and not traced and _chunks_or_one(trainer) > 1:
+        problems.append("interleaved schedules cut the model into pp x pipeline_chunks pieces: they need a "
+                        "captured graph (trace_method=fx or dynamo)")
+    if tp > 1 and not traced and grid and grid.pp > 1:
         problems.append("tensor parallelism with pp > 1 needs a captured graph: use trace_method=fx or dynamo")
     return problems
 
 
+def _chunks_or_one(trainer: TrainerSettings) -> int:
+    """Model chunks per rank, 1 when the schedule is unknown or the chunk count invalid (reported elsewhere)."""
+    from merak.pipeline.schedules import schedule_names
+
+    chunks = trainer.pipeline_chunks
+    if trainer.train_schedule not in schedule_names() or (chunks is not None and not isinstance(chunks, int)):
+        return 1
+    return trainer.schedule.chunks
+
+
+def pipeline_chunks(trainer: TrainerSettings) -> int:
+    """Model chunks per pipeline rank: the setting, else 2 for interleaved schedules and 1 otherwise."""
+    return trainer.schedule.chunks
+
+
+def compile_options(trainer: TrainerSettings):
+    """The compiled-stage settings (see merak.pipeline.settings.CompileSettings.options)."""
+    return trainer.compile.options()
+
+
 def zero_options(trainer: TrainerSettings):
-    """The ZeRO settings (stage 0 when zero_optimization is off)."""
+    """The optimizer's ZeRO options (stage 0 when zero_optimization is off)."""
     from merak.optim.distributed import ZeroOptions
 
-    return ZeroOptions(stage=trainer.zero_stage if trainer.zero_optimization else 0,
-                       reduce_bucket_size=int(trainer.zero_reduce_bucket_size),
-                       allgather_bucket_size=int(trainer.zero_allgather_bucket_size),
-                       prescale_gradients=trainer.prescale_gradients,
-                       gradient_predivide_factor=trainer.gradient_predivide_factor)
+    zero = trainer.zero
+    return ZeroOptions(stage=zero.zero_stage if zero.zero_optimization else 0,
+                       reduce_bucket_size=int(zero.zero_reduce_bucket_size),
+                       allgather_bucket_size=int(zero.zero_allgather_bucket_size),
+                       prescale_gradients=zero.prescale_gradients,
+                       gradient_predivide_factor=zero.gradient_predivide_factor)
 
 
 def precision_options(trainer: TrainerSettings):
-    """The mixed-precision settings (same field names)."""
+    """The optimizer's mixed-precision options (the precision section's fields)."""
     from merak.optim.precision import PrecisionOptions
 
-    names = [f.name for f in dataclasses.fields(PrecisionOptions)]
-    return PrecisionOptions(**{name: getattr(trainer, name) for name in names})
-
-
-def _optimizer_problems(trainer: TrainerSettings, grid: RankGrid | None) -> list[str]:
-    from merak.optim.distributed import ZERO_STAGES
-    from merak.optim.precision import precision_problems
-    from merak.optim.schedule import OPTIMIZERS, ZERO_TESTED_OPTIMIZERS
-
-    problems = precision_problems(precision_options(trainer), prefix="trainer.")
-    if trainer.optim not in OPTIMIZERS:
-        problems.append(f"trainer.optim={trainer.optim!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if trainer.zero_optimization:  # zero_stage is unused (and unchecked) with ZeRO off
-        if trainer.zero_stage not in ZERO_STAGES[1:]:
-            problems.append(f"trainer.zero_stage={trainer.zero_stage!r}: stages 1 (optimizer state) and 2 "
-                            f"(gradients too) are supported")
-        if trainer.zero_stage == 2 and trainer.tp_overlapping_level == 2 and grid and grid.tp > 1:
-            problems.append("trainer.zero_stage=2 reduces gradients as autograd produces them, and "
-                            "tp_overlapping_level=2 produces them on two threads in no fixed order: use "
-                            "zero_stage=1 or tp_overlapping_level 0 or 1")
-        if trainer.optim in OPTIMIZERS and trainer.optim not in ZERO_TESTED_OPTIMIZERS \
-                and not trainer.zero_allow_untested_optimizer:
-            problems.append(f"trainer.optim={trainer.optim} is not elementwise, so ZeRO's flat pieces change its "
-                            f"updates; use {' or '.join(ZERO_TESTED_OPTIMIZERS)}, or set "
-                            f"trainer.zero_allow_untested_optimizer=true to accept that")
-    for field in ("zero_reduce_bucket_size", "zero_allgather_bucket_size"):
-        value = getattr(trainer, field)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-                or value < 1 or value != int(value):
-            problems.append(f"trainer.{field}={value!r} must be a positive whole number of elements")
-    # gradient_predivide_factor's range is checked with its type (merak.config_fields).
-    if trainer.prescale_gradients and trainer.gradient_predivide_factor != 1.0:
-        problems.append("trainer.gradient_predivide_factor applies only without prescaling: set "
-                        "trainer.prescale_gradients=false or gradient_predivide_factor=1.0")
-    return problems
-
-
-def _checkpoint_problems(trainer: TrainerSettings) -> list[str]:
-    problems = []
-    if trainer.save:
-        _positive_int(trainer.save_steps, "trainer.save_steps", problems)
-    limit = trainer.save_total_limit
-    if limit is not None and limit != -1 and not (isinstance(limit, int) and limit >= 1):
-        problems.append(f"trainer.save_total_limit={limit!r}: use -1 or null (keep all) or a positive number")
-    resume = trainer.resume_from_checkpoint
-    if trainer.finetune and resume in (None, False, ""):
-        problems.append("trainer.finetune=true loads weights from a checkpoint: set "
-                        "trainer.resume_from_checkpoint to its directory")
-    if trainer.pretrained_weights and resume not in (None, False, ""):
-        problems.append("trainer.pretrained_weights and trainer.resume_from_checkpoint both set: a run starts "
-                        "from one of them")
-    return problems
+    return PrecisionOptions(**dataclasses.asdict(trainer.precision))
 
 
 def total_steps(settings: RunSettings, steps_per_epoch: int) -> int:
@@ -468,6 +270,4 @@ def total_steps(settings: RunSettings, steps_per_epoch: int) -> int:
 
 def warmup_steps(settings: RunSettings, steps: int) -> int:
     """warmup_steps if set, else warmup_ratio x steps (as the HF Trainer)."""
-    if settings.trainer.warmup_steps > 0:
-        return settings.trainer.warmup_steps
-    return math.ceil(settings.trainer.warmup_ratio * steps)
+    return settings.trainer.optimizer.warmup_steps_for(steps)

@@ -14,6 +14,7 @@ anything else (``abc``, ``yes``, ``0x10``) a string.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -29,14 +30,14 @@ def typed_section(values: dict, cls, section: str, problems: list[str]):
     ``float`` fields come out as floats.
     """
     hints = typing.get_type_hints(cls)
-    fields = {field.name for field in dataclasses.fields(cls)}
-    for key in sorted(set(values) - fields):
-        problems.append(f"{section}.{key} is not a known setting; known: {', '.join(sorted(fields))}")
+    fields = {field.name: field for field in dataclasses.fields(cls)}
+    for key in sorted(set(values) - set(fields)):
+        problems.append(unknown_field_problem(section, key, fields))
     kept = {}
     for name, value in values.items():
         if name not in fields:
             continue
-        problem, converted = field_problem(section, name, value, hints[name])
+        problem, converted = field_problem(section, fields[name], value, hints[name])
         if problem:
             problems.append(problem)
         else:
@@ -44,13 +45,24 @@ def typed_section(values: dict, cls, section: str, problems: list[str]):
     return cls(**kept)
 
 
-def field_problem(section: str, name: str, value, hint) -> tuple[str | None, Any]:
-    """The message for a wrong ``value`` of field ``name`` (None when it is fine), and the value
+def unknown_field_problem(section: str, key: str, known, *, list_known: bool = True) -> str:
+    """The message for a key that is no field of the section: the closest names (if any are close),
+    then every known name unless ``list_known`` is false."""
+    close = difflib.get_close_matches(key, list(known), n=3, cutoff=0.6)
+    guess = f" (did you mean {' or '.join(f'{section}.{name}' for name in close)}?)" if close else ""
+    if list_known:
+        return f"{section}.{key} is not a known setting{guess}; known: {', '.join(sorted(known))}"
+    return f"{section}.{key} is not a known setting{guess or f' (--cfg job --package {section} lists them)'}"
+
+
+def field_problem(section: str, field: dataclasses.Field, value, hint) -> tuple[str | None, Any]:
+    """The message for a wrong ``value`` of ``field`` (None when it is fine), and the value
     converted to the field's type. The range is checked only when the type is right."""
+    name = field.name
     ok, converted = _conform(value, hint)
     if not ok:
         return f"{section}.{name}={value!r} must be {_describe(hint)}{_integer_hint(value, hint)}", value
-    requirement = _range_problem(section, name, converted)
+    requirement = _range_problem(field, converted)
     if requirement:
         return f"{section}.{name}={value!r} {requirement}", value
     return None, converted
@@ -134,47 +146,54 @@ def _finite(value: float) -> bool:
     return math.isfinite(value)
 
 
-# Ranges of numeric fields, checked once the type is right: (accepts the value, what it must be).
-# The other numeric fields (batch sizes, pipeline_chunks, shard_count, save_steps and zero_stage when
-# used, the bucket sizes, the loss-scale integers, tp_overlapping_level, threads_per_rank) are checked
-# in merak.config and the modules it calls; a field is checked in one place, so no problem is reported
-# twice.
-_RANGES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
-    ("trainer", "seed"): (lambda v: 0 <= v < 2 ** 32, "must be within 0 .. 2**32-1"),
-    # 0 passes here: merak.config reports it as "nothing to train".
-    ("trainer", "max_steps"): (lambda v: v >= -1, "must be -1 (train num_train_epochs) or a positive integer"),
-    ("trainer", "num_train_epochs"): (_finite, "must be a finite number"),
-    ("trainer", "learning_rate"): (lambda v: _finite(v) and v >= 0, "must be a finite number >= 0"),
-    ("trainer", "weight_decay"): (lambda v: _finite(v) and v >= 0, "must be a finite number >= 0"),
-    ("trainer", "adam_beta1"): (lambda v: 0 <= v < 1, "must be within [0, 1)"),
-    ("trainer", "adam_beta2"): (lambda v: 0 <= v < 1, "must be within [0, 1)"),
-    # Adam divides by sqrt(v) + epsilon: 0 turns a parameter with no gradient yet into NaN.
-    ("trainer", "adam_epsilon"): (lambda v: _finite(v) and v > 0, "must be a finite number > 0"),
-    ("trainer", "max_grad_norm"): (lambda v: _finite(v) and v >= 0, "must be a finite number >= 0 (0: no clipping)"),
-    ("trainer", "warmup_steps"): (lambda v: v >= 0, "must be an integer >= 0"),
-    ("trainer", "warmup_ratio"): (lambda v: 0 <= v <= 1, "must be within [0, 1]"),
-    ("trainer", "logging_steps"): (lambda v: v >= 1, "must be a positive integer"),
-    ("trainer", "peak_tflops"): (lambda v: _finite(v) and v > 0, "must be null or a positive number"),
-    ("trainer", "sequence_dim"): (lambda v: v >= 0, "must be a non-negative integer"),
-    ("trainer", "checkpoint_num_layers"): (lambda v: v >= 1, "must be a positive integer"),
-    ("trainer", "gradient_predivide_factor"): (lambda v: _finite(v) and v > 0, "must be positive and finite"),
-    ("trainer", "loss_scale"): (_finite, "must be a finite number"),
-    ("trainer", "min_loss_scale"): (_finite, "must be a finite number"),
-    ("trainer", "max_consecutive_skipped_steps"): (lambda v: v >= 1, "must be a positive integer"),
-    ("trainer", "simulated_tflops"): (lambda v: _finite(v) and v > 0, "must be a positive number"),
-    ("trainer", "num_warmup_steps"): (lambda v: v >= 0, "must be an integer >= 0"),
-    ("trainer", "num_prof_steps"): (lambda v: v >= 1, "must be a positive integer"),
-    ("trainer", "eval_steps"): (lambda v: v >= 1, "must be null (no evaluation) or a positive integer"),
-    ("trainer", "eval_iters"): (lambda v: v >= 1, "must be null (the whole held-out set) or a positive integer"),
-    ("trainer", "eval_holdout"): (lambda v: 0 < v <= 0.5, "must be within (0, 0.5]"),
-    ("launcher", "timeout_s"): (lambda v: _finite(v) and v > 0, "must be a positive number of seconds"),
-}
+def setting(default: Any = None, help: str = "", *, check: Callable[[Any], bool] | None = None,
+            requirement: str = "", factory: Callable[[], Any] | None = None):
+    """A config field: its default, what it means (``help``, shown in the config docs), and optionally
+    the range a value of the right type must lie in (``check`` accepts it, ``requirement`` says what it
+    must be, e.g. "must be a positive integer"). None always passes the range check: it means unset.
+    ``factory`` makes a mutable default (a list) for each instance."""
+    metadata = {"help": help}
+    if check is not None:
+        metadata["range"] = (check, requirement)
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
-def _range_problem(section: str, name: str, value) -> str | None:
+def positive_int_problem(name: str, value, problems: list[str]) -> bool:
+    """Append a message to ``problems`` unless ``value`` is a positive integer; whether it is one.
+    (For fields whose range is checked where they are used, e.g. only when a feature is on.)"""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        problems.append(f"{name}={value!r} must be a positive integer")
+        return False
+    return True
+
+
+# Ranges used by several sections.
+def positive(value) -> bool:
+    return value >= 1
+
+
+def non_negative(value) -> bool:
+    return value >= 0
+
+
+def positive_finite(value) -> bool:
+    return _finite(value) and value > 0
+
+
+def non_negative_finite(value) -> bool:
+    return _finite(value) and value >= 0
+
+
+def finite(value) -> bool:
+    return _finite(value)
+
+
+def _range_problem(field: dataclasses.Field, value) -> str | None:
     """What ``value`` (already of the right type) must be, or None when it is in range.
     None stands for "unset" wherever a field allows it, so it is never out of range."""
-    check = _RANGES.get((section, name))
+    check = field.metadata.get("range")
     if check is None or value is None:
         return None
     accepts, requirement = check

@@ -16,16 +16,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak.core.slices import sequence_partial, sliced_parameter_ids, tensor_slices
 from merak.distributed.groups import ParallelState, stage_set_group
 from merak.distributed.p2p import PointToPoint
 from merak.optim.distributed import DistributedOptimizer, ZeroOptions
 from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors
 from merak.optim.precision import PrecisionOptions
 from merak.optim.schedule import build_lr_scheduler, make_optimizer
+from merak.optim.settings import OptimizerSettings
 from merak.pipeline import instructions as ins
 from merak.pipeline.compiled import CompileClock, CompileOptions
 from merak.pipeline.executor import PipelineExecutor
-from merak.pipeline.hooks import PipelineHook
+from merak.pipeline.hooks import InstructionEvent, PipelineHook
+from merak.pipeline.settings import ScheduleSettings
 from merak.pipeline.recompute import (
     CheckpointOptions,
     checkpointed_parts,
@@ -44,30 +47,30 @@ from merak.pipeline.stage import (
     parameter_names,
     persistent_buffer_names,
 )
-from merak.tensor_parallel.sequence import sequence_partial
-from merak.tensor_parallel.slicing import sliced_parameter_ids, tensor_slices
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class OptimizerOptions:
-    """Optimizer and learning-rate settings (names as in MerakArguments)."""
+    """Optimizer and learning-rate settings (names and defaults as in the config's OptimizerSettings;
+    ``warmup_steps`` is resolved: a ratio of the run is already turned into steps)."""
 
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
-    optim: str = "adamw_torch"
+    learning_rate: float = OptimizerSettings.learning_rate
+    weight_decay: float = OptimizerSettings.weight_decay
+    adam_beta1: float = OptimizerSettings.adam_beta1
+    adam_beta2: float = OptimizerSettings.adam_beta2
+    adam_epsilon: float = OptimizerSettings.adam_epsilon
+    max_grad_norm: float = OptimizerSettings.max_grad_norm
+    lr_scheduler_type: str = OptimizerSettings.lr_scheduler_type
+    warmup_steps: int = OptimizerSettings.warmup_steps
+    optim: str = OptimizerSettings.optim
 
 
 @dataclass(frozen=True)
 class RecomputeOptions:
-    """Activation checkpointing (names as in MerakArguments).
+    """Activation checkpointing (names and defaults as in the config's ScheduleSettings; the engine itself
+    recomputes nothing unless given these options, see NO_RECOMPUTE).
 
     Attributes:
         activation_checkpointing: Checkpoint stage parts; the backward recomputes them.
@@ -76,9 +79,12 @@ class RecomputeOptions:
             stage's ratio, the others stage-aware; a list: one per (virtual) stage.
     """
 
-    activation_checkpointing: bool = False
-    checkpoint_num_layers: int = 1
+    activation_checkpointing: bool = ScheduleSettings.activation_checkpointing
+    checkpoint_num_layers: int = ScheduleSettings.checkpoint_num_layers
     activation_checkpoint_ratio: float | tuple[float, ...] | None = None
+
+
+NO_RECOMPUTE = RecomputeOptions(activation_checkpointing=False)
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,7 @@ class PipelineEngine:
                  loss_fn: Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor],
                  state: ParallelState, schedule: str, num_microbatches: int, total_steps: int,
                  optimizer: OptimizerOptions = OptimizerOptions(), hooks: Sequence[PipelineHook] = (),
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, recompute: RecomputeOptions = RecomputeOptions(),
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, recompute: RecomputeOptions = NO_RECOMPUTE,
                  num_chunks: int = 1, dropout_seed: int | None = None, dealloc_pipeoutput: bool = False,
                  record_timeline: bool = False, zero: ZeroOptions = ZeroOptions(),
                  precision: PrecisionOptions = PrecisionOptions(), measure_activations: bool = False,
@@ -444,6 +450,6 @@ class _GradientsReady(PipelineHook):
     def __init__(self, optimizer: DistributedOptimizer) -> None:
         self.optimizer = optimizer
 
-    def on_instruction_end(self, name: str) -> None:
-        if name in self._BACKWARDS:
+    def on_instruction_end(self, event: InstructionEvent) -> None:
+        if event.name in self._BACKWARDS:
             self.optimizer.reduce_ready_gradients()

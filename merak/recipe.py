@@ -61,6 +61,9 @@ class RecipeSpec:
         tp_plan: how the model splits for tensor parallelism: a TPPlan, or
             ``(model_cfg) -> TPPlan`` when it depends on the model option (None: tp must be 1).
         collate: ``(list of samples) -> dict of tensors``, one microbatch (default: stack each field).
+        model_schema, data_schema: dataclasses whose fields (merak.config_fields.setting: type, default,
+            range) are every key of the ``model`` / ``data`` config groups; each value is checked against
+            its field before check_layout / check_data run, which then see values of the right types.
         channels_last: a convolutional model: on CUDA its weights and 4-D inputs are kept in the
             channels-last layout the tensor-core convolutions read.
     """
@@ -82,6 +85,8 @@ class RecipeSpec:
     tp_plan: TPPlan | Callable[[Any], TPPlan] | None = None
     collate: Callable[[Sequence], Mapping[str, torch.Tensor]] = stack_samples
     channels_last: bool = False
+    model_schema: type | None = None
+    data_schema: type | None = None
 
     def tensor_parallel_plan(self, model_cfg) -> TPPlan | None:
         """The TP plan for ``model_cfg`` (see ``tp_plan``)."""

@@ -28,7 +28,6 @@ from merak.config import (
     compile_options,
     pipeline_chunks,
     precision_options,
-    warmup_steps,
     zero_options,
 )
 from merak.data.batching import BatchPlan, MicrobatchLoader
@@ -84,12 +83,9 @@ def example_inputs(spec, settings: RunSettings, prepared) -> dict[str, torch.Ten
 
 
 def tensor_parallel_options(spec, settings: RunSettings, tp_rank: int) -> TensorParallelOptions:
-    """The tensor-parallel settings of the worker at ``tp_rank``."""
-    trainer = settings.trainer
-    return TensorParallelOptions(
-        plan=spec.tensor_parallel_plan(settings.model_cfg), size=settings.grid.tp, rank=tp_rank,
-        parallel_vocab=trainer.parallel_vocab, sequence_parallel=trainer.sequence_parallel,
-        sequence_dim=trainer.sequence_dim, overlap_level=trainer.tp_overlapping_level)
+    """The tensor-parallel options of one tp rank."""
+    return settings.trainer.tensor_parallel.options(plan=spec.tensor_parallel_plan(settings.model_cfg),
+                                                    size=settings.grid.tp, rank=tp_rank)
 
 
 def recompute_options(settings: RunSettings) -> RecomputeOptions:
@@ -103,9 +99,10 @@ def recompute_options(settings: RunSettings) -> RecomputeOptions:
 
 def optimizer_options(settings: RunSettings, steps: int) -> OptimizerOptions:
     """OptimizerOptions from the trainer settings (same field names), warm-up resolved."""
+    optimizer = settings.trainer.optimizer
     names = {field.name for field in dataclasses.fields(OptimizerOptions)}
-    values = {name: getattr(settings.trainer, name) for name in names}
-    return OptimizerOptions(**{**values, "warmup_steps": warmup_steps(settings, steps)})
+    values = {name: getattr(optimizer, name) for name in names}
+    return OptimizerOptions(**{**values, "warmup_steps": optimizer.warmup_steps_for(steps)})
 
 
 def _calibrate_as_a_worker(settings: RunSettings, device, dtype):

@@ -1,14 +1,17 @@
 """Shared Hydra config groups (parallel/, trainer/, launcher/, hydra/launcher/), found through
 pkg://merak.conf.
 
-Hydra imports this package when it reads the search path, before any value is resolved, so the
-resolvers the shared configs use are registered here:
+Hydra imports this package when it reads the search path, before it composes anything, so the
+typed schemas that trainer/ and launcher/ extend (merak.conf.schemas) and the resolvers the shared
+configs use are registered here:
 
 ``${merak_tasks_per_node:DP,TP,PP,NODES}``
     dp*tp*pp / nodes, the SLURM tasks per node of a layout (hydra/launcher/merak_slurm.yaml).
 """
 
 from omegaconf import OmegaConf
+
+from merak.conf.schemas import register_schemas
 
 
 def tasks_per_node(dp: int, tp: int, pp: int, nodes: int) -> int:
@@ -21,3 +24,6 @@ def tasks_per_node(dp: int, tp: int, pp: int, nodes: int) -> int:
 
 
 OmegaConf.register_new_resolver("merak_tasks_per_node", tasks_per_node, replace=True)
+
+# The trainer and launcher groups extend these typed schemas (merak.conf.schemas).
+register_schemas()

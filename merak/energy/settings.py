@@ -1,13 +1,48 @@
-"""Checks of the energy settings (``trainer.profile``, ``pfo_server_url``, ...) before any worker starts."""
+"""The energy section of the ``trainer`` config (docs/energy.md): instruction profiling and
+per-instruction GPU clocks, and its checks before any worker starts. Consumed by merak.energy.runtime."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+from dataclasses import dataclass
+
+from merak.config_fields import non_negative, positive, positive_finite, setting
 
 logger = logging.getLogger(__name__)
 
 DEVICES = ("auto", "none", "nvml", "simulated")
+
+
+@dataclass(frozen=True)
+class EnergySettings:
+    """Profiling, frequency plans and the GPU device that measures energy (the first four are
+    Merak-Zeus's names)."""
+
+    profile: bool = setting(False, "profile every instruction at every clock (needs gradient_accumulation_steps=1); "
+                                   "writes merak+...csv")
+    num_warmup_steps: int = setting(2, "profile: unmeasured steps per clock; with pfo_server_url: steps before "
+                                       "the measured ones", check=non_negative, requirement="must be an integer >= 0")
+    num_prof_steps: int = setting(4, "profile: measured steps per clock; with pfo_server_url: steps reported to "
+                                     "the server", check=positive, requirement="must be a positive integer")
+    pfo_server_url: str | None = setting(None, "a zeus pipeline-frequency server (merak-energy serve) to take "
+                                               "the clock plan from")
+    energy_device: str = setting("auto", "auto (NVML on CUDA, else simulated) | nvml | simulated | none")
+    simulated_gpu: str = setting("A100", "A100 | H100: the simulated GPU's clock range and power model")
+    simulated_tflops: float = setting(0.004, "simulated GPU speed at its highest clock (small: the CPU work of "
+                                             "an instruction must fit inside it)",
+                                      check=positive_finite, requirement="must be a positive number")
+    frequency_plan: str | None = setting(None, "a plan file (merak-energy plan's plan.py) to run locally, "
+                                               "without a server")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the run uses a GPU device for energy."""
+        return energy_enabled(self)
+
+    def problems(self, *, schedule: str, pp: int, num_microbatches: int, num_chunks: int) -> list[str]:
+        """Everything wrong with these values for the run's schedule and layout."""
+        return energy_problems(self, schedule, pp, num_microbatches, num_chunks)
 
 
 def energy_enabled(trainer) -> bool:
@@ -27,7 +62,7 @@ def _server_problem(url: str) -> str | None:
     return None
 
 
-def energy_problems(trainer, grid, num_microbatches: int, num_chunks: int) -> list[str]:
+def energy_problems(trainer, schedule: str, pp: int, num_microbatches: int, num_chunks: int) -> list[str]:
     """Everything wrong with the energy settings, as messages naming the fields."""
     from merak.energy.simulated import SPECS
 
@@ -57,7 +92,7 @@ def energy_problems(trainer, grid, num_microbatches: int, num_chunks: int) -> li
         from merak.energy.plans import PlanError, check_plan, read_plan
 
         try:
-            graph = step_graph(trainer.train_schedule, grid.pp, num_microbatches, num_chunks)
+            graph = step_graph(schedule, pp, num_microbatches, num_chunks)
             check_plan(read_plan(trainer.frequency_plan), graph, source=f"trainer.frequency_plan={trainer.frequency_plan}")
         except (PlanError, ValueError) as error:
             problems.append(str(error))

@@ -17,17 +17,35 @@ from functools import cached_property
 import torch
 from transformers import TrainingArguments
 
-from merak.config import TrainerSettings
+from merak.config import LauncherSettings, TrainerSettings
 
 # The schedules of the API document (early_recompute_1f1b is Merak-Zeus' name for pre_recompute_1f1b).
 SCHEDULE_ALIASES = {"early_recompute_1f1b": "pre_recompute_1f1b"}
 # Hugging Face optimizer names and the merak optimizer that implements them.
-OPTIMIZER_ALIASES = {"adamw_torch": "adamw_torch", "adamw_torch_fused": "adamw_torch", "adamw_hf": "adamw_torch",
-                     "sgd": "sgd", "adafactor": "adafactor"}
+OPTIMIZER_ALIASES = {
+    "adamw_torch": "adamw_torch",
+    "adamw_torch_fused": "adamw_torch",
+    "adamw_hf": "adamw_torch",
+    "sgd": "sgd",
+    "adafactor": "adafactor",
+}
 
 
 def _doc(text: str, **kwargs):
     return field(metadata={"help": text}, **kwargs)
+
+
+# The run settings' defaults: a MerakArguments field that means what a trainer or launcher setting
+# means takes its default from there (the sections in merak/*/settings.py), not a copy of it.
+_RUN_DEFAULTS = {field.name: field for cls in (TrainerSettings, LauncherSettings) for field in dataclasses.fields(cls)}
+
+
+def _merak(name: str, text: str):
+    """A field with the default of the run setting ``name``."""
+    setting = _RUN_DEFAULTS[name]
+    if setting.default is dataclasses.MISSING:
+        return field(default_factory=setting.default_factory, metadata={"help": text})
+    return field(default=setting.default, metadata={"help": text})
 
 
 @dataclass
@@ -38,117 +56,163 @@ class MerakArguments(TrainingArguments):
     docs/trainer_api.md for the table of what each one does here.
     """
 
-    train_schedule: str = _doc("Pipeline schedule: 1f1b, pre_recompute_1f1b, ds_default, last_no_recompute_1f1b, "
-                               "shifted_critical_path (also gpipe, interleaved_1f1b, zb_h1).", default="1f1b")
-    partition_method: str = _doc("Stage partition: autopipe (balanced estimated costs), uniform, uniform_floor, "
-                                 "parameters, custom.", default="autopipe")
-    split_method: str = _doc("Graph sharding: min_bytes (cut where the fewest bytes cross), farthest_min_deps, "
-                             "layer_split, nearest_min_deps.", default="min_bytes")
-    custom_split_points: list[str] | None = _doc("Split points (module names or globs) for layer_split.",
-                                                 default=None)
-    trace_method: str | None = _doc("fx (torch.fx, falling back to torch.export), dynamo (torch.export), or "
-                                    "None (no tracing).", default="fx")
-    trace_model: str = _doc("A model class name to register for tracing: merak captures any class, so it is "
-                            "only checked to name the model's class.", default="")
-    init_method_std: float = _doc("Std of the init of tensor-parallel weights in the original. Not used: merak's "
-                                  "tensor-parallel shards are slices of the model's own initialized weights "
-                                  "(one process's numbers); another value is named in the trainer's warning.",
-                                  default=0.02)
-    activation_checkpointing: bool = _doc("Recompute activations in the backward (merak's recomputation, per "
-                                          "pipeline part; gradient_checkpointing is its alias).", default=True)
-    checkpoint_num_layers: int = _doc("Parts (layers) per checkpointed chunk.", default=1)
-    input_names: list[str] | None = _doc("Forward arguments fed from the data (default: the dataset fields the "
-                                         "model's forward accepts).", default=None)
-    num_layers: int | None = _doc("Layers of the model; sets shard_count's default to 2 x num_layers (without "
-                                  "it merak chooses the shard count).", default=None)
+    train_schedule: str = _merak(
+        "train_schedule",
+        "Pipeline schedule: 1f1b, pre_recompute_1f1b, ds_default, last_no_recompute_1f1b, "
+        "shifted_critical_path (also gpipe, interleaved_1f1b, zb_h1).",
+    )
+    partition_method: str = _merak(
+        "partition_method",
+        "Stage partition: autopipe (balanced estimated costs), uniform, uniform_floor, parameters, custom.",
+    )
+    split_method: str = _merak(
+        "split_method",
+        "Graph sharding: min_bytes (cut where the fewest bytes cross), farthest_min_deps, "
+        "layer_split, nearest_min_deps.",
+    )
+    custom_split_points: list[str] | None = _merak(
+        "custom_split_points", "Split points (module names or globs) for layer_split."
+    )
+    trace_method: str | None = _merak(
+        "trace_method", "fx (torch.fx, falling back to torch.export), dynamo (torch.export), or None (no tracing)."
+    )
+    trace_model: str = _doc(
+        "A model class name to register for tracing: merak captures any class, so it is "
+        "only checked to name the model's class.",
+        default="",
+    )
+    init_method_std: float = _doc(
+        "Std of the init of tensor-parallel weights in the original. Not used: merak's "
+        "tensor-parallel shards are slices of the model's own initialized weights "
+        "(one process's numbers); another value is named in the trainer's warning.",
+        default=0.02,
+    )
+    activation_checkpointing: bool = _merak(
+        "activation_checkpointing",
+        "Recompute activations in the backward (merak's recomputation, per "
+        "pipeline part; gradient_checkpointing is its alias).",
+    )
+    checkpoint_num_layers: int = _merak("checkpoint_num_layers", "Parts (layers) per checkpointed chunk.")
+    input_names: list[str] | None = _merak(
+        "input_names", "Forward arguments fed from the data (default: the dataset fields the model's forward accepts)."
+    )
+    num_layers: int | None = _doc(
+        "Layers of the model; sets shard_count's default to 2 x num_layers (without it merak chooses the shard count).",
+        default=None,
+    )
     seq_length: int | None = _doc("Sequence length; checked against the training samples.", default=None)
     num_heads: int | None = _doc("Attention heads; checked against the model config.", default=None)
-    wall_clock_breakdown: bool = _doc("Record every instruction's time; write timeline.png/json.", default=False)
-    measure_activation_memory: bool = _doc("Count every tensor saved for backward to report the exact peak of "
-                                           "saved activations per stage (costs host time).", default=False)
-    shard_count: int | None = _doc("Number of graph shards (default 2 x num_layers).", default=None)
-    prescale_gradients: bool = _doc("Divide gradients by dp before the all-reduce.", default=False)
-    gradient_predivide_factor: float = _doc("Divide by this before the reduction and by dp/this after.",
-                                            default=1.0)
-    zero_optimization: bool = _doc("Shard optimizer state (and gradients at stage 2) over dp.", default=False)
-    zero_allow_untested_optimizer: bool = _doc("Allow ZeRO with a non-elementwise optimizer.", default=False)
-    zero_stage: int = _doc("ZeRO stage: 1 or 2.", default=1)
-    zero_allgather_bucket_size: float = _doc("Elements per all-gather after the step.", default=500000000)
-    zero_reduce_bucket_size: float = _doc("Elements per gradient reduce-scatter.", default=500000000)
-    save: bool | None = _doc("Write checkpoints: True (every save_steps, or as save_strategy says, and at the "
-                             "end), False (none), None (as save_strategy says, Hugging Face's way).", default=None)
-    finetune: bool = _doc("Load weights only from the checkpoint; step, optimizer and RNG start fresh.",
-                          default=False)
-    no_save_rng: bool = _doc("Do not save RNG states.", default=False)
-    no_save_optim: bool = _doc("Do not save the optimizer.", default=False)
-    no_load_rng: bool = _doc("Do not load RNG states.", default=False)
-    no_load_optim: bool = _doc("Do not load the optimizer.", default=False)
-    split_inputs: bool = _doc("Split input data between tensor-parallel ranks (not supported: every stage "
-                              "receives exactly the fields it needs).", default=False)
-    parallel_vocab: bool = _doc("Split embeddings and the output layer by vocabulary when tp > 1.",
-                                default=False)
-    sequence_parallel: bool = _doc("Split activations along the sequence between blocks when tp > 1.",
-                                   default=False)
-    sequence_dim: int = _doc("Sequence dimension of hidden states.", default=1)
-    dealloc_pipeoutput: bool = _doc("Release sent activations.", default=False)
-    activation_checkpoint_ratio: float | None = _doc("Checkpointed fraction of the first stage (others "
-                                                     "stage-aware), in [0, 1].", default=None)
-    tp_overlapping_level: int = _doc("0 none, 1 overlap within linear pairs, 2 sub-pipelined blocks "
-                                     "(3 is not supported).", default=0)
-    loss_scale: float = _doc("fp16: 0 = dynamic, else this static scale.", default=0.0)
-    initial_scale_power: int = _doc("fp16 dynamic scale starts at 2**this.", default=32)
-    loss_scale_window: int = _doc("Clean steps before the dynamic scale doubles.", default=1000)
-    hysteresis: int = _doc("Overflows tolerated before the dynamic scale halves.", default=2)
-    min_loss_scale: int = _doc("Smallest dynamic loss scale.", default=1)
-    custom_partition: list[int] | None = _doc("pp+1 shard boundaries, e.g. [0, 6, 12].", default=None)
-    no_tie_modules: bool = _doc("Do not tie shared weights across stages (not supported: tied weights are "
-                                "always kept identical).", default=False)
-    save_total_limit: int | None = _doc("Keep the newest n checkpoints (-1: all).", default=-1)
-    eval_iters: int | None = _doc("Evaluation steps per evaluation (None: the whole evaluation set).",
-                                  default=None)
-    text_generation: bool = _doc("Generate text from the prompts of the evaluation set after training.",
-                                 default=False)
+    wall_clock_breakdown: bool = _merak(
+        "wall_clock_breakdown", "Record every instruction's time; write timeline.png/json."
+    )
+    measure_activation_memory: bool = _merak(
+        "measure_activation_memory",
+        "Count every tensor saved for backward to report the exact peak of "
+        "saved activations per stage (costs host time).",
+    )
+    shard_count: int | None = _merak("shard_count", "Number of graph shards (default 2 x num_layers).")
+    prescale_gradients: bool = _merak("prescale_gradients", "Divide gradients by dp before the all-reduce.")
+    gradient_predivide_factor: float = _merak(
+        "gradient_predivide_factor", "Divide by this before the reduction and by dp/this after."
+    )
+    zero_optimization: bool = _merak("zero_optimization", "Shard optimizer state (and gradients at stage 2) over dp.")
+    zero_allow_untested_optimizer: bool = _merak(
+        "zero_allow_untested_optimizer", "Allow ZeRO with a non-elementwise optimizer."
+    )
+    zero_stage: int = _merak("zero_stage", "ZeRO stage: 1 or 2.")
+    zero_allgather_bucket_size: float = _merak("zero_allgather_bucket_size", "Elements per all-gather after the step.")
+    zero_reduce_bucket_size: float = _merak("zero_reduce_bucket_size", "Elements per gradient reduce-scatter.")
+    save: bool | None = _doc(
+        "Write checkpoints: True (every save_steps, or as save_strategy says, and at the "
+        "end), False (none), None (as save_strategy says, Hugging Face's way).",
+        default=None,
+    )
+    finetune: bool = _merak("finetune", "Load weights only from the checkpoint; step, optimizer and RNG start fresh.")
+    no_save_rng: bool = _merak("no_save_rng", "Do not save RNG states.")
+    no_save_optim: bool = _merak("no_save_optim", "Do not save the optimizer.")
+    no_load_rng: bool = _merak("no_load_rng", "Do not load RNG states.")
+    no_load_optim: bool = _merak("no_load_optim", "Do not load the optimizer.")
+    split_inputs: bool = _doc(
+        "Split input data between tensor-parallel ranks (not supported: every stage "
+        "receives exactly the fields it needs).",
+        default=False,
+    )
+    parallel_vocab: bool = _merak("parallel_vocab", "Split embeddings and the output layer by vocabulary when tp > 1.")
+    sequence_parallel: bool = _merak(
+        "sequence_parallel", "Split activations along the sequence between blocks when tp > 1."
+    )
+    sequence_dim: int = _merak("sequence_dim", "Sequence dimension of hidden states.")
+    dealloc_pipeoutput: bool = _merak("dealloc_pipeoutput", "Release sent activations.")
+    activation_checkpoint_ratio: float | None = _merak(
+        "activation_checkpoint_ratio", "Checkpointed fraction of the first stage (others stage-aware), in [0, 1]."
+    )
+    tp_overlapping_level: int = _merak(
+        "tp_overlapping_level", "0 none, 1 overlap within linear pairs, 2 sub-pipelined blocks (3 is not supported)."
+    )
+    loss_scale: float = _merak("loss_scale", "fp16: 0 = dynamic, else this static scale.")
+    initial_scale_power: int = _merak("initial_scale_power", "fp16 dynamic scale starts at 2**this.")
+    loss_scale_window: int = _merak("loss_scale_window", "Clean steps before the dynamic scale doubles.")
+    hysteresis: int = _merak("hysteresis", "Overflows tolerated before the dynamic scale halves.")
+    min_loss_scale: int = _merak("min_loss_scale", "Smallest dynamic loss scale.")
+    custom_partition: list[int] | None = _merak("custom_partition", "pp+1 shard boundaries, e.g. [0, 6, 12].")
+    no_tie_modules: bool = _doc(
+        "Do not tie shared weights across stages (not supported: tied weights are always kept identical).",
+        default=False,
+    )
+    save_total_limit: int | None = _merak("save_total_limit", "Keep the newest n checkpoints (-1: all).")
+    eval_iters: int | None = _merak("eval_iters", "Evaluation steps per evaluation (None: the whole evaluation set).")
+    text_generation: bool = _doc("Generate text from the prompts of the evaluation set after training.", default=False)
     out_seq_length: int | None = _doc("Length of generated sequences, prompt included.", default=1024)
     temperature: float = _doc("Sampling temperature (0: greedy).", default=0.9)
     top_k: int = _doc("Sample among the k most likely tokens (0: all).", default=0)
-    top_p: float = _doc("Sample among the most likely tokens whose probabilities add up to p (1: all).",
-                        default=1.0)
-    lora_config: str | None = _doc("LoRA: a JSON file of peft.LoraConfig fields, or a directory saved by "
-                                   "save_adapter (config and weights).", default=None)
+    top_p: float = _doc("Sample among the most likely tokens whose probabilities add up to p (1: all).", default=1.0)
+    lora_config: str | None = _doc(
+        "LoRA: a JSON file of peft.LoraConfig fields, or a directory saved by save_adapter (config and weights).",
+        default=None,
+    )
     adapter_name: str = _doc("Name of the injected adapter.", default="default")
-    logging_steps: float = _doc("Log (and write metrics.jsonl) every n steps; below 1: a fraction of the run.",
-                                default=1)
+    logging_steps: float = _merak(
+        "logging_steps", "Log (and write metrics.jsonl) every n steps; below 1: a fraction of the run."
+    )
     # merak extensions
-    pipeline_chunks: int | None = _doc("Model chunks per pipeline rank (interleaved_1f1b).", default=None)
-    init_device: str = _doc("auto, cpu or meta (used with model_init).", default="auto")
-    autopipe_costs: str = _doc("autopipe's shard cost: estimate (FLOPs, bytes and operations on the device "
-                               "kind's nominal rates), calibrated (on rates measured by a short timed run), "
-                               "flops or time.", default="estimate")
-    leaf_modules: list[str] | None = _doc("Class or module names kept whole when tracing.", default=None)
-    pretrained_weights: str | None = _doc("A Hugging Face model directory (safetensors) to start from.",
-                                          default=None)
-    peak_tflops: float | None = _doc("Per-device peak TFLOP/s for MFU (default: known GPUs).", default=None)
-    backend: str = _doc("torch.distributed backend: auto (gloo on CPU, nccl with CUDA), gloo or nccl.",
-                        default="auto")
-    timeout_s: float = _doc("A collective waiting longer fails instead of hanging.", default=600.0)
-    cuda_graphs: bool = _doc("Replay compiled stages as CUDA graphs (needs torch_compile and CUDA).",
-                             default=False)
+    pipeline_chunks: int | None = _merak("pipeline_chunks", "Model chunks per pipeline rank (interleaved_1f1b).")
+    init_device: str = _merak("init_device", "auto, cpu or meta (used with model_init).")
+    autopipe_costs: str = _merak(
+        "autopipe_costs",
+        "autopipe's shard cost: estimate (FLOPs, bytes and operations on the device "
+        "kind's nominal rates), calibrated (on rates measured by a short timed run), "
+        "flops or time.",
+    )
+    leaf_modules: list[str] | None = _merak("leaf_modules", "Class or module names kept whole when tracing.")
+    pretrained_weights: str | None = _merak(
+        "pretrained_weights", "A Hugging Face model directory (safetensors) to start from."
+    )
+    peak_tflops: float | None = _merak("peak_tflops", "Per-device peak TFLOP/s for MFU (default: known GPUs).")
+    backend: str = _merak("backend", "torch.distributed backend: auto (gloo on CPU, nccl with CUDA), gloo or nccl.")
+    timeout_s: float = _merak("timeout_s", "A collective waiting longer fails instead of hanging.")
+    cuda_graphs: bool = _merak("cuda_graphs", "Replay compiled stages as CUDA graphs (needs torch_compile and CUDA).")
     # energy (Merak-Zeus's names; docs/energy.md)
-    profile: bool = _doc("Profile every pipeline instruction's time and energy at each GPU clock instead of "
-                         "training (train() or profile()); writes the profile the energy planner reads.",
-                         default=False)
-    num_warmup_steps: int = _doc("Profiling: steps run at each clock before measuring.", default=2)
-    num_prof_steps: int = _doc("Profiling: steps measured at each clock.", default=4)
-    pfo_server_url: str | None = _doc("A Perseus/zeus server that chooses each instruction's clock while "
-                                      "training.", default=None)
-    energy_device: str = _doc("auto (NVML on CUDA machines, else simulated), nvml or simulated.", default="auto")
-    simulated_gpu: str = _doc("The simulated GPU's model (energy features without a GPU).", default="A100")
-    simulated_tflops: float = _doc("The simulated GPU's speed, TFLOP/s.", default=0.004)
-    frequency_plan: str | None = _doc("A frequency plan (merak-energy plan output): each instruction runs at "
-                                      "its planned clock.", default=None)
-    max_consecutive_skipped_steps: int = _doc(
+    profile: bool = _merak(
+        "profile",
+        "Profile every pipeline instruction's time and energy at each GPU clock instead of "
+        "training (train() or profile()); writes the profile the energy planner reads.",
+    )
+    num_warmup_steps: int = _merak("num_warmup_steps", "Profiling: steps run at each clock before measuring.")
+    num_prof_steps: int = _merak("num_prof_steps", "Profiling: steps measured at each clock.")
+    pfo_server_url: str | None = _merak(
+        "pfo_server_url", "A Perseus/zeus server that chooses each instruction's clock while training."
+    )
+    energy_device: str = _merak("energy_device", "auto (NVML on CUDA machines, else simulated), nvml or simulated.")
+    simulated_gpu: str = _merak("simulated_gpu", "The simulated GPU's model (energy features without a GPU).")
+    simulated_tflops: float = _merak("simulated_tflops", "The simulated GPU's speed, TFLOP/s.")
+    frequency_plan: str | None = _merak(
+        "frequency_plan", "A frequency plan (merak-energy plan output): each instruction runs at its planned clock."
+    )
+    max_consecutive_skipped_steps: int = _merak(
+        "max_consecutive_skipped_steps",
         "Steps in a row whose loss or gradient norm is not finite (each skipped on every rank) before training "
-        "stops with an error; fp16 overflows a smaller loss scale may cure do not count.", default=3)
+        "stops with an error; fp16 overflows a smaller loss scale may cure do not count.",
+    )
 
     @cached_property
     def _setup_devices(self) -> torch.device:
@@ -170,16 +234,21 @@ class MerakArguments(TrainingArguments):
         """What cannot work in these arguments (empty when fine); merak's own checks come on top."""
         problems = []
         if self.split_inputs:
-            problems.append("split_inputs=True is not supported: each pipeline stage already receives only the "
-                            "microbatch fields it needs; leave it False")
+            problems.append(
+                "split_inputs=True is not supported: each pipeline stage already receives only the "
+                "microbatch fields it needs; leave it False"
+            )
         if self.no_tie_modules:
-            problems.append("no_tie_modules=True is not supported: weights a model shares (e.g. GPT-2's "
-                            "embedding and output layer) are kept identical across stages; leave it False")
+            problems.append(
+                "no_tie_modules=True is not supported: weights a model shares (e.g. GPT-2's "
+                "embedding and output layer) are kept identical across stages; leave it False"
+            )
         if self.tp_overlapping_level == 3:
             problems.append("tp_overlapping_level=3 (rewriting the whole model) is not supported; use 0, 1 or 2")
         if _enum_value(self.optim) not in OPTIMIZER_ALIASES:
-            problems.append(f"optim={_enum_value(self.optim)!r}: merak implements "
-                            f"{', '.join(sorted(OPTIMIZER_ALIASES))}")
+            problems.append(
+                f"optim={_enum_value(self.optim)!r}: merak implements {', '.join(sorted(OPTIMIZER_ALIASES))}"
+            )
         if self.eval_iters is not None and self.eval_iters < 1:
             problems.append(f"eval_iters={self.eval_iters}: use a positive number or None (the whole set)")
         if self.temperature < 0:
@@ -193,8 +262,10 @@ class MerakArguments(TrainingArguments):
         if self.logging_steps <= 0:
             problems.append(f"logging_steps={self.logging_steps}: use a positive number")
         if self.custom_partition is not None and self.partition_method != "custom":
-            problems.append(f"custom_partition={self.custom_partition} is only read with partition_method='custom' "
-                            f"(it is {self.partition_method!r}): set partition_method='custom' or drop it")
+            problems.append(
+                f"custom_partition={self.custom_partition} is only read with partition_method='custom' "
+                f"(it is {self.partition_method!r}): set partition_method='custom' or drop it"
+            )
         if self.num_layers is not None and self.num_layers < 1:
             problems.append(f"num_layers={self.num_layers}: use a positive number")
         return problems
@@ -204,8 +275,14 @@ class MerakArguments(TrainingArguments):
         sizes from the model itself, so a value that disagrees is a mistake worth stopping for."""
         problems = []
         config = getattr(model, "config", None)
-        heads = next((getattr(config, name) for name in ("num_attention_heads", "n_head", "num_heads")
-                      if config is not None and isinstance(getattr(config, name, None), int)), None)
+        heads = next(
+            (
+                getattr(config, name)
+                for name in ("num_attention_heads", "n_head", "num_heads")
+                if config is not None and isinstance(getattr(config, name, None), int)
+            ),
+            None,
+        )
         if self.num_heads is not None and heads is not None and self.num_heads != heads:
             problems.append(f"num_heads={self.num_heads} but the model has {heads} attention heads")
         ids = (sample or {}).get("input_ids")
@@ -214,8 +291,10 @@ class MerakArguments(TrainingArguments):
         if self.trace_model and model is not None:
             names = {cls.__name__ for cls in type(model).__mro__}
             if self.trace_model not in names:
-                problems.append(f"trace_model={self.trace_model!r} but the model is a {type(model).__name__} "
-                                f"(merak captures any class: leave trace_model empty)")
+                problems.append(
+                    f"trace_model={self.trace_model!r} but the model is a {type(model).__name__} "
+                    f"(merak captures any class: leave trace_model empty)"
+                )
         return problems
 
 
@@ -251,8 +330,9 @@ def trainer_settings(args: MerakArguments, *, total_steps_hint: int | None = Non
         values[name] = int(values[name]) if float(values[name]).is_integer() else values[name]
     values["min_loss_scale"] = float(args.min_loss_scale)
     resume = args.resume_from_checkpoint
-    values["resume_from_checkpoint"] = {"true": True, "false": None}.get(str(resume).lower(), resume) \
-        if resume is not None else None
+    values["resume_from_checkpoint"] = (
+        {"true": True, "false": None}.get(str(resume).lower(), resume) if resume is not None else None
+    )
     return json.loads(json.dumps(values, default=str))
 
 

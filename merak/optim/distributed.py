@@ -32,9 +32,9 @@ from merak.distributed import collectives
 from merak.optim.clip import global_grad_norm
 from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors, ensure_grads
 from merak.optim.precision import LossScaler, PrecisionOptions
+from merak.optim.settings import ZERO_STAGES, ZeroSettings
 
 
-ZERO_STAGES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -51,10 +51,10 @@ class ZeroOptions:
     """
 
     stage: int = 0
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    prescale_gradients: bool = False
-    gradient_predivide_factor: float = 1.0
+    reduce_bucket_size: int = ZeroSettings.zero_reduce_bucket_size
+    allgather_bucket_size: int = ZeroSettings.zero_allgather_bucket_size
+    prescale_gradients: bool = ZeroSettings.prescale_gradients
+    gradient_predivide_factor: float = ZeroSettings.gradient_predivide_factor
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from merak.optim.settings import PrecisionSettings
+
 
 @dataclass(frozen=True)
 class PrecisionOptions:
-    """Mixed-precision settings (names as in MerakArguments).
+    """Mixed-precision options of the optimizer (names and defaults as in the config's PrecisionSettings).
 
     Attributes:
         fp16: parameters and activations in float16, with loss scaling.
@@ -27,13 +29,13 @@ class PrecisionOptions:
         min_loss_scale: the dynamic scale never drops below this.
     """
 
-    fp16: bool = False
-    bf16: bool = False
-    loss_scale: float = 0.0
-    initial_scale_power: int = 32
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
+    fp16: bool = PrecisionSettings.fp16
+    bf16: bool = PrecisionSettings.bf16
+    loss_scale: float = PrecisionSettings.loss_scale
+    initial_scale_power: int = PrecisionSettings.initial_scale_power
+    loss_scale_window: int = PrecisionSettings.loss_scale_window
+    hysteresis: int = PrecisionSettings.hysteresis
+    min_loss_scale: float = PrecisionSettings.min_loss_scale
 
     @property
     def dtype(self) -> torch.dtype:
@@ -47,24 +49,6 @@ class PrecisionOptions:
     @property
     def needs_master_weights(self) -> bool:
         return self.fp16 or self.bf16
-
-
-def precision_problems(options: PrecisionOptions, prefix: str = "") -> list[str]:
-    """Why these settings cannot work (empty when they can)."""
-    problems = []
-    if options.fp16 and options.bf16:
-        problems.append(f"{prefix}fp16 and {prefix}bf16 are both true; choose one")
-    if options.loss_scale < 0:
-        problems.append(f"{prefix}loss_scale={options.loss_scale} must be 0 (dynamic) or positive (static)")
-    if not 0 <= options.initial_scale_power <= 64:
-        problems.append(f"{prefix}initial_scale_power={options.initial_scale_power} must be within 0..64")
-    if options.loss_scale_window < 1:
-        problems.append(f"{prefix}loss_scale_window={options.loss_scale_window} must be at least 1")
-    if options.hysteresis < 1:
-        problems.append(f"{prefix}hysteresis={options.hysteresis} must be at least 1")
-    if options.min_loss_scale <= 0:
-        problems.append(f"{prefix}min_loss_scale={options.min_loss_scale} must be positive")
-    return problems
 
 
 class LossScaler:

@@ -1,7 +1,5 @@
 """Train a GPT with merak: python recipes/gpt/train.py [model=...] [parallel=...] [trainer.*=...]."""
 
-import hydra
-
 import merak
 from merak.recipe import load_spec
 
@@ -9,7 +7,7 @@ from merak.recipe import load_spec
 SPEC = load_spec(__file__)
 
 
-@hydra.main(version_base=None, config_path="conf", config_name="train")
+@merak.hydra_main(config_path="conf", config_name="train")
 def main(cfg) -> None:
     merak.run_command(SPEC, cfg)
 

@@ -19,6 +19,7 @@ from gpt_reference import PARITY_OPTIONS, relative_error, train_reference, vocab
 from omegaconf import OmegaConf
 
 from merak.assemble import assemble
+from merak.core.slices import parameter_slices
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
@@ -27,7 +28,6 @@ from merak.optim.distributed import ZeroOptions
 from merak.pipeline.compiled import CompileOptions
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel.options import TensorParallelOptions
-from merak.tensor_parallel.slicing import parameter_slices
 from recipes.gpt import data, model, parallel
 
 pytestmark = pytest.mark.dist
@@ -46,7 +46,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     schedule: str = "1f1b"
-    recompute: RecomputeOptions = RecomputeOptions()
+    recompute: RecomputeOptions = RecomputeOptions(activation_checkpointing=False)
     zero: ZeroOptions = ZeroOptions()
     dropout: float = 0.0
     chunks: int = 1

@@ -35,7 +35,7 @@ MICRO_BATCH = 2
 OPTIONS = OptimizerOptions(learning_rate=1e-3, max_grad_norm=1.0, lr_scheduler_type="constant")
 SHARDING = ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS, partition_method="uniform")
 RECOMPUTE = {
-    "none": RecomputeOptions(),
+    "none": RecomputeOptions(activation_checkpointing=False),
     "full": RecomputeOptions(activation_checkpointing=True),
     "ratio": RecomputeOptions(activation_checkpointing=True, activation_checkpoint_ratio=0.5),
 }

@@ -149,7 +149,7 @@ def _train(state, *, compile: CompileOptions, recompute: RecomputeOptions, dropo
     return records, engine
 
 
-@pytest.mark.parametrize("recompute", [RecomputeOptions(),
+@pytest.mark.parametrize("recompute", [RecomputeOptions(activation_checkpointing=False),
                                        RecomputeOptions(activation_checkpointing=True, checkpoint_num_layers=2)],
                          ids=["no-recompute", "recompute-pairs"])
 def test_a_compiled_engine_trains_to_the_eager_numbers(single_process, recompute):
@@ -172,8 +172,8 @@ def test_a_compiled_engine_trains_to_the_eager_numbers(single_process, recompute
 def test_half_precision_compiled_stages_track_eager(single_process, precision):
     """Half-precision weights and activations compile (fp32 master weights and loss scaling unchanged);
     losses agree within half-precision rounding."""
-    eager, _ = _train(single_process, compile=CompileOptions(), recompute=RecomputeOptions(), precision=precision)
-    compiled, engine = _train(single_process, compile=COMPILED, recompute=RecomputeOptions(), precision=precision)
+    eager, _ = _train(single_process, compile=CompileOptions(), recompute=RecomputeOptions(activation_checkpointing=False), precision=precision)
+    compiled, engine = _train(single_process, compile=COMPILED, recompute=RecomputeOptions(activation_checkpointing=False), precision=precision)
     assert engine.chunks[0].parts[1].linear.weight.dtype == precision.dtype
     for (loss, _), (want, _) in zip(compiled, eager, strict=True):
         assert loss == pytest.approx(want, rel=2e-2)
@@ -182,9 +182,9 @@ def test_half_precision_compiled_stages_track_eager(single_process, precision):
 
 def test_compiled_stages_under_the_activation_meter(single_process):
     """The exact activation meter (a saved-tensor hook) sees what compiled graphs save for backward."""
-    eager, eager_engine = _train(single_process, compile=CompileOptions(), recompute=RecomputeOptions(),
+    eager, eager_engine = _train(single_process, compile=CompileOptions(), recompute=RecomputeOptions(activation_checkpointing=False),
                                  measure_activations=True)
-    compiled, engine = _train(single_process, compile=COMPILED, recompute=RecomputeOptions(),
+    compiled, engine = _train(single_process, compile=COMPILED, recompute=RecomputeOptions(activation_checkpointing=False),
                               measure_activations=True)
     for (loss, _), (want, _) in zip(compiled, eager, strict=True):
         assert loss == pytest.approx(want, rel=1e-5)

@@ -1,4 +1,7 @@
-"""Every trainer and launcher setting is typed and range-checked before launch, naming the field."""
+"""Every trainer and launcher setting is typed and range-checked before launch, naming the field: a
+command-line override before Hydra composes (one line each, merak.overrides), a wrong type or
+unknown name also when Hydra composes (the typed schemas), and every value again in resolve_settings
+(for configs built without the schemas, as MerakTrainer's)."""
 
 from __future__ import annotations
 
@@ -10,11 +13,15 @@ import typing
 from pathlib import Path
 
 import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
-from merak.config import LauncherSettings, TrainerSettings, resolve_settings
+from merak.config import ConfigError, LauncherSettings, TrainerSettings, resolve_settings
 from merak.config_fields import typed_section
+from merak.overrides import override_problems
 from recipes.gpt.spec import SPEC
-from test_config import compose, problems_of
+from test_config import compose
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,24 +74,60 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
     ("launcher.keep_freed_memory=yes", "launcher.keep_freed_memory='yes' must be true or false"),
 ])
 def test_each_bad_value_is_named(override, needle):
-    problems = problems_of(override)
-    assert len(problems) == 1, problems  # reported once, and no later check trips over the bad value
+    problems = override_problems([override])
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(needle), problems[0]
+    # Without the command-line check (a plain dict config, as MerakTrainer's), resolve_settings names it
+    # once, and no later check trips over the bad value.
+    problems = problems_of_unschematized(override)
+    assert len(problems) == 1, problems
     assert problems[0].startswith(needle), problems[0]
 
 
+def problems_of_unschematized(*overrides: str) -> list[str]:
+    """resolve_settings' problems for the gpt config with ``overrides`` applied to its plain values (no
+    typed schema, so wrong types reach the checks)."""
+    cfg = OmegaConf.create(OmegaConf.to_container(compose(), resolve=False))
+    for override in OverridesParser.create().parse_overrides(list(overrides)):
+        OmegaConf.update(cfg, override.key_or_group, override.value(), merge=False)
+    with pytest.raises(ConfigError) as info:
+        resolve_settings(SPEC, cfg)
+    return str(info.value).split("\n  - ")[1:]
+
+
 def test_every_bad_value_is_listed_at_once():
-    problems = problems_of("trainer.learning_rate=abc", "trainer.max_steps=1.5", "launcher.timeout_s=0",
-                           "model.num_heads=3")
+    assert [p.split("=")[0] for p in override_problems(
+        ["-m", "trainer.learning_rate=abc", "trainer.max_steps=1.5", "launcher.timeout_s=0", "model.num_heads=3",
+         "trainer.lerning_rate=1"])] == ["trainer.learning_rate", "trainer.max_steps", "launcher.timeout_s",
+                                         "trainer.lerning_rate is not a known setting (did you mean trainer.learning_rate?)"]
+    problems = problems_of_unschematized("trainer.learning_rate=abc", "trainer.max_steps=1.5", "launcher.timeout_s=0",
+                                         "model.num_heads=3")
     fields = [p.split("=")[0] for p in problems]
     assert fields[:3] == ["trainer.max_steps", "trainer.learning_rate", "launcher.timeout_s"]
     assert any("model.num_heads=3" in p for p in problems[3:])  # the other checks still ran
 
 
+@pytest.mark.parametrize("override,needle", [("trainer.learning_rate=abc", "learning_rate"),
+                                             ("trainer.lerning_rate=1", "lerning_rate"),
+                                             ("launcher.threads_per_rank=abc", "threads_per_rank")])
+def test_wrong_types_and_names_fail_when_hydra_composes(override, needle):
+    with pytest.raises(ConfigCompositionException, match=needle):
+        compose(override)
+
+
+def test_values_in_range_pass_the_command_line_check():
+    assert override_problems(["trainer.learning_rate=1", "trainer.max_steps=1_000", "launcher.timeout_s=30",
+                              "trainer.report_to=[tensorboard]", "trainer.seed=${oc.env:SEED,1}", "model=toy",
+                              "trainer.lr_scheduler_type=cosine", "trainer.learning_rate=1e-3,1e-4",
+                              "~trainer.run_name", "hydra.run.dir=x", "--cfg", "job"]) == []
+
+
 def test_wrong_types_do_not_crash_the_checks_that_compare_values():
     # Each of these is compared with numbers later (batch arithmetic, "nothing to train", schedules).
-    problems = problems_of("trainer.per_device_train_batch_size=abc", "trainer.gradient_accumulation_steps=x",
-                           "trainer.num_train_epochs=abc", "trainer.max_steps=abc",
-                           "trainer.tp_overlapping_level=abc", "trainer.pipeline_chunks=abc")
+    problems = problems_of_unschematized("trainer.per_device_train_batch_size=abc",
+                                         "trainer.gradient_accumulation_steps=x", "trainer.num_train_epochs=abc",
+                                         "trainer.max_steps=abc", "trainer.tp_overlapping_level=abc",
+                                         "trainer.pipeline_chunks=abc")
     assert len(problems) == 6, problems
     assert all("must be an integer" in p or "must be a number" in p for p in problems), problems
 
@@ -157,6 +200,7 @@ def test_bad_numbers_stop_train_py_before_any_worker(tmp_path):
     output = result.stdout + result.stderr
     assert "trainer.learning_rate='abc' must be a number" in output
     assert "trainer.max_steps=1.5 must be an integer" in output
-    assert result.returncode == 2 and "invalid configuration" in output  # the check's error, one message
+    assert result.returncode == 2  # the command-line check's error: one line per bad value
+    assert len([line for line in output.splitlines() if " ERROR " in line]) == 2, output
     assert not (run_dir / "metrics.jsonl").exists() and "training gpt" not in output
     assert time.perf_counter() - started < 60

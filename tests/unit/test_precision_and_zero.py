@@ -19,7 +19,8 @@ from torch import nn
 
 from merak.config import ConfigError, resolve_settings
 from merak.optim.distributed import Piece
-from merak.optim.precision import LossScaler, PrecisionOptions, precision_problems
+from merak.optim.precision import LossScaler, PrecisionOptions
+from merak.optim.settings import precision_problems
 from merak.optim.schedule import build_optimizer, make_optimizer
 from recipes.gpt.spec import SPEC
 
@@ -326,7 +327,7 @@ def test_optimizer_settings_that_resolve():
     (["trainer.zero_reduce_bucket_size=inf"], "trainer.zero_reduce_bucket_size=inf must be a positive whole number"),
     (["trainer.prescale_gradients=true", "trainer.gradient_predivide_factor=2.0"],
      "trainer.gradient_predivide_factor applies only without prescaling"),
-    (["trainer.gradient_predivide_factor=0"], "trainer.gradient_predivide_factor=0 must be positive"),
+    (["trainer.gradient_predivide_factor=0"], "trainer.gradient_predivide_factor=0.0 must be positive"),
     (["trainer.save=true", "trainer.save_steps=0"], "trainer.save_steps=0 must be a positive integer"),
     (["trainer.save_total_limit=0"], "trainer.save_total_limit=0"),
     (["parallel=tp2", "model.vocab_size=50304", "trainer.tp_overlapping_level=2", "trainer.activation_checkpointing=false",

@@ -1,0 +1,90 @@
+"""Command-line overrides of the typed config groups, checked before Hydra composes, and
+``hydra_main``: ``hydra.main`` for a recipe's ``train.py`` that runs that check first.
+
+Hydra already rejects a misspelt key or a wrong value while composing (the groups extend typed
+schemas, merak.conf.schemas), but it reports one in six lines, with OmegaConf's internals. This
+checks each override of ``trainer.*`` and ``launcher.*`` against its field the way
+merak.config.resolve_settings checks values, and reports each problem as one line, with exit
+status 2, before Hydra starts. What it does not check (sweeps, interpolations, YAML files) Hydra
+and resolve_settings still do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import sys
+import typing
+from collections.abc import Callable, Sequence
+
+from merak.config_fields import field_problem, unknown_field_problem
+from merak.console import DATE_FORMAT, log_format
+
+logger = logging.getLogger(__name__)
+
+EXIT_CANNOT_START = 2
+
+
+def _typed_groups() -> dict[str, type]:
+    from merak.config import LauncherSettings, TrainerSettings
+
+    return {"trainer": TrainerSettings, "launcher": LauncherSettings}
+
+
+def override_problems(arguments: Sequence[str]) -> list[str]:
+    """The problems with the ``trainer.*``/``launcher.*`` overrides among command-line ``arguments``
+    (Hydra's flags are skipped), one message per bad override."""
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parsed, _ = get_args_parser().parse_known_args(list(arguments))
+    try:
+        overrides = OverridesParser.create().parse_overrides(parsed.overrides)
+    except HydraException:
+        return []  # a syntax error: Hydra reports it with the position
+    groups, problems = _typed_groups(), []
+    for override in overrides:
+        group, _, name = override.key_or_group.partition(".")
+        cls = groups.get(group)
+        if cls is None or not name or override.is_delete() or override.package:
+            continue
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        name = name.split(".")[0]
+        if name not in fields:
+            problems.append(unknown_field_problem(group, name, fields, list_known=False))
+            continue
+        if override.is_sweep_override():
+            continue
+        value = override.value()
+        if isinstance(value, str) and "${" in value:
+            continue  # an interpolation: resolved (and checked) later
+        problem, _ = field_problem(group, fields[name], value, typing.get_type_hints(cls)[name])
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def hydra_main(*, config_path: str, config_name: str) -> Callable:
+    """``hydra.main(version_base=None, config_path=..., config_name=...)`` whose command first checks
+    the overrides of the typed groups (see the module docstring)."""
+    import hydra
+
+    def decorate(task: Callable) -> Callable:
+        hydra_task = hydra.main(version_base=None, config_path=config_path, config_name=config_name)(task)
+
+        @functools.wraps(task)
+        def command(*args, **kwargs):
+            if not args and not kwargs:  # called as the command, not with a config
+                problems = override_problems(sys.argv[1:])
+                if problems:
+                    logging.basicConfig(format=log_format("main"), datefmt=DATE_FORMAT)
+                    for problem in problems:
+                        logger.error("%s", problem)
+                    raise SystemExit(EXIT_CANNOT_START)
+            return hydra_task(*args, **kwargs)
+
+        return command
+
+    return decorate

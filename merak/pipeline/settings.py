@@ -1,0 +1,123 @@
+"""The schedule, recomputation and compiled-stage sections of the ``trainer`` config. Consumed by
+merak.pipeline (schedules, recompute, compiled) through merak.engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from merak.config_fields import positive, setting
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """The pipeline schedule, activation recomputation and what the executor records."""
+
+    train_schedule: str = setting("1f1b", "1f1b | ds_default | gpipe | pre_recompute_1f1b | "
+                                          "last_no_recompute_1f1b | shifted_critical_path | interleaved_1f1b | "
+                                          "zb_h1 (docs/schedules.md)")
+    pipeline_chunks: int | None = setting(None, "interleaved_1f1b: model chunks per pipeline rank (null: 2)")
+    activation_checkpointing: bool = setting(True, "checkpointed parts keep only their inputs; the backward "
+                                                   "recomputes them")
+    checkpoint_num_layers: int = setting(1, "parts (shards) per checkpointed chunk", check=positive,
+                                         requirement="must be a positive integer")
+    activation_checkpoint_ratio: float | list[float] | None = setting(
+        None, "null: every part; 0.5: the first stage's ratio, the others stage-aware; or one per stage")
+    dealloc_pipeoutput: bool = setting(False, "release sent activations (backward keeps what it reads)")
+    wall_clock_breakdown: bool = setting(False, "record every instruction; write timeline.png, timeline.json, "
+                                                "timeline_vs_simulated.png")
+    measure_activation_memory: bool = setting(False, "count every tensor saved for backward (exact peak per "
+                                                      "stage; costs host time)")
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: the setting, else 2 for interleaved schedules and 1 otherwise."""
+        from merak.pipeline.schedules import DEFAULT_CHUNKS, schedule_info
+
+        if self.pipeline_chunks is not None:
+            return self.pipeline_chunks
+        return DEFAULT_CHUNKS if schedule_info(self.train_schedule).chunked else 1
+
+    def problems(self, *, pp: int | None, num_microbatches: int) -> list[str]:
+        """What is wrong with the schedule for ``pp`` stages (None: the layout is invalid) and
+        ``num_microbatches``; the schedule of every stage is built and simulated."""
+        from merak.pipeline.recompute import stage_checkpoint_ratios
+        from merak.pipeline.schedules import build_schedule, schedule_info, schedule_names
+        from merak.pipeline.simulate import ScheduleError, simulate
+
+        if self.train_schedule not in schedule_names():
+            return [f"trainer.train_schedule={self.train_schedule!r} is unknown; choose one of "
+                    f"{', '.join(schedule_names())}"]
+        problems = []
+        info = schedule_info(self.train_schedule)
+        name = f"trainer.train_schedule={self.train_schedule}"
+        chunks = self.pipeline_chunks
+        if chunks is not None and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+            return [f"trainer.pipeline_chunks={chunks!r} must be a positive integer"]
+        if chunks is not None and chunks > 1 and not info.chunked:
+            problems.append(f"trainer.pipeline_chunks={chunks} needs an interleaved schedule "
+                            f"(train_schedule=interleaved_1f1b)")
+        if info.needs_checkpoint_ratio and not (self.activation_checkpointing
+                                                and self.activation_checkpoint_ratio is not None):
+            problems.append(f"{name} moves recomputation off the critical path: it needs "
+                            f"trainer.activation_checkpointing=true and trainer.activation_checkpoint_ratio (the "
+                            f"first stage's ratio, e.g. 0.5)")
+        if pp is None or num_microbatches < 1:
+            return problems
+        if self.activation_checkpoint_ratio is not None:
+            try:
+                stage_checkpoint_ratios(self.activation_checkpoint_ratio, pp * self.chunks)
+            except (TypeError, ValueError) as error:
+                problems.append(f"trainer.{error}")
+        try:
+            lists = [build_schedule(name=self.train_schedule, stage_id=s, num_stages=pp,
+                                    num_microbatches=num_microbatches, num_chunks=self.chunks)
+                     for s in range(pp)]
+            simulate(lists)
+        except (ValueError, ScheduleError) as error:
+            problems.append(f"{name} with pp={pp} and {num_microbatches} microbatches "
+                            f"(gradient_accumulation_steps): {error}")
+        return problems
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    """Compiled stages (docs/gpu.md): each stage's parts become torch.compile graphs, forward and backward.
+    The first three are Hugging Face's names; as there, naming a backend or a mode turns compiling on."""
+
+    torch_compile: bool = setting(False, "compile every stage")
+    torch_compile_backend: str | None = setting(None, "null: inductor; aot_eager compiles without generating "
+                                                      "kernels (debugging)")
+    torch_compile_mode: str | None = setting(None, "null (default) | reduce-overhead | max-autotune | "
+                                                   "max-autotune-no-cudagraphs")
+    cuda_graphs: bool = setting(False, "replay compiled stages as CUDA graphs (inductor's CUDA graph trees; "
+                                       "CUDA only)")
+
+    def options(self):
+        """The compile options of merak.pipeline.compiled.
+
+        Raises:
+            ValueError: the values contradict each other (the message names the fields).
+        """
+        from merak.pipeline.compiled import CompileOptions
+
+        enabled = bool(self.torch_compile or self.torch_compile_backend or self.torch_compile_mode)
+        return CompileOptions(enabled=enabled, backend=self.torch_compile_backend or "inductor",
+                              mode=self.torch_compile_mode, cuda_graphs=self.cuda_graphs)
+
+    def problems(self, *, on_cuda: bool) -> list[str]:
+        """What is wrong with these values, for a run on CUDA devices or not."""
+        try:
+            options = self.options()
+        except ValueError as error:
+            return [f"trainer.{error}"]
+        problems = []
+        if options.enabled:
+            from torch._dynamo import list_backends
+
+            if options.backend not in list_backends(exclude_tags=()):
+                problems.append(f"trainer.torch_compile_backend={options.backend!r} is not a torch.compile "
+                                f"backend; choose one of {', '.join(list_backends())}")
+        if options.uses_cuda_graphs and not on_cuda:
+            problems.append("trainer.cuda_graphs=true (or a torch_compile_mode with CUDA graphs) needs CUDA "
+                            "devices; this run trains on the CPU")
+        return problems
