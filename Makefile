@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.merak-installed
 
-.PHONY: setup train test test-fast bench clean
+.PHONY: setup train test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -24,8 +24,12 @@ $(STAMP): pyproject.toml constraints.txt setup.py merak/shard/_autopipe.cpp
 train: $(STAMP)
 	$(PY) recipes/gpt/train.py $(ARGS)
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q $(ARGS)
+
+# The project's lint rules are in pyproject.toml ([tool.ruff]).
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not dist and not recipe" $(ARGS)

@@ -8,6 +8,7 @@ before any thread pool starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import logging
@@ -42,10 +43,8 @@ def setup_logging() -> None:
 def single_thread() -> None:
     """One intra-op and one inter-op thread (two threads per rank on 2 cores thrash)."""
     torch.set_num_threads(1)
-    try:
+    with contextlib.suppress(RuntimeError):  # already set, or parallel work already started
         torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set, or parallel work already started
-        pass
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,8 @@
 
 Command (2 cores are enough; one process, lowtime runs in a child process)::
 
-    cd /work/main && .venv/bin/python bench/energy_planner_vs_lowtime.py   # --out /tmp/merak-bench-energy --sizes 4x8,8x16,8x32
+    cd /work/main && .venv/bin/python bench/energy_planner_vs_lowtime.py
+    # defaults: --out /tmp/merak-bench-energy --sizes 4x8,8x16,8x32
 
 For every (S, M) in ``--sizes``:
 

@@ -181,8 +181,8 @@ def measure(name: str, args: argparse.Namespace, peak_tflops: float | None) -> d
     with tempfile.TemporaryDirectory() as output_dir:
         for who in variants(args):
             compiled = who.endswith("_compiled")
-            make = (lambda: _plain(name, args, compiled=compiled)) if who.startswith("plain") else \
-                (lambda: _merak(name, args, f"{output_dir}/{who}", compiled=compiled))
+            make = (lambda compiled=compiled: _plain(name, args, compiled=compiled)) if who.startswith("plain") else \
+                (lambda who=who, compiled=compiled: _merak(name, args, f"{output_dir}/{who}", compiled=compiled))
             _run_variant(row, who, make, args)
     for who in variants(args):
         if f"{who}_s" in row:

@@ -25,7 +25,8 @@ def run_once(keep: bool, steps: int, extra: list[str]) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory() as run_dir:
         subprocess.run([sys.executable, str(REPO / "recipes/gpt/train.py"), "parallel=dp2_pp2",
-                        f"trainer.max_steps={steps}", f"launcher.keep_freed_memory={str(keep).lower()}", f"hydra.run.dir={run_dir}", *extra],
+                        f"trainer.max_steps={steps}", f"launcher.keep_freed_memory={str(keep).lower()}",
+                        f"hydra.run.dir={run_dir}", *extra],
                        check=True, capture_output=True, text=True)
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

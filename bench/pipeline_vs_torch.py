@@ -301,7 +301,8 @@ def main(argv=None) -> int:
     summary = summarize(per_rank, args)
 
     plan_name = "default automatic plan" if args.merak_plan == "auto" else "hand split"
-    labels = {"merak": f"merak 1f1b (pp={args.pp}, {plan_name})", "torch": f"torch Schedule1F1B (pp={args.pp}, hand split)",
+    labels = {"merak": f"merak 1f1b (pp={args.pp}, {plan_name})",
+              "torch": f"torch Schedule1F1B (pp={args.pp}, hand split)",
               "single": "single process (1 rank)"}
     rows = []
     for name in summary["median_step_s_rank0"]:

@@ -90,9 +90,9 @@ class MerakLoop:
         state = groups.init(1, 1, 1)
         options = OptimizerOptions(learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
                                    max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="constant")
-        self.engine = PipelineEngine(model=model, stages=[StageModule([CallModel(model, ["input_ids"])])], loss_fn=causal_lm_loss,
-                                     state=state, schedule="1f1b", num_microbatches=num_microbatches,
-                                     total_steps=total_steps, optimizer=options)
+        self.engine = PipelineEngine(model=model, stages=[StageModule([CallModel(model, ["input_ids"])])],
+                                     loss_fn=causal_lm_loss, state=state, schedule="1f1b",
+                                     num_microbatches=num_microbatches, total_steps=total_steps, optimizer=options)
 
     def train_step(self, microbatches) -> float:
         return self.engine.train_step(microbatches).loss
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                 args.num_microbatches, args.micro_batch_size, args.seq_length)
     loops = {"plain": PlainLoop(plain_model),
              "merak": MerakLoop(merak_model, args.num_microbatches, total_steps=steps_per_method)}
-    position = {name: 0 for name in loops}
+    position = dict.fromkeys(loops, 0)
     times = {name: [] for name in loops}
     cpu = {name: [] for name in loops}
     losses = {name: [] for name in loops}

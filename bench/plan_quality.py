@@ -42,8 +42,8 @@ import common  # first: sets OMP_NUM_THREADS before torch starts threads
 import torch
 import torch.distributed as dist
 
-from merak.compat.allocator import keep_freed_memory
 from merak.assemble import shared_machine_rates
+from merak.compat.allocator import keep_freed_memory
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-import common  # noqa: F401  (sets OMP_NUM_THREADS before torch starts)
+import common
 import torch
 import torch.distributed as dist
 

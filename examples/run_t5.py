@@ -6,8 +6,8 @@ import sys
 # realpath: a symbolic link to this script, made elsewhere, still finds the repository.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
-import merak  # noqa: E402,F401  (before transformers)
-from examples.seed_api import main  # noqa: E402
+import merak  # noqa: F401  (before transformers)
+from examples.seed_api import main
 
 if __name__ == "__main__":
     main("t5")

@@ -13,9 +13,10 @@ Public API::
 from merak.compat.torchvision_ops import ensure_torchvision_importable
 
 # Before anything imports torchvision (the Hugging Face libraries and timm do): see compat/.
+# The imports below therefore come after this call on purpose (E402 marked on each).
 ensure_torchvision_importable()
 
-from merak.distributed import (
+from merak.distributed import (  # noqa: E402  (after ensure_torchvision_importable, see above)
     RankGrid,
     get_dp_rank,
     get_dp_size,
@@ -27,10 +28,9 @@ from merak.distributed import (
     init,
 )
 
-from merak.tensor_parallel.seed_api import set_tp_layer_lists
-
 # Registers the Hugging Face models' default TP plans (merak.core.plan_sources) before any plan is asked for.
-from merak.hf import tp_plans as _hf_tp_plans  # noqa: F401
+from merak.hf import tp_plans as _hf_tp_plans  # noqa: E402, F401  (after the torchvision fix; registers plans)
+from merak.tensor_parallel.seed_api import set_tp_layer_lists  # noqa: E402  (after the torchvision fix)
 
 __version__ = "0.1.0"
 

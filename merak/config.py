@@ -134,7 +134,9 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     launcher = _section(cfg, "launcher", LauncherSettings, problems)
     parallel = OmegaConf.to_container(cfg.get("parallel") or {}, resolve=True)
     degrees = {axis: parallel.get(axis, 1) for axis in ("dp", "tp", "pp")}
-    layout_ok = all([positive_int_problem(f"parallel.{k}", v, problems) for k, v in degrees.items()])
+    # A list, not a generator: every axis is checked, so every bad degree is reported.
+    axes_ok = [positive_int_problem(f"parallel.{k}", v, problems) for k, v in degrees.items()]
+    layout_ok = all(axes_ok)
     grid = RankGrid(**degrees) if layout_ok else None
     if grid and world_size is not None and world_size != grid.world_size:
         problems.append(
@@ -148,8 +150,13 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     problems.extend(trainer.sharding.problems(pp=pp, has_split_points=bool(spec.split_points),
                                               builds_own_stages=spec.build_stages is not None))
     problems.extend(trainer.schedule.problems(pp=pp, num_microbatches=num_microbatches))
-    problems.extend(trainer.tensor_parallel.problems(plan=spec.tensor_parallel_plan(cfg.model),
-                                                     tp=grid.tp if grid else 1))
+    # The recipe's model and data groups are checked against their schemas first: the TP plan may build
+    # the model, and the recipe's own checks expect values of the right types.
+    model_cfg = _recipe_group(cfg, "model", spec.model_schema, problems)
+    data_cfg = _recipe_group(cfg, "data", spec.data_schema, problems)
+    if model_cfg is not None:
+        problems.extend(trainer.tensor_parallel.problems(plan=spec.tensor_parallel_plan(model_cfg),
+                                                         tp=grid.tp if grid else 1))
     problems.extend(trainer.precision.problems())
     problems.extend(trainer.zero.problems(trainer.optim))
     problems.extend(trainer.checkpoint.problems())
@@ -159,27 +166,32 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     if grid and not trainer.schedule.problems(pp=None, num_microbatches=0):
         problems.extend(trainer.energy.problems(schedule=trainer.train_schedule, pp=grid.pp,
                                                 num_microbatches=num_microbatches, num_chunks=trainer.schedule.chunks))
-    # Model checks run even when the layout is invalid, so every problem is listed at once; the recipe's
-    # own checks run on values of the right types.
-    if _recipe_section_ok(cfg, "model", spec.model_schema, problems):
-        problems.extend(spec.check_layout(cfg.model, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
-    if _recipe_section_ok(cfg, "data", spec.data_schema, problems):
-        problems.extend(spec.check_data(cfg.data))
+    # Model checks run even when the layout is invalid, so every problem is listed at once.
+    if model_cfg is not None:
+        problems.extend(spec.check_layout(model_cfg, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))
+    if data_cfg is not None:
+        problems.extend(spec.check_data(data_cfg))
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-    return RunSettings(grid=grid, trainer=trainer, launcher=launcher, model_cfg=cfg.model, data_cfg=cfg.data,
+    return RunSettings(grid=grid, trainer=trainer, launcher=launcher, model_cfg=model_cfg, data_cfg=data_cfg,
                        output_dir=trainer.output_dir or _default_output_dir(), num_microbatches=num_microbatches)
 
 
-def _recipe_section_ok(cfg: DictConfig, name: str, schema: type | None, problems: list[str]) -> bool:
-    """Check the recipe's ``model`` or ``data`` group against its schema (RecipeSpec.model_schema,
-    data_schema); whether it has none or every value fits."""
+def _recipe_group(cfg: DictConfig, name: str, schema: type | None, problems: list[str]) -> DictConfig | None:
+    """The recipe's ``model`` or ``data`` group checked against its schema (RecipeSpec.model_schema,
+    data_schema), with the schema's defaults for the keys it leaves out; None when a value is wrong.
+    Without a schema, the group as it is."""
+    group = cfg.get(name)
     if schema is None:
-        return True
+        return group
     found: list[str] = []
     _section(cfg, name, schema, found)
     problems.extend(found)
-    return not found
+    if found:
+        return None
+    defaults = {field.name: field.default_factory() if field.default is dataclasses.MISSING else field.default
+                for field in dataclasses.fields(schema)}
+    return OmegaConf.merge(OmegaConf.create(defaults), group if group is not None else {})
 
 
 def _microbatches(batch: BatchSettings, grid: RankGrid | None, problems: list[str]) -> int:

@@ -100,6 +100,8 @@ def _conform(value, hint) -> tuple[bool, Any]:
         return isinstance(value, str), value
     if typing.get_origin(hint) is list:
         return _as_list(value, typing.get_args(hint)[0])
+    if hint is dict:
+        return isinstance(value, dict), value
     raise TypeError(f"no check for the type {hint!r}")  # a new field type: teach _conform it
 
 
@@ -130,7 +132,7 @@ def _describe(hint) -> str:
         return " or ".join(_describe(option) for option in options)
     if typing.get_origin(hint) is list:
         return f"a list of {_describe(typing.get_args(hint)[0]).removeprefix('a ').removeprefix('an ')}s"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
             type(None): "null"}.get(hint, str(hint))
 
 

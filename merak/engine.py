@@ -28,7 +28,6 @@ from merak.pipeline import instructions as ins
 from merak.pipeline.compiled import CompileClock, CompileOptions
 from merak.pipeline.executor import PipelineExecutor
 from merak.pipeline.hooks import InstructionEvent, PipelineHook
-from merak.pipeline.settings import ScheduleSettings
 from merak.pipeline.recompute import (
     CheckpointOptions,
     checkpointed_parts,
@@ -40,6 +39,7 @@ from merak.pipeline.schedules import (
     build_schedule,
     schedule_info,
 )
+from merak.pipeline.settings import ScheduleSettings
 from merak.pipeline.stage import (
     TiedParameter,
     find_tied_parameters,

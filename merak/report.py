@@ -67,7 +67,7 @@ class MetricsWriter:
             os.makedirs(output_dir, exist_ok=True)
             path = self._path = os.path.join(output_dir, "metrics.jsonl")
             kept = _lines_up_to(path, start_step) if start_step else []
-            self._file = open(path, "w", encoding="utf-8")
+            self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115  (held open for the run; closed in close())
             self._file.writelines(kept)
         if enabled and progress_bar:
             from tqdm import tqdm

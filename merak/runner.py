@@ -39,6 +39,9 @@ from merak.distributed.launch import (
 )
 from merak.energy.profile import run_profile
 from merak.energy.runtime import start_energy
+from merak.pipeline.schedules import build_schedule
+from merak.pipeline.simulate import simulate
+from merak.pipeline.validate import ScheduleError
 from merak.report import (
     format_partition,
     format_summary,
@@ -47,9 +50,6 @@ from merak.report import (
 )
 from merak.run_directory import RunDirectoryBusy, RunDirectoryLock
 from merak.session import TrainingSession, assemble_worker
-from merak.pipeline.schedules import build_schedule
-from merak.pipeline.simulate import simulate
-from merak.pipeline.validate import ScheduleError
 from merak.shard.partition import PartitionError
 from merak.shard.split import ShardingError
 from merak.tensor_parallel.plan import TPPlanError
@@ -281,12 +281,11 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
     energy = None
     try:
         settings, resume = _agree_on_output_dir(settings, resume)
-        energy = start_energy(settings.trainer, state)
+        energy = start_energy(settings.trainer.energy, state)
         session = TrainingSession(spec, settings, prepared, steps=steps, state=state, resume=resume,
                                   hooks=energy.hooks if energy else ())
         if energy is None:
             return session.train()
-        energy.bind(session.engine.executor)
         if settings.trainer.profile:
             return run_profile(session, energy)
         session.summary_sections.append(lambda: {"energy": energy.summary()})

@@ -134,9 +134,10 @@ def next_steps(made: NewRecipe) -> str:
     lines += [
         "next steps:",
         f"  1. it trains as copied: python {where}/train.py model=toy parallel=single trainer.max_steps=2",
-        "  2. model.py: build your model and its loss; conf/model/*.yaml: its options (start with toy)",
+        "  2. model.py: build your model and its loss; conf/model/*.yaml: its options (start with toy);",
+        "     schema.py: every key of conf/model/ and conf/data/, with its type and range",
         "  3. parallel.py: input names, split points, check_layout, the tensor-parallel plan",
-        "     (merak.tensor_parallel.default_plan(model) gives merak's or transformers' plan)",
+        "     (merak.tensor_parallel.default_plan(model) gives merak's or the Hugging Face model's own plan)",
         "  4. data.py and conf/data/: your data; conf/train.yaml: run defaults",
         "  5. README.md: describe it; a test under tests/recipes/",
         "guide: docs/writing_a_recipe.md",

@@ -390,8 +390,9 @@ class TrainingSession:
         """
         started = time.perf_counter()
         losses, kept, plan = [], [], None
-        for plan, microbatches in self.eval_batches(dataset, micro_batch_size=micro_batch_size,
-                                                    eval_iters=eval_iters):
+        for step_plan, microbatches in self.eval_batches(dataset, micro_batch_size=micro_batch_size,
+                                                         eval_iters=eval_iters):
+            plan = step_plan  # the last step's plan is read after the loop
             loss, outputs = self.engine.evaluate_step(microbatches, keep_outputs=keep_outputs)
             losses.append(loss)
             if keep_outputs and outputs:
@@ -504,5 +505,5 @@ def _flops_report(flops_per_step: float | None, step_time_s: float | None, world
             "peak_tflops_per_device": peak, "mfu": achieved / peak if peak else None}
 
 
-__all__ = ["TrainingDiverged", "TrainingSession", "assemble_worker", "example_inputs", "recompute_options", "sharding_options",
-           "tensor_parallel_options"]
+__all__ = ["TrainingDiverged", "TrainingSession", "assemble_worker", "example_inputs", "recompute_options",
+           "sharding_options", "tensor_parallel_options"]

@@ -28,8 +28,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -146,6 +147,18 @@ def check_source(data_cfg) -> list[str]:
     return [f"unknown data.source={source!r}; use {', '.join(SOURCES[:-1])} or {SOURCES[-1]}"]
 
 
+def check_source_or_synthetic(data_cfg) -> list[str]:
+    """:func:`check_source` for the recipes that also generate synthetic words (bert, t5): their
+    ``data.source`` may be ``synthetic`` too (the default), which reads nothing."""
+    source = data_cfg.get("source", "synthetic")
+    if source == "synthetic":
+        return []
+    problems = check_source(data_cfg)
+    if problems and problems[0].startswith("unknown data.source"):
+        return [f"unknown data.source={source!r}; use {', '.join(SOURCES)} or synthetic"]
+    return problems
+
+
 def source_key(data_cfg) -> str:
     """A string that changes whenever the text of the source may change (for cache keys)."""
     source = data_cfg.source
@@ -233,7 +246,7 @@ def tokenize(tokenizer, texts: list[str], separator: int | None = None, batch_do
     return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int32)
 
 
-def cached_tokenizer(path: Path, train: Callable[[], "tokenizers.Tokenizer"], what: str):
+def cached_tokenizer(path: Path, train: Callable[[], tokenizers.Tokenizer], what: str):
     """The tokenizer saved at ``path``, or ``train()``'s, saved there (atomically) first."""
     from tokenizers import Tokenizer
 

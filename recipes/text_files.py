@@ -58,7 +58,7 @@ def _no_text(path: str, column: str | None, count: int, unit: str) -> ConfigErro
 def _check_text_file(path: str, column: str) -> None:
     """A .txt file (one document per line; ``column`` is unused) must be UTF-8 with a non-blank line."""
     count, has_text = 0, False
-    for count, line in _utf8_lines(path):
+    for count, line in _utf8_lines(path):  # noqa: B007 (after the loop, count is the number of lines)
         has_text = has_text or bool(line.strip())
     if not has_text:
         raise _no_text(path, None, count, "lines")

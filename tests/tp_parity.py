@@ -4,7 +4,7 @@ Each worker saves its records with :func:`save_worker`; :func:`compare_workers`
 checks every rank's loss and gradients against the reference run
 (microbatch_reference.train_microbatches). A worker's gradient of a sliced
 parameter is its slice of the reference gradient
-(merak.tensor_parallel.slicing records which slice).
+(merak.core.slices records which slice).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from merak.tensor_parallel.slicing import parameter_slices
+from merak.core.slices import parameter_slices
 
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 5e-6

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from merak.tensor_parallel.slicing import TensorSlice
+from merak.core.slices import TensorSlice
 
 MASTER = "master"
 

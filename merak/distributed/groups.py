@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from merak.core import group_registry
+from merak.core.group_registry import OVERLAP_GROUP, TP_GROUP
 from merak.distributed.topology import Coordinates, RankGrid
-from merak.tensor_parallel import comm
-from merak.tensor_parallel.overlap import OVERLAP_GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +165,9 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, *, backend: str | None = None,
         state.dp_group = _new_groups(grid.axis_groups("dp"), rank)
         state.tp_group = _new_groups(grid.axis_groups("tp"), rank)
         state.model_parallel_group = _new_groups(grid.model_parallel_groups(), rank)
-    comm.register_group("tp", state.tp_group, rank=state.coordinates.tp, size=grid.tp)
+    group_registry.register_group(TP_GROUP, state.tp_group, rank=state.coordinates.tp, size=grid.tp)
     if dist.is_initialized() and grid.tp > 1:  # a second copy for tp_overlapping_level=2
-        comm.register_group(OVERLAP_GROUP, _new_groups(grid.axis_groups("tp"), rank),
+        group_registry.register_group(OVERLAP_GROUP, _new_groups(grid.axis_groups("tp"), rank),
                             rank=state.coordinates.tp, size=grid.tp)
     _STATE = state
     logger.debug("rank %d at %s (backend %s)", rank, state.coordinates, chosen)
@@ -203,7 +203,7 @@ def shutdown() -> None:
     """Forget the parallel state and destroy the default process group."""
     global _STATE
     _STATE = None
-    comm.unregister_groups()
+    group_registry.unregister_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -21,7 +21,8 @@ class LauncherSettings:
                                     requirement="must be a positive integer")
     timeout_s: float = setting(600.0, "a collective waiting longer than this fails the run",
                                check=positive_finite, requirement="must be a positive number of seconds")
-    keep_freed_memory: bool = setting(True, "keep large freed buffers in the heap (glibc): far less time in the kernel on CPU")
+    keep_freed_memory: bool = setting(True, "keep large freed buffers in the heap (glibc): "
+                                            "far less time in the kernel on CPU")
 
     def problems(self) -> list[str]:
         problems = []

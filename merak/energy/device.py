@@ -51,8 +51,8 @@ class GPUDevice(ABC):
     def power(self) -> float:
         """The current power draw in watts."""
 
-    def synchronize(self) -> None:
+    def synchronize(self) -> None:  # noqa: B027  (optional hook: a no-op unless a device overrides it)
         """Wait until the work queued on the device has finished (no-op where nothing is queued)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional hook: a no-op unless a device overrides it)
         """Release the device (reset locked clocks this object set)."""

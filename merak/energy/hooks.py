@@ -1,10 +1,12 @@
 """Pipeline listeners for energy: simulated compute, measuring, and executing frequency plans.
 
-They follow the zeus ``Callback`` protocol the executor calls (``on_step_begin``,
-``on_instruction_begin(name)``, ``on_instruction_end(name)``, ``on_step_end``). A worker's
-list is ordered: whatever sets the clock (a :class:`FrequencyPlanHook` or zeus's
-``PipelineFrequencyOptimizer``), then :class:`SimulatedCompute` (on a simulated GPU), then
-:class:`InstructionMeter`, so the meter sees each instruction's full simulated duration.
+They are :class:`~merak.pipeline.hooks.PipelineHook` listeners: the executor calls
+``on_step_begin``, ``on_instruction_begin(event)``, ``on_instruction_end(event)`` and
+``on_step_end``, each instruction described by an :class:`~merak.pipeline.hooks.InstructionEvent`.
+A worker's list is ordered: whatever sets the clock (a :class:`FrequencyPlanHook`, or zeus's
+``PipelineFrequencyOptimizer`` behind :class:`~merak.energy.zeus_client.ZeusCallbackHook`), then
+:class:`SimulatedCompute` (on a simulated GPU), then :class:`InstructionMeter`, so the meter sees
+each instruction's full simulated duration.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 
 from merak.energy.device import GPUDevice
 from merak.energy.simulated import SimulatedGPU
-from merak.pipeline.hooks import PipelineHook
+from merak.pipeline.hooks import InstructionEvent, PipelineHook
 
 
 class PlanMismatchError(RuntimeError):
@@ -25,20 +27,26 @@ class PlanMismatchError(RuntimeError):
 class SimulatedCompute(PipelineHook):
     """Makes each compute instruction take as long on the CPU as on ``device`` at its locked clock.
 
+    An instruction's work at the highest clock is its FLOPs (``event.flops``) at ``flops_per_second``.
+
     Args:
         device: the simulated GPU.
-        work_seconds: ``work_seconds(name)``: the duration, at the highest clock, of the
-            instruction now ending.
+        flops_per_second: the simulated GPU's speed at its highest clock (``trainer.simulated_tflops``).
     """
 
-    def __init__(self, device: SimulatedGPU, work_seconds: Callable[[str], float]) -> None:
-        self.device, self.work_seconds = device, work_seconds
+    def __init__(self, device: SimulatedGPU, flops_per_second: float) -> None:
+        if flops_per_second <= 0:
+            raise ValueError(f"flops_per_second must be > 0, got {flops_per_second}")
+        self.device, self.flops_per_second = device, flops_per_second
 
-    def on_instruction_begin(self, name: str) -> None:
+    def on_instruction_begin(self, event: InstructionEvent) -> None:
         self.device.begin_compute()
 
-    def on_instruction_end(self, name: str) -> None:
-        self.device.end_compute(self.work_seconds(name))
+    def on_instruction_end(self, event: InstructionEvent) -> None:
+        if event.flops is None:
+            raise RuntimeError(f"stage {event.stage} ran {event.name} of chunk {event.chunk} with no FLOP count "
+                               "(the chunk's first forward counts them)")
+        self.device.end_compute(event.flops / self.flops_per_second)
 
 
 @dataclass
@@ -80,13 +88,13 @@ class InstructionMeter(PipelineHook):
         self._current = []
         self._step = self._read()
 
-    def on_instruction_begin(self, name: str) -> None:
+    def on_instruction_begin(self, event: InstructionEvent) -> None:
         self._instruction = self._read()
 
-    def on_instruction_end(self, name: str) -> None:
+    def on_instruction_end(self, event: InstructionEvent) -> None:
         now, joules = self._read()
         start, start_joules = self._instruction
-        self._current.append((name, now - start, joules - start_joules))
+        self._current.append((event.name, now - start, joules - start_joules))
 
     def on_step_end(self) -> None:
         now, joules = self._read()
@@ -119,15 +127,18 @@ class FrequencyPlanHook(PipelineHook):
     def on_step_begin(self) -> None:
         self._next = 0
 
-    def on_instruction_begin(self, name: str) -> None:
+    def on_instruction_begin(self, event: InstructionEvent) -> None:
         if self._next >= len(self.plan):
             raise PlanMismatchError(f"stage {self.stage} runs more compute instructions than its plan's "
                                     f"{len(self.plan)} (the plan was made for fewer microbatches or another "
                                     "schedule)")
         expected, mhz = self.plan[self._next]
-        if expected != name:
-            raise PlanMismatchError(f"stage {self.stage}'s compute instruction #{self._next} is {name!r} but its "
-                                    f"plan says {expected!r} (the plan was made for another schedule)")
+        if expected != event.name:
+            raise PlanMismatchError(f"stage {self.stage}'s compute instruction #{self._next} is {event.name!r} "
+                                    f"(microbatch {event.microbatch}, chunk {event.chunk}) but its plan says "
+                                    f"{expected!r} (the plan was made for another schedule)")
+        # Work queued before this instruction must finish at the clock it was planned for.
+        self.device.synchronize()
         self.device.set_clock(mhz)
         self._next += 1
 

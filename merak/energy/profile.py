@@ -70,8 +70,9 @@ def run_profile(session, runtime) -> dict | None:
     if state.rank != 0:
         return None
     grid = settings.grid
-    name = profile_file_name(model=str(settings.model_cfg.get("name", "model")), partition_method=trainer.partition_method,
-                             dp=grid.dp, pp=grid.pp, tp=grid.tp, micro_batch_size=trainer.per_device_train_batch_size)
+    name = profile_file_name(model=str(settings.model_cfg.get("name", "model")),
+                             partition_method=trainer.partition_method, dp=grid.dp, pp=grid.pp, tp=grid.tp,
+                             micro_batch_size=trainer.per_device_train_batch_size)
     path = os.path.join(settings.output_dir, name)
     write_profile(path, [row for part in everyone for row in part])
     summary = {"profile": path, "device": device.name, "clocks_profiled": profiled, "clocks_supported": len(clocks),

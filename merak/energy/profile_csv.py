@@ -79,9 +79,11 @@ def read_profile(path: str) -> dict[tuple[int, str], list[Option]]:
     sums: dict[tuple[int, str, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
     with open(path, newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
-        missing = [c for c in ("stage", "instruction", "frequency", "time", "energy") if c not in (reader.fieldnames or [])]
+        missing = [c for c in ("stage", "instruction", "frequency", "time", "energy")
+                   if c not in (reader.fieldnames or [])]
         if missing:
-            raise ProfileError(f"profile {path!r} lacks the column(s) {', '.join(missing)}; expected {','.join(COLUMNS)}")
+            raise ProfileError(f"profile {path!r} lacks the column(s) {', '.join(missing)}; "
+                               f"expected {','.join(COLUMNS)}")
         for line, record in enumerate(reader, start=2):
             try:
                 stage, frequency = int(record["stage"]), int(float(record["frequency"]))

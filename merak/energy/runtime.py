@@ -1,8 +1,9 @@
 """A worker's energy features: its GPU device, the listeners it adds to the pipeline, its report.
 
 :func:`start_energy` reads the trainer settings; the worker passes ``runtime.hooks`` to the
-engine, calls :meth:`EnergyRuntime.bind` with the executor once it exists, and at the end
-:meth:`EnergyRuntime.summary` (collective) and :meth:`EnergyRuntime.close`.
+engine, and at the end calls :meth:`EnergyRuntime.summary` (collective) and
+:meth:`EnergyRuntime.close`. The listeners learn everything about an instruction (its name and
+FLOPs) from the executor's instruction events.
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from merak.energy.simulated import SimulatedGPU
 from merak.pipeline.hooks import PipelineHook
 
 logger = logging.getLogger(__name__)
-
-# Work of each compute instruction, in forwards of the same chunk.
-WORK_IN_FORWARDS = {"forward": 1.0, "recompute": 1.0, "backward": 2.0, "backward_input": 1.0, "backward_weight": 1.0}
 
 
 def make_device(trainer, device: torch.device) -> GPUDevice:
@@ -54,7 +52,6 @@ class EnergyRuntime:
         self.device = device if device is not None else make_device(trainer, state.device)
         self.meter = InstructionMeter(self.device)
         self.zeus = None
-        self._executor = None
         controls: list[PipelineHook] = []
         if trainer.frequency_plan:
             from merak.energy.plans import read_plan
@@ -65,24 +62,11 @@ class EnergyRuntime:
             from merak.energy.zeus_client import ZeusClient
 
             self.zeus = ZeusClient(trainer, state, self.device, self.meter)
-            controls.append(self.zeus.optimizer)
-        simulated = [SimulatedCompute(self.device, self._work_seconds)] if isinstance(self.device, SimulatedGPU) else []
+            controls.append(self.zeus.control)
+        simulated = [SimulatedCompute(self.device, trainer.simulated_tflops * 1e12)] \
+            if isinstance(self.device, SimulatedGPU) else []
         reporters = [self.zeus.reporter] if self.zeus is not None else []
         self.hooks: list[PipelineHook] = [*controls, *simulated, self.meter, *reporters]
-
-    def bind(self, executor) -> None:
-        """Give the simulated GPU the executor whose instructions' FLOPs size its work."""
-        self._executor = executor
-
-    def _work_seconds(self, name: str) -> float:
-        executor = self._executor
-        if executor is None:
-            raise RuntimeError("EnergyRuntime.bind(executor) was not called before the first step")
-        chunk = getattr(executor.current_instruction, "chunk", 0)
-        flops = executor.chunk_flops.get(chunk)
-        if flops is None:
-            raise RuntimeError(f"no FLOP count for chunk {chunk} yet (its first forward has not run)")
-        return WORK_IN_FORWARDS[name] * flops / (self.trainer.simulated_tflops * 1e12)
 
     def summary(self, skip_steps: int = 1) -> dict | None:
         """Mean step time and energy per rank (after ``skip_steps`` warm-up steps) and the job's
@@ -105,7 +89,7 @@ class EnergyRuntime:
                 "ranks": sorted(everyone, key=lambda r: r["rank"])}
 
     def close(self) -> None:
-        """Stop zeus's clock controller and return the clock to the driver."""
+        """Stop zeus's clock controller (if any) and return the clock to the driver."""
         if self.zeus is not None:
             self.zeus.close()
         self.device.reset_clock()
@@ -117,4 +101,4 @@ def start_energy(trainer, state) -> EnergyRuntime | None:
     return EnergyRuntime(trainer, state) if energy_enabled(trainer) else None
 
 
-__all__ = ["EnergyRuntime", "WORK_IN_FORWARDS", "make_device", "start_energy"]
+__all__ = ["EnergyRuntime", "make_device", "start_energy"]

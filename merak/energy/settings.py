@@ -93,7 +93,8 @@ def energy_problems(trainer, schedule: str, pp: int, num_microbatches: int, num_
 
         try:
             graph = step_graph(schedule, pp, num_microbatches, num_chunks)
-            check_plan(read_plan(trainer.frequency_plan), graph, source=f"trainer.frequency_plan={trainer.frequency_plan}")
+            check_plan(read_plan(trainer.frequency_plan), graph,
+                       source=f"trainer.frequency_plan={trainer.frequency_plan}")
         except (PlanError, ValueError) as error:
             problems.append(str(error))
     if trainer.pfo_server_url:

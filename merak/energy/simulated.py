@@ -11,10 +11,11 @@ GPU draws::
 
     power(f) = static_power + (max_power - static_power) * (f / f_max) ** 3
 
-(dynamic power goes with f * V**2, and the voltage with the clock) while it computes, and ``blocked_power`` while it waits (on communication or its peers).
-Energy is power integrated over wall time. The instruction really takes ``time(f)`` of wall
-time: :meth:`SimulatedGPU.end_compute` sleeps for what the CPU work left of it, so pipeline
-stages wait for each other exactly as GPUs would.
+(dynamic power goes with f * V**2, and the voltage with the clock) while it computes, and
+``blocked_power`` while it waits (on communication or its peers). Energy is power integrated
+over wall time. The instruction really takes ``time(f)`` of wall time:
+:meth:`SimulatedGPU.end_compute` sleeps for what the CPU work left of it, so pipeline stages
+wait for each other exactly as GPUs would.
 
 Calibration (``SPECS``): the clock ranges are the data sheets' supported graphics clocks in
 15 MHz steps (A100 SXM4: 210-1410 MHz; H100 SXM5: 345-1980 MHz) and ``max_power`` is the
@@ -86,8 +87,8 @@ def gpu_spec(name: str) -> GPUSpec:
 class SimulatedGPU(GPUDevice):
     """A GPU that exists as a power model (see the module docstring).
 
-    The locked clock lives in shared memory, so a helper process forked from this one (zeus's
-    frequency controller) can change it, as it would change a real GPU's.
+    The locked clock lives in shared memory, so a helper process forked from this one (a clock
+    controller like the one zeus runs for real GPUs) can change it, as it would change a real GPU's.
 
     Args:
         spec: a :class:`GPUSpec` or the name of one in ``SPECS``.

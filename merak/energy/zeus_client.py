@@ -1,13 +1,13 @@
 """Training under a zeus pipeline-frequency (Perseus) server.
 
-zeus's own ``PipelineFrequencyOptimizer`` registers the job and this rank, fetches this
-rank's plan, and locks the clock before each compute instruction. It runs unchanged; on a
-simulated GPU, three stand-ins replace what it would find on a CUDA machine:
+The server hands each rank a clock for every compute instruction of a step. Who sets the
+clock depends on the GPU:
 
-- zeus's GPU singleton (``zeus.device.gpu._gpus``) becomes :class:`SimulatedZeusGPUs`, so
-  zeus's clock controller process locks the simulated GPU's shared clock;
-- ``torch.cuda.set_device`` is a no-op while the optimizer is built;
-- the optimizer's ``sync_execution`` calls the device's ``synchronize``.
+- on an NVIDIA GPU (:class:`~merak.energy.nvml.NVMLDevice`), zeus's own
+  ``PipelineFrequencyOptimizer``, unchanged, behind :class:`ZeusCallbackHook`;
+- on any other device (the simulated GPU), which zeus cannot drive, merak joins the job through
+  the server's protocol (:mod:`merak.energy.zeus_schedule`) and a
+  :class:`~merak.energy.hooks.FrequencyPlanHook` runs the schedule.
 
 After ``num_warmup_steps`` + ``num_prof_steps`` steps every rank reports the measured steps
 (``ProfilingResult``: iteration times and energies, per-instruction breakdowns) to the
@@ -16,58 +16,44 @@ server's ``/result`` endpoint.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from unittest import mock
 
-import torch
+import httpx
 
 from merak.energy.device import GPUDevice
-from merak.energy.hooks import InstructionMeter
-from merak.energy.simulated import SimulatedGPU
-from merak.pipeline.hooks import PipelineHook
+from merak.energy.hooks import FrequencyPlanHook, InstructionMeter, StepMeasurement
+from merak.energy.nvml import NVMLDevice
+from merak.energy.zeus_schedule import REQUEST_TIMEOUT_S, join_zeus_job
+from merak.pipeline.hooks import InstructionEvent, PipelineHook
 
 logger = logging.getLogger(__name__)
 
-MEMORY_CLOCK_MHZ = 1215  # what a simulated GPU reports as its only memory clock
 
+class ZeusCallbackHook(PipelineHook):
+    """A zeus ``Callback`` as a merak pipeline listener.
 
-class SimulatedZeusGPUs:
-    """zeus's ``GPUs`` calls that the pipeline-frequency optimizer uses, on a simulated GPU."""
+    zeus's callbacks take an instruction's name ("forward", "backward", ...), merak's listeners
+    an :class:`~merak.pipeline.hooks.InstructionEvent`; this passes each event's name on.
 
-    def __init__(self, device: SimulatedGPU) -> None:
-        self.device = device
+    Args:
+        callback: any object with zeus's ``Callback`` methods (``on_step_begin``, ``on_step_end``,
+            ``on_instruction_begin(name)``, ``on_instruction_end(name)``).
+    """
 
-    def get_supported_memory_clocks(self, gpu_index: int) -> list[int]:
-        return [MEMORY_CLOCK_MHZ]
+    def __init__(self, callback) -> None:
+        self.callback = callback
 
-    def get_supported_graphics_clocks(self, gpu_index: int, memory_clock_mhz: int | None = None) -> list[int]:
-        return self.device.supported_clocks()
+    def on_step_begin(self) -> None:
+        self.callback.on_step_begin()
 
-    def set_gpu_locked_clocks(self, gpu_index: int, min_clock_mhz: int, max_clock_mhz: int, block: bool = True) -> None:
-        self.device.set_clock(min_clock_mhz)
+    def on_step_end(self) -> None:
+        self.callback.on_step_end()
 
-    def reset_gpu_locked_clocks(self, gpu_index: int, block: bool = True) -> None:
-        self.device.reset_clock()
+    def on_instruction_begin(self, event: InstructionEvent) -> None:
+        self.callback.on_instruction_begin(event.name)
 
-    def reset_power_management_limit(self, gpu_index: int, block: bool = True) -> None:
-        """A simulated GPU has no power limit to reset."""
-
-    def set_memory_locked_clocks(self, gpu_index: int, min_clock_mhz: int, max_clock_mhz: int,
-                                 block: bool = True) -> None:
-        """The simulated memory clock is fixed."""
-
-    def reset_memory_locked_clocks(self, gpu_index: int, block: bool = True) -> None:
-        """The simulated memory clock is fixed."""
-
-
-@contextlib.contextmanager
-def _simulated_cuda(device: SimulatedGPU):
-    import zeus.device.gpu as zeus_gpu
-
-    zeus_gpu._gpus = SimulatedZeusGPUs(device)
-    with mock.patch.object(torch.cuda, "set_device", lambda *args, **kwargs: None):
-        yield
+    def on_instruction_end(self, event: InstructionEvent) -> None:
+        self.callback.on_instruction_end(event.name)
 
 
 class _Reporter(PipelineHook):
@@ -86,32 +72,51 @@ class _Reporter(PipelineHook):
 
 
 class ZeusClient:
-    """zeus's optimizer for this rank, and the reporting of measured steps."""
+    """This rank's part in a zeus pipeline-frequency job: clock control and reporting.
 
-    def __init__(self, trainer, state, device: GPUDevice, meter: InstructionMeter) -> None:
-        from zeus.optimizer.pipeline_frequency import optimizer as zeus_optimizer
+    Args:
+        trainer: the trainer settings (``pfo_server_url``, ``num_warmup_steps``, ``num_prof_steps``).
+        state: the worker's parallel state.
+        device: this rank's GPU.
+        meter: the listener whose measured steps are reported.
+        http: the HTTP client for merak's own requests (default: a new one, closed by :meth:`close`).
 
+    Attributes:
+        control: the listener that sets the clock before each compute instruction.
+        reporter: the listener that reports the measured steps once.
+        job_id: the job's id on the server.
+    """
+
+    def __init__(self, trainer, state, device: GPUDevice, meter: InstructionMeter, *,
+                 http: httpx.Client | None = None) -> None:
         self.url, self.state, self.device, self.meter = trainer.pfo_server_url.rstrip("/"), state, device, meter
-        grid, coords = state.grid, state.coordinates
-        index = state.device.index if state.device.type == "cuda" and state.device.index is not None else 0
-        arguments = dict(rank=state.rank, dp_rank=coords.dp, pp_rank=coords.pp, tp_rank=coords.tp, device_id=index,
-                         dp_degree=grid.dp, pp_degree=grid.pp, tp_degree=grid.tp, world_size=grid.world_size,
-                         server_url=self.url, job_metadata="merak")
-        if isinstance(device, SimulatedGPU):
-            zeus_optimizer.sync_execution = lambda devices, sync_with="torch": device.synchronize()
-            with _simulated_cuda(device):
-                self.optimizer = zeus_optimizer.PipelineFrequencyOptimizer(**arguments)
+        self._http = http if http is not None else httpx.Client(timeout=REQUEST_TIMEOUT_S)
+        self._owns_http = http is None
+        self._zeus_optimizer = None
+        if isinstance(device, NVMLDevice):
+            self._zeus_optimizer = self._zeus_optimizer_for(state, device)
+            self.job_id = self._zeus_optimizer.job_id
+            planned = len(self._zeus_optimizer.freq_schedule)
+            self.control: PipelineHook = ZeusCallbackHook(self._zeus_optimizer)
         else:
-            self.optimizer = zeus_optimizer.PipelineFrequencyOptimizer(**arguments)
-        self.job_id = self.optimizer.job_id
-        logger.info("zeus job %s: %d planned compute instructions per step on this rank", self.job_id,
-                    len(self.optimizer.freq_schedule))
+            job = join_zeus_job(self.url, state, device.supported_clocks(), http=self._http)
+            self.job_id, planned = job.job_id, len(job.schedule)
+            self.control = FrequencyPlanHook(device, job.schedule, state.coordinates.pp)
+        logger.info("zeus job %s: %d planned compute instructions per step on this rank", self.job_id, planned)
         measured = trainer.num_prof_steps
         self.reporter = _Reporter(self, trainer.num_warmup_steps + measured, measured)
 
-    def report(self, steps) -> None:
+    def _zeus_optimizer_for(self, state, device: NVMLDevice):
+        from zeus.optimizer.pipeline_frequency import PipelineFrequencyOptimizer
+
+        grid, coords = state.grid, state.coordinates
+        return PipelineFrequencyOptimizer(rank=state.rank, dp_rank=coords.dp, pp_rank=coords.pp, tp_rank=coords.tp,
+                                          device_id=device.cuda_index, dp_degree=grid.dp, pp_degree=grid.pp,
+                                          tp_degree=grid.tp, world_size=grid.world_size, server_url=self.url,
+                                          job_metadata="merak")
+
+    def report(self, steps: list[StepMeasurement]) -> None:
         """POST a ProfilingResult of ``steps`` to ``/result/{job_id}``."""
-        import httpx
         from zeus.optimizer.pipeline_frequency.common import (
             REPORT_PROFILING_RESULT_URL,
             ProfilingResult,
@@ -126,16 +131,20 @@ class ZeusClient:
         result = ProfilingResult(rank=self.state.rank, iter_time=[s.time for s in steps],
                                  iter_energy=[s.energy for s in steps], time_breakdown=times,
                                  energy_breakdown=energies)
-        response = httpx.post(self.url + REPORT_PROFILING_RESULT_URL.format(job_id=self.job_id), json=result.dict(),
-                              timeout=30.0)
+        response = self._http.post(self.url + REPORT_PROFILING_RESULT_URL.format(job_id=self.job_id),
+                                   json=result.dict())
         if response.status_code != 200:
             raise RuntimeError(f"zeus server refused the profiling result ({response.status_code}): {response.text}")
         logger.info("reported %d measured steps to zeus job %s", len(steps), self.job_id)
 
     def close(self) -> None:
-        """Stop zeus's clock controller process (it would otherwise outlive the worker)."""
-        controller = self.optimizer.frequency_controller
-        controller.end()
-        controller._proc.join(timeout=10)
-        if controller._proc.is_alive():
-            controller._proc.terminate()
+        """Stop zeus's clock controller process, if zeus sets the clock, and close the HTTP client."""
+        if self._zeus_optimizer is not None:
+            # The controller returns the clocks to the driver and exits; multiprocessing joins it
+            # when the worker exits.
+            self._zeus_optimizer.frequency_controller.end()
+        if self._owns_http:
+            self._http.close()
+
+
+__all__ = ["ZeusCallbackHook", "ZeusClient"]

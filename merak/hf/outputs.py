@@ -84,6 +84,7 @@ class TrainerOutputs:
         ``temperature`` (0: greedy), ``top_k``, ``top_p`` and ``seed``. Every rank returns all
         sequences; prompts are spread over the dp replicas.
         """
+        import merak.hf.decoders  # noqa: F401  (registers the Hugging Face decoder families)
         from merak.generation import GenerationOptions, generate
 
         args = self.args

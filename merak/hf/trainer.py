@@ -47,7 +47,7 @@ from merak.recipe import RecipeSpec
 from merak.report import format_summary
 from merak.run_directory import RunDirectoryBusy, RunDirectoryLock
 from merak.session import TrainingSession
-from merak.tensor_parallel import plan_for
+from merak.tensor_parallel import MissingTPPlanError, plan_for
 from merak.tensor_parallel.seed_api import user_plan
 
 logger = logging.getLogger(__name__)
@@ -119,11 +119,14 @@ class MerakTrainer(TrainerOutputs):
                                               shift=model is not None and is_causal_lm(model),
                                               label_smoothing=self.args.label_smoothing_factor)
         self.collate = data_collator or default_collate
-        # The user's plan, else the model family's or transformers' own (merak.tensor_parallel.defaults);
+        # The user's plan, else the model family's or transformers' own (merak.hf.tp_plans);
         # LoRA with tp > 1 is refused in _settings with its own reason.
-        plan = None if self.args.lora_config else plan_for(
-            model if model is not None else model_init, tp_plan if tp_plan is not None else user_plan(),
-            tp=self.state_grid.grid.tp)
+        try:
+            plan = None if self.args.lora_config else plan_for(
+                model if model is not None else model_init, tp_plan if tp_plan is not None else user_plan(),
+                tp=self.state_grid.grid.tp)
+        except MissingTPPlanError as error:
+            raise ConfigError(str(error)) from None
         self.spec = RecipeSpec(
             name=type(model).__name__ if model is not None else "model_init",
             build_model=(lambda _cfg: self.model) if model is not None else (lambda _cfg: model_init()),
@@ -229,13 +232,11 @@ class MerakTrainer(TrainerOutputs):
             steps = self._steps()
             self.state.max_steps = steps
             resume = find_checkpoint(self.settings.trainer.resume_from_checkpoint, self.settings.output_dir)
-            self.energy = start_energy(self.settings.trainer, self.state_grid)
+            self.energy = start_energy(self.settings.trainer.energy, self.state_grid)
             self.session = TrainingSession(self.spec, self.settings, None, steps=steps, state=self.state_grid,
                                            resume=resume, hooks=self.energy.hooks if self.energy else ())
-            if self.energy is not None:
-                self.energy.bind(self.session.engine.executor)
-                if not self.args.profile:
-                    self.session.summary_sections.append(lambda: {"energy": self.energy.summary()})
+            if self.energy is not None and not self.args.profile:
+                self.session.summary_sections.append(lambda: {"energy": self.energy.summary()})
             self.model = self.session.model
             grid = self.state_grid.grid
             if (grid.pp > 1 or grid.tp > 1) and not self.args.lora_config:  # save_adapter gathers adapters

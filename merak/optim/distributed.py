@@ -35,8 +35,6 @@ from merak.optim.precision import LossScaler, PrecisionOptions
 from merak.optim.settings import ZERO_STAGES, ZeroSettings
 
 
-
-
 @dataclass(frozen=True)
 class ZeroOptions:
     """ZeRO and gradient-reduction settings (names as in MerakArguments; bucket sizes in elements).

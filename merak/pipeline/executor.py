@@ -12,8 +12,9 @@ by (chunk, microbatch).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from merak.distributed.p2p import PointToPoint
 from merak.pipeline import instructions as ins
 from merak.pipeline.compiled import eager_execution
-from merak.pipeline.hooks import HookList, PipelineHook
+from merak.pipeline.hooks import HookList, InstructionEvent, PipelineHook
 from merak.pipeline.memory import ActivationMeter, NoMeter, active_meter
 from merak.pipeline.recompute import checkpointing, has_random_operations, microbatch_seed
 
@@ -94,6 +95,10 @@ class PipelineExecutor:
         measure_activations: file every tensor autograd saves (a Python hook per saved tensor) to
             report the exact peak of saved activations; off, nothing runs per saved tensor. Forced on
             by ``free_sent_outputs``, which must know what the backward still reads.
+        instruction_handlers: ``handler(instruction, step)`` for instruction kinds run outside this
+            file (decoding's: :mod:`merak.pipeline.decode`). ``step`` holds the step's ``inputs`` and
+            ``outputs`` by (chunk, microbatch), which the activation transfers fill and send, and its
+            ``pending`` sends, which are awaited when the step ends.
     """
 
     def __init__(self, *, stage: nn.Module | None = None, stages: Mapping[int, nn.Module] | None = None,
@@ -103,7 +108,9 @@ class PipelineExecutor:
                  hooks: Sequence[PipelineHook] = (), dropout_seed: Callable[[int, int], int] | None = None,
                  free_sent_outputs: bool = False, record_timeline: bool = False,
                  compute_dtype: torch.dtype = torch.float32, loss_scale: Callable[[], float] | None = None,
-                 measure_activations: bool = False) -> None:
+                 measure_activations: bool = False,
+                 instruction_handlers: Mapping[type, Callable[[ins.Instruction, _StepState], None]] | None = None,
+                 ) -> None:
         if (stage is None) == (stages is None):
             raise ValueError("give either stage or stages")
         self.stages = dict(stages) if stages is not None else {0: stage}
@@ -116,6 +123,7 @@ class PipelineExecutor:
         self.p2p = p2p
         self.loss_fn = loss_fn
         self.step_handlers = dict(step_handlers)
+        self.instruction_handlers = dict(instruction_handlers or {})
         self.hooks = HookList(hooks)
         self.dropout_seed = dropout_seed
         self.free_sent_outputs = free_sent_outputs
@@ -130,10 +138,9 @@ class PipelineExecutor:
         self._reseeds = {chunk: has_random_operations(module) for chunk, module in self.stages.items()}
         self.step_index = 0
         # Forward FLOPs of one microbatch in each local chunk, counted on the chunk's first forward
-        # (for the run summary's model FLOPs and MFU).
+        # (for the run summary's model FLOPs and MFU, and the listeners' instruction events).
         self.chunk_flops: dict[int, int] = {}
         self.outputs: dict[int, object] = {}
-        self.current_instruction: ins.Instruction | None = None
 
     @property
     def forward_flops(self) -> int | None:
@@ -200,7 +207,6 @@ class PipelineExecutor:
     # -- dispatch ----------------------------------------------------------------
 
     def _dispatch(self, instruction: ins.Instruction) -> None:
-        self.current_instruction = instruction  # for listeners that need more than the name
         kind = type(instruction)
         if kind in ins.FORWARD_TYPES or kind is ins.RecomputeForward:
             self._forward(instruction)
@@ -216,8 +222,26 @@ class PipelineExecutor:
             self._exchange((instruction,))
         elif kind in self.step_handlers:
             self.step_handlers[kind]()
+        elif kind in self.instruction_handlers:
+            self.instruction_handlers[kind](instruction, self._step)
         else:
             raise TypeError(f"stage {self.stage_id} cannot run instruction {instruction!r}")
+
+    def _event(self, instruction: ins.Instruction) -> InstructionEvent:
+        """What listeners learn about compute ``instruction``."""
+        return InstructionEvent.of(instruction, stage=self.stage_id, step=self.step_index,
+                                   chunk_forward_flops=self.chunk_flops.get(instruction.chunk))
+
+    @contextlib.contextmanager
+    def _counting_flops(self, chunk: int) -> Iterator[None]:
+        """On the chunk's first forward (of any kind), count the FLOPs of the block into ``chunk_flops``."""
+        if chunk in self.chunk_flops:
+            yield
+            return
+        counter = FlopCounterMode(display=False)
+        with counter, eager_execution():  # dynamo does not trace under a counting mode
+            yield
+        self.chunk_flops[chunk] = counter.get_total_flops()
 
     def _load(self, instruction: ins.LoadMicrobatch) -> None:
         if self._microbatches is None:
@@ -236,27 +260,23 @@ class PipelineExecutor:
         kind = type(instruction)
         seed = self.dropout_seed(self.step_index, m) \
             if self.dropout_seed is not None and self._reseeds[chunk] else None
-        self.hooks.on_instruction_begin(ins.INSTRUCTION_NAMES[kind])
+        self.hooks.on_instruction_begin(self._event(instruction))
         if kind is ins.RecomputeForward:
             self.meter.release(key)  # the pre-checkpointed run kept only the inputs, filed again below
         with microbatch_seed(seed), self.meter.saving(key):
             if not self._is_first(chunk):
                 self.meter.keep(key, inputs)
-            if kind is ins.PreCheckpointForward:
-                # Only the inputs are kept; the outputs still carry a graph, so the next stage
-                # learns which of them need gradients.
-                with checkpointing("none"):
-                    outputs = checkpoint(stage, inputs, use_reentrant=False)
-            elif kind is ins.RecomputeForward:
-                with checkpointing("none"):
+            with self._counting_flops(chunk):
+                if kind is ins.PreCheckpointForward:
+                    # Only the inputs are kept; the outputs still carry a graph, so the next stage
+                    # learns which of them need gradients.
+                    with checkpointing("none"):
+                        outputs = checkpoint(stage, inputs, use_reentrant=False)
+                elif kind is ins.RecomputeForward:
+                    with checkpointing("none"):
+                        outputs = stage(inputs)
+                else:
                     outputs = stage(inputs)
-            elif chunk not in self.chunk_flops:
-                counter = FlopCounterMode(display=False)
-                with counter, eager_execution():  # dynamo does not trace under a counting mode
-                    outputs = stage(inputs)
-                self.chunk_flops[chunk] = counter.get_total_flops()
-            else:
-                outputs = stage(inputs)
             if self._is_last(chunk):
                 batch = step.batches[key] if kind is ins.PreCheckpointForward else step.batches.pop(key)
                 if self._cast_outputs:
@@ -266,7 +286,7 @@ class PipelineExecutor:
                 step.losses[key] = self.loss_fn(outputs, batch) / step.num_microbatches
             else:
                 step.outputs[key] = outputs
-        self.hooks.on_instruction_end(ins.INSTRUCTION_NAMES[kind])
+        self.hooks.on_instruction_end(self._event(instruction))
         if self._is_first(chunk) and kind is not ins.PreCheckpointForward:
             # The first stage's inputs are data, not activations: nothing to send back.
             step.inputs.pop(key)
@@ -275,8 +295,7 @@ class PipelineExecutor:
         step, chunk = self._step, instruction.chunk
         key = (chunk, instruction.microbatch)
         whole = type(instruction) is ins.Backward
-        name = ins.INSTRUCTION_NAMES[type(instruction)]
-        self.hooks.on_instruction_begin(name)
+        self.hooks.on_instruction_begin(self._event(instruction))
         if self._is_last(chunk):
             loss = step.losses[key]
             scale = self.loss_scale() if self.loss_scale is not None else 1.0
@@ -304,18 +323,18 @@ class PipelineExecutor:
             step.input_grads[key] = input_grads
         if whole:
             self.meter.release(key)
-        self.hooks.on_instruction_end(name)
+        self.hooks.on_instruction_end(self._event(instruction))
 
     def _backward_weight(self, instruction: ins.BackwardWeight) -> None:
         key = (instruction.chunk, instruction.microbatch)
-        self.hooks.on_instruction_begin(ins.INSTRUCTION_NAMES[ins.BackwardWeight])
+        self.hooks.on_instruction_begin(self._event(instruction))
         if key in self._step.split_done:
             self._step.split_done.discard(key)
         else:
             weights, param_groups = self._step.param_groups.pop(key)
             stage_backward_weight(iter(weights), param_groups)
         self.meter.release(key)
-        self.hooks.on_instruction_end(ins.INSTRUCTION_NAMES[ins.BackwardWeight])
+        self.hooks.on_instruction_end(self._event(instruction))
 
     # -- communication -----------------------------------------------------------
 

@@ -25,12 +25,18 @@ Forward kinds, as in Merak's schedules:
   activations, before the stage blocks on its gradient, so the backward that
   follows has nothing to recompute. Each is one instruction with its own mode,
   so no global checkpoint setting is flipped and none needs restoring.
+
+Decoding (text generation with a KV cache, :mod:`merak.pipeline.decode_schedule`)
+uses the same lists with ``microbatch`` as the decoding step: the hidden states
+travel as activations, :class:`DecodeForward` runs a stage's part of one step,
+:class:`PickToken` chooses the token on the last stage and :class:`SendToken` /
+:class:`RecvToken` carry it from the last stage back to the first (one chunk per
+stage).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,27 @@ class RecvGrad(_MicrobatchInstruction):
     """Receive the gradient of a microbatch's stage output from the next virtual stage."""
 
 
-P2POp = Union[SendActivation, RecvActivation, SendGrad, RecvGrad]
+class DecodeForward(_MicrobatchInstruction):
+    """Decoding: run this stage's blocks on one step's new positions, extending their KV cache
+    (the first stage embeds the step's tokens, the last turns its output into next-token logits)."""
+
+
+class PickToken(_MicrobatchInstruction):
+    """Decoding, last stage: choose the step's token from its logits."""
+
+
+class SendToken(_MicrobatchInstruction):
+    """Decoding, last stage: send the step's token to the first stage, whose next step reads it."""
+
+
+class RecvToken(_MicrobatchInstruction):
+    """Decoding, first stage: receive the token the last stage picked at a step."""
+
+
+# Type aliases (annotations only; isinstance checks use the *_TYPES tuples below). ``X | Y`` of
+# classes is evaluated at import time, which Python 3.10+ (requires-python) supports.
+P2POp = SendActivation | RecvActivation | SendGrad | RecvGrad
+TokenOp = SendToken | RecvToken
 
 
 @dataclass(frozen=True)
@@ -114,17 +140,21 @@ class OptimizerStep:
     """Clip gradients and apply the optimizer update."""
 
 
-Instruction = Union[
-    LoadMicrobatch, Forward, PreCheckpointForward, RecomputeForward, Backward, BackwardInput,
-    BackwardWeight, SendActivation, RecvActivation, SendGrad, RecvGrad, Exchange, ReduceTiedGrads,
-    ReduceGrads, OptimizerStep,
-]
+Instruction = (
+    LoadMicrobatch | Forward | PreCheckpointForward | RecomputeForward | Backward | BackwardInput
+    | BackwardWeight | SendActivation | RecvActivation | SendGrad | RecvGrad | Exchange | ReduceTiedGrads
+    | ReduceGrads | OptimizerStep | DecodeForward | PickToken | SendToken | RecvToken
+)
 
 FORWARD_TYPES = (Forward, PreCheckpointForward)
 BACKWARD_TYPES = (Backward, BackwardInput, BackwardWeight)
 COMPUTE_TYPES = FORWARD_TYPES + (RecomputeForward,) + BACKWARD_TYPES
 P2P_TYPES = (SendActivation, RecvActivation, SendGrad, RecvGrad)
-MICROBATCH_TYPES = (LoadMicrobatch,) + COMPUTE_TYPES + P2P_TYPES
+# Decoding's token transfers are point-to-point too, but between the last and the first stage, not
+# neighbours: the executor leaves them to the decoding handlers, the simulator pairs them.
+TOKEN_TYPES = (SendToken, RecvToken)
+DECODE_TYPES = (DecodeForward, PickToken) + TOKEN_TYPES
+MICROBATCH_TYPES = (LoadMicrobatch,) + COMPUTE_TYPES + P2P_TYPES + DECODE_TYPES
 STEP_END_TYPES = (ReduceTiedGrads, ReduceGrads, OptimizerStep)
 INSTRUCTION_TYPES = MICROBATCH_TYPES + (Exchange,) + STEP_END_TYPES
 
@@ -144,9 +174,9 @@ def peer_offset(op: P2POp) -> int:
     raise TypeError(f"not a point-to-point instruction: {op!r}")
 
 
-def is_send(op: P2POp) -> bool:
+def is_send(op: P2POp | TokenOp) -> bool:
     """True for the sending half of a point-to-point pair."""
-    return isinstance(op, (SendActivation, SendGrad))
+    return isinstance(op, (SendActivation, SendGrad, SendToken))
 
 
 def virtual_stage(stage_id: int, chunk: int, num_stages: int) -> int:
@@ -154,28 +184,32 @@ def virtual_stage(stage_id: int, chunk: int, num_stages: int) -> int:
     return chunk * num_stages + stage_id
 
 
-def peer_of(op: P2POp, stage_id: int, num_stages: int) -> tuple[int, int]:
+def peer_of(op: P2POp | TokenOp, stage_id: int, num_stages: int) -> tuple[int, int]:
     """``(stage, chunk)`` of the partner of ``op`` run on ``stage_id``."""
+    if isinstance(op, TOKEN_TYPES):
+        return (0, 0) if is_send(op) else (num_stages - 1, 0)
     peer = virtual_stage(stage_id, op.chunk, num_stages) + peer_offset(op)
     return peer % num_stages, peer // num_stages
 
 
-def matching_op(op: P2POp, stage_id: int, num_stages: int) -> P2POp:
+def matching_op(op: P2POp | TokenOp, stage_id: int, num_stages: int) -> P2POp | TokenOp:
     """The instruction the peer stage must run to complete ``op`` run on ``stage_id``."""
     pairs = {
         SendActivation: RecvActivation,
         RecvActivation: SendActivation,
         SendGrad: RecvGrad,
         RecvGrad: SendGrad,
+        SendToken: RecvToken,
+        RecvToken: SendToken,
     }
     _, chunk = peer_of(op, stage_id, num_stages)
     return pairs[type(op)](op.microbatch, chunk)
 
 
-def p2p_ops(instruction: Instruction) -> tuple[P2POp, ...]:
+def p2p_ops(instruction: Instruction) -> tuple[P2POp | TokenOp, ...]:
     """The point-to-point operations inside an instruction (empty for compute and others)."""
     if isinstance(instruction, Exchange):
         return instruction.ops
-    if isinstance(instruction, P2P_TYPES):
+    if isinstance(instruction, P2P_TYPES + TOKEN_TYPES):
         return (instruction,)
     return ()

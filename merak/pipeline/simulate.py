@@ -14,6 +14,11 @@ the wrong tensors at run time.
 ``sends="rendezvous"`` is the stricter model of a blocking send (a send waits
 for its receive, and an Exchange for all its ops): a schedule that is
 deadlock-free under it is deadlock-free whatever buffering the backend has.
+
+Decoding lists (:mod:`merak.pipeline.decode_schedule`) run through the same
+model: their own list check, ``DecodeForward`` timed as a forward and counted as
+compute, and the tokens' transfers from the last stage to the first paired on a
+channel of their own.
 """
 
 from __future__ import annotations
@@ -23,14 +28,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from merak.pipeline.decode_schedule import validate_decode_list
 from merak.pipeline.instructions import (
     BACKWARD_TYPES,
     COMPUTE_TYPES,
+    DECODE_TYPES,
     MICROBATCH_TYPES,
     P2P_TYPES,
+    TOKEN_TYPES,
     Backward,
     BackwardInput,
     BackwardWeight,
+    DecodeForward,
     Exchange,
     Forward,
     Instruction,
@@ -51,6 +60,8 @@ __all__ = ["CostModel", "Costs", "ScheduleError", "SimulationResult", "TimelineE
            "simulate", "validate_stage_list"]
 
 SEND_MODES = ("eager", "rendezvous")
+# What keeps a stage busy: training's compute, and decoding's forwards.
+_BUSY_TYPES = COMPUTE_TYPES + (DecodeForward,)
 
 
 class CostModel(Protocol):
@@ -70,7 +81,7 @@ class Costs:
     """Uniform instruction costs, the same on every stage.
 
     Attributes:
-        forward: Duration of one Forward or PreCheckpointForward.
+        forward: Duration of one Forward, PreCheckpointForward or DecodeForward.
         backward: Duration of one Backward without recomputation
             (BackwardInput plus BackwardWeight together).
         recompute: Duration of recomputing the whole stage forward
@@ -104,7 +115,7 @@ class Costs:
         """
         del stage_id
         half = self.backward / 2 if self.backward_input is None else self.backward_input
-        if isinstance(instruction, (Forward, PreCheckpointForward)):
+        if isinstance(instruction, (Forward, PreCheckpointForward, DecodeForward)):
             return self.forward
         if isinstance(instruction, RecomputeForward):
             return self.forward if self.recompute is None else self.recompute
@@ -114,7 +125,7 @@ class Costs:
             return half
         if isinstance(instruction, BackwardWeight):
             return self.backward - half
-        if isinstance(instruction, (Exchange,) + P2P_TYPES):
+        if isinstance(instruction, (Exchange,) + P2P_TYPES + TOKEN_TYPES):
             return self.p2p
         return self.other
 
@@ -155,6 +166,8 @@ class SimulationResult:
 
 def _channel(stage_id: int, num_stages: int, op) -> tuple[int, int, str]:
     """(sending virtual stage, receiving virtual stage, kind) of the FIFO queue ``op`` joins."""
+    if isinstance(op, TOKEN_TYPES):
+        return num_stages - 1, 0, "token"  # decoding: the last stage to the first, one chunk per stage
     mine = virtual_stage(stage_id, op.chunk, num_stages)
     peer = mine + peer_offset(op)
     kind = "activation" if isinstance(op, (SendActivation, RecvActivation)) else "grad"
@@ -210,8 +223,12 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
         raise ScheduleError("no stages to simulate")
     num_microbatches, num_chunks = _chain_shape(lists)
     training = any(isinstance(instr, BACKWARD_TYPES + (OptimizerStep,)) for stage in lists for instr in stage)
+    decoding = any(isinstance(instr, DECODE_TYPES) for stage in lists for instr in stage)
     for s, stage in enumerate(lists):
-        validate_stage_list(s, num_stages, num_microbatches, stage, training=training, num_chunks=num_chunks)
+        if decoding:
+            validate_decode_list(s, num_stages, num_microbatches, stage)
+        else:
+            validate_stage_list(s, num_stages, num_microbatches, stage, training=training, num_chunks=num_chunks)
 
     # channel -> (posted sends, posted receives); the k-th of each pair up.
     queues: dict[tuple[int, int, str], tuple[list[_Posted], list[_Posted]]] = {}
@@ -279,9 +296,9 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
 
     timeline = tuple(event for stage_events in events for event in stage_events)
     busy = tuple(
-        sum(e.end - e.start for e in stage_events if isinstance(e.instruction, COMPUTE_TYPES))
+        sum(e.end - e.start for e in stage_events if isinstance(e.instruction, _BUSY_TYPES))
         for stage_events in events)
-    compute = [e for e in timeline if isinstance(e.instruction, COMPUTE_TYPES)]
+    compute = [e for e in timeline if isinstance(e.instruction, _BUSY_TYPES)]
     span = max(e.end for e in compute) - min(e.start for e in compute) if compute else 0.0
     bubble = 1.0 - sum(busy) / (num_stages * span) if span > 0 else 0.0
     makespan = max((e.end for e in timeline), default=0.0)
@@ -289,9 +306,9 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
 
 
 def instruction_label(instruction: Instruction) -> str:
-    """Short label of a compute instruction: F3, PF3, R3, B3, BI3, W3 (chunk as a suffix: F3.1)."""
+    """Short label of a compute instruction: F3, PF3, R3, B3, BI3, W3, D3 (decoding; chunk as a suffix: F3.1)."""
     prefix = {Forward: "F", PreCheckpointForward: "PF", RecomputeForward: "R", Backward: "B",
-              BackwardInput: "BI", BackwardWeight: "W"}[type(instruction)]
+              BackwardInput: "BI", BackwardWeight: "W", DecodeForward: "D"}[type(instruction)]
     chunk = f".{instruction.chunk}" if instruction.chunk else ""
     return f"{prefix}{instruction.microbatch}{chunk}"
 
@@ -312,7 +329,7 @@ def render_text_timeline(result: SimulationResult, num_stages: int, width: int |
     Returns:
         ``num_stages`` lines joined by newlines, e.g. ``s0 |F0 F1 B0 B1 ...``.
     """
-    compute = [e for e in result.timeline if isinstance(e.instruction, COMPUTE_TYPES)]
+    compute = [e for e in result.timeline if isinstance(e.instruction, _BUSY_TYPES)]
     labels = {id(e): instruction_label(e.instruction) for e in compute}
     cell = max((len(label) for label in labels.values()), default=1) + 1
     durations = [e.end - e.start for e in compute if e.end > e.start]

@@ -42,10 +42,9 @@ def _positions(stage_id: int, num_stages: int, num_microbatches: int, num_chunks
     for idx, instr in enumerate(instructions):
         if not isinstance(instr, INSTRUCTION_TYPES):
             raise ScheduleError(f"stage {stage_id}: instruction #{idx} {instr!r} is not an instruction")
-        if isinstance(instr, Exchange):
-            if not instr.ops or not all(isinstance(op, P2P_TYPES) for op in instr.ops):
-                raise ScheduleError(
-                    f"stage {stage_id}: instruction #{idx} {instr!r} must hold one or more point-to-point ops")
+        if isinstance(instr, Exchange) and (not instr.ops or not all(isinstance(op, P2P_TYPES) for op in instr.ops)):
+            raise ScheduleError(
+                f"stage {stage_id}: instruction #{idx} {instr!r} must hold one or more point-to-point ops")
         items = p2p_ops(instr) or ((instr,) if isinstance(instr, MICROBATCH_TYPES) else ())
         if not items:
             others.setdefault(type(instr), []).append(idx)

@@ -31,8 +31,8 @@ from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from merak.core.group_registry import simulated_groups
 from merak.shard.graph import GraphUnits
-from merak.tensor_parallel.comm import simulated_groups
 from merak.trace.meta import buffers_on_meta, has_meta_parameters
 
 logger = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from merak.core.group_registry import simulated_groups
 from merak.pipeline.stage import StageModule
 from merak.shard import partition as part
 from merak.shard.autopipe import autopipe_boundaries, balance_other_stages, cheapen_boundaries, simulate_1f1b
@@ -24,9 +25,8 @@ from merak.shard.costs import MachineRates, UnitCosts, calibrate, measure_units,
 from merak.shard.graph import GraphUnits
 from merak.shard.split import ShardingError, split_units
 from merak.trace.capture import capture
-from merak.trace.simplify import simplify_captured
-from merak.tensor_parallel.comm import simulated_groups
 from merak.trace.meta import has_meta_parameters
+from merak.trace.simplify import simplify_captured
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ starts, never 0), so shard ``i`` holds units ``[cuts[i-1], cuts[i])``.
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Sequence
 
+from merak.core.names import module_pattern
 from merak.shard.graph import GraphUnits
 
 SPLIT_METHODS = ("min_bytes", "farthest_min_deps", "nearest_min_deps", "layer_split")
@@ -150,7 +150,7 @@ def min_bytes(unit_costs: Sequence[float], cut_bytes: Sequence[int], num_stages:
     positions = [k for k in range(1, count) if before[k - 1] > 0 and before[-1] - before[k - 1] > 0] \
         or list(range(1, count))
     best = _bottleneck(unit_costs, positions, num_stages)
-    levels = sorted(set(cut_bytes[k] for k in positions))
+    levels = sorted({cut_bytes[k] for k in positions})
     low, high = 0, len(levels) - 1  # the highest level allows every position, so it always balances
     while low < high:
         middle = (low + high) // 2
@@ -160,17 +160,6 @@ def min_bytes(unit_costs: Sequence[float], cut_bytes: Sequence[int], num_stages:
         else:
             low = middle + 1
     return [k for k in positions if cut_bytes[k] <= levels[low]]
-
-
-def module_pattern(pattern: str) -> re.Pattern:
-    """Compile a module-name glob: ``*`` matches within one dotted part, ``**`` across parts;
-    a leading ``**.`` also matches no prefix (``**.query`` matches ``query`` and ``a.b.query``)."""
-    prefix = ""
-    if pattern.startswith("**."):
-        prefix, pattern = r"(?:.*\.)?", pattern[3:]
-    parts = re.split(r"(\*\*|\*|\?)", pattern)
-    table = {"**": ".*", "*": "[^.]*", "?": "[^.]"}
-    return re.compile(prefix + "".join(table.get(part, re.escape(part)) for part in parts))
 
 
 def layer_split(units: GraphUnits, split_points: Sequence[str], module_names: Sequence[str]) -> list[int]:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from merak.core import group_registry
 from merak.tensor_parallel import comm
 
 _STATE = {"group": None}
@@ -50,7 +51,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, group: str | None):
         vocab_local = logits.shape[-1]
-        start = comm.get_group(group).rank * vocab_local if group is not None else 0
+        start = group_registry.get_group(group).rank * vocab_local if group is not None else 0
         rows = max(1, CHUNK_BYTES // (4 * vocab_local))
         valid = labels != ignore_index
         local = (labels >= start) & (labels < start + vocab_local) & valid

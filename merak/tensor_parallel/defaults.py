@@ -1,7 +1,10 @@
-"""The TP plan a model trains with: the user's, else a default one (merak's, else transformers').
+"""The TP plan a model trains with: the user's, else a default one.
 
 :func:`plan_for` is what a trainer calls; :func:`default_plan` is the plan of a
-model the user describes no plan for.
+model the user describes no plan for: merak's own plan for a timm or torchvision
+family (:mod:`merak.tensor_parallel.model_plans`), else the plan of the first
+registered source that knows the model (:mod:`merak.core.plan_sources`; the
+Hugging Face adapter registers one when merak is imported).
 """
 
 from __future__ import annotations
@@ -11,37 +14,38 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
-from merak.config import ConfigError
-from merak.tensor_parallel.hf_plans import transformers_rules, translate_plan
+from merak.core.plan_sources import plan_sources
 from merak.tensor_parallel.model_plans import known_plan
-from merak.tensor_parallel.plan import TPPlan
+from merak.tensor_parallel.plan import TPPlan, TPPlanError
 from merak.trace.meta import parameters_on_meta
 
 logger = logging.getLogger(__name__)
 
 
+class MissingTPPlanError(TPPlanError):
+    """``tp > 1`` but neither the user nor any plan source has a plan for the model."""
+
+
 def default_plan(model: nn.Module) -> TPPlan | None:
     """The TP plan ``model`` gets when the user gives none.
 
-    Merak's own plan for the model's family (GPT-2, BERT, T5, ViT, Swin, timm's ViT and
-    Swin, torchvision's ResNet; :mod:`merak.tensor_parallel.model_plans`), else the
-    model's transformers plan translated (see the module docstring), else None.
+    Merak's own plan for the model's family when it is a timm or torchvision model
+    (:mod:`merak.tensor_parallel.model_plans`), else the plan of the first registered
+    plan source that has one (for Hugging Face models: merak's plan for GPT-2, BERT, T5,
+    ViT, Swin, else the model's own plan translated; :mod:`merak.hf.tp_plans`), else None.
 
     Raises:
-        TPPlanError: the transformers plan uses a style merak cannot express.
+        TPPlanError: the model's own plan uses a style merak cannot express.
     """
     plan = known_plan(model)
     if plan is not None:
         logger.info("tensor-parallel plan of %s: merak's plan for its model family", type(model).__name__)
         return plan
-    rules = transformers_rules(model)
-    if not rules:
-        return None
-    plan = translate_plan(model, rules)
-    if plan is not None:
-        logger.info("tensor-parallel plan of %s: transformers' plan (%d rules) translated", type(model).__name__,
-                    len(rules))
-    return plan
+    for source in plan_sources():
+        plan = source.default_plan(model)
+        if plan is not None:
+            return plan
+    return None
 
 
 def _built(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
@@ -50,6 +54,15 @@ def _built(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
         return model
     with parameters_on_meta():
         return model()
+
+
+def _translated(model: nn.Module, rules: Mapping[str, str]) -> TPPlan | None:
+    """A user's plan written as a dict (module glob -> style), translated by the first source that reads one."""
+    for source in plan_sources():
+        if source.translate is not None:
+            return source.translate(model, rules)
+    raise TPPlanError("a tp_plan given as a dict needs a plan source that translates one, and none is "
+                      "registered: pass a merak.tensor_parallel.TPPlan instead")
 
 
 def _has_rules(plan: TPPlan | None) -> bool:
@@ -66,7 +79,7 @@ def plan_for(model: nn.Module | Callable[[], nn.Module], user_plan: TPPlan | Map
             function building it (a trainer's ``model_init``): called only when the
             plan needs the model, with its parameters on the meta device.
         user_plan: the user's plan: a TPPlan (``tp_plan=``, or the one
-            ``merak.set_tp_layer_lists`` built), or a dict in transformers' form
+            ``merak.set_tp_layer_lists`` built), or a dict in Hugging Face's form
             (module glob -> style), translated for ``model``. None or a plan without
             rules: no user plan.
         tp: the tensor-parallel degree.
@@ -76,12 +89,11 @@ def plan_for(model: nn.Module | Callable[[], nn.Module], user_plan: TPPlan | Map
         None for ``tp == 1`` without a user plan (nothing is split).
 
     Raises:
-        ConfigError: ``tp > 1`` and neither the user nor the model has a plan.
-        TPPlanError: the model's (or the dict's) transformers plan uses a style merak
-            cannot express.
+        MissingTPPlanError: ``tp > 1`` and neither the user nor the model has a plan.
+        TPPlanError: the model's (or the dict's) plan uses a style merak cannot express.
     """
     if isinstance(user_plan, Mapping):
-        user_plan = translate_plan(_built(model), user_plan) if user_plan else None
+        user_plan = _translated(_built(model), user_plan) if user_plan else None
     if _has_rules(user_plan):
         return user_plan
     if tp <= 1:
@@ -90,8 +102,8 @@ def plan_for(model: nn.Module | Callable[[], nn.Module], user_plan: TPPlan | Map
     plan = default_plan(model)
     if plan is None:
         name = type(model).__name__
-        raise ConfigError(f"model class {name} has no tensor-parallel plan (merak has none for its family, and "
-                          f"transformers none that splits a layer): pass tp_plan=merak.tensor_parallel.TPPlan(...) "
-                          f"or a transformers-style dict, or describe it with merak.set_tp_layer_lists(...), "
-                          f"or train with tp=1")
+        raise MissingTPPlanError(
+            f"model class {name} has no tensor-parallel plan (merak has none for its family, and its library "
+            f"none that splits a layer): pass tp_plan=merak.tensor_parallel.TPPlan(...) or a Hugging Face-style "
+            f"dict, or describe it with merak.set_tp_layer_lists(...), or train with tp=1")
     return plan

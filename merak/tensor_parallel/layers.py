@@ -13,7 +13,7 @@ communicates. Styles:
 - ``vocab``: ``nn.Embedding`` keeps a slice of the rows (token ids outside it
   give zeros before the sum);
 - ``conv_column`` / ``conv_row``: ``nn.Conv2d`` split by output / input channels;
-- sliced tensors (:func:`merak.tensor_parallel.slicing.slice_tensor_`) for
+- sliced tensors (:func:`merak.core.slices.slice_tensor_`) for
   per-head tables and the normalizations between a column and a row layer.
 """
 
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from merak.core.slices import TensorSlice, slice_tensor_
 from merak.tensor_parallel import comm
 from merak.tensor_parallel.linear_ops import column_linear, row_linear
-from merak.tensor_parallel.slicing import TensorSlice, slice_tensor_
 
 STYLES = ("column", "row", "vocab", "conv_column", "conv_row")
 

@@ -23,19 +23,19 @@ A row layer with ``sequence_dim`` >= 0 reduce-scatters its output along it
 instead of all-reducing it.
 """
 
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
+from merak.core import group_registry
 from merak.distributed import collectives
 from merak.tensor_parallel import comm
 
 
-def _product(x: Tensor, weight: Tensor, bias: Optional[Tensor], weight_in_out: bool) -> Tensor:
-    if weight_in_out:  # Conv1D: the exact call of transformers' Conv1D.forward
+def _product(x: Tensor, weight: Tensor, bias: Tensor | None, weight_in_out: bool) -> Tensor:
+    if weight_in_out:  # Conv1D: the exact call of the Hugging Face Conv1D.forward
         flat = x.reshape(-1, x.shape[-1])
         out = torch.addmm(bias, flat, weight) if bias is not None else flat @ weight
         return out.view(*x.shape[:-1], weight.shape[1])
@@ -63,7 +63,7 @@ def _bias_grad(grad: Tensor) -> Tensor:
 def _start(kind: str, tensor: Tensor, name: str, dim: int, overlap: bool):
     """Start an all-reduce or a reduce-scatter along ``dim`` of ``tensor`` (asynchronously with
     ``overlap``); returns a function that waits and gives the result."""
-    entry = comm.get_group(name)
+    entry = group_registry.get_group(name)
     if entry.size == 1 or entry.simulated:
         result = comm.all_reduce(tensor, name) if kind == "all_reduce" else comm.reduce_scatter(tensor, name, dim)
         return lambda: result
@@ -85,7 +85,7 @@ def _start(kind: str, tensor: Tensor, name: str, dim: int, overlap: bool):
 # -- column-parallel ---------------------------------------------------------------------------------
 
 @torch.library.custom_op("merak::column_linear", mutates_args=())
-def column_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], name: str, weight_in_out: bool,
+def column_linear(x: Tensor, weight: Tensor, bias: Tensor | None, name: str, weight_in_out: bool,
                   input_comm: str, sequence_dim: int, overlap: bool) -> Tensor:
     """``x`` replicated (or sequence-sharded) in, this rank's slice of the output features out."""
     full = comm.all_gather(x, name, sequence_dim) if input_comm == "gather" else x
@@ -96,7 +96,7 @@ def column_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], name: str, 
 def _(x, weight, bias, name, weight_in_out, input_comm, sequence_dim, overlap):
     shape = list(x.shape)
     if input_comm == "gather":
-        shape[sequence_dim] *= comm.group_size(name)
+        shape[sequence_dim] *= group_registry.group_size(name)
     return x.new_empty((*shape[:-1], _out_features(weight, weight_in_out)))
 
 
@@ -105,7 +105,7 @@ def _column_setup(ctx, inputs, output):
     # A gathered input is kept as the local chunk only and gathered again in backward.
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
-    ctx.name, ctx.weight_in_out, ctx.input_comm = comm.resolve_name(name), weight_in_out, input_comm
+    ctx.name, ctx.weight_in_out, ctx.input_comm = group_registry.resolve_name(name), weight_in_out, input_comm
     ctx.sequence_dim, ctx.overlap = sequence_dim, overlap
 
 
@@ -146,7 +146,7 @@ column_linear.register_autograd(_column_backward, setup_context=_column_setup)
 # -- row-parallel --------------------------------------------------------------------------------------
 
 @torch.library.custom_op("merak::row_linear", mutates_args=())
-def row_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], name: str, weight_in_out: bool,
+def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None, name: str, weight_in_out: bool,
                sequence_dim: int, overlap: bool) -> Tensor:
     """This rank's slice of the input features in; the summed (or sequence-scattered) output out.
 
@@ -169,7 +169,7 @@ def row_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], name: str, wei
 def _(x, weight, bias, name, weight_in_out, sequence_dim, overlap):
     shape = list(x.shape[:-1])
     if sequence_dim >= 0:
-        shape[sequence_dim] //= comm.group_size(name)
+        shape[sequence_dim] //= group_registry.group_size(name)
     return x.new_empty((*shape, _out_features(weight, weight_in_out)))
 
 
@@ -177,7 +177,7 @@ def _row_setup(ctx, inputs, output):
     x, weight, bias, name, weight_in_out, sequence_dim, overlap = inputs
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
-    ctx.name, ctx.weight_in_out, ctx.sequence_dim = comm.resolve_name(name), weight_in_out, sequence_dim
+    ctx.name, ctx.weight_in_out, ctx.sequence_dim = group_registry.resolve_name(name), weight_in_out, sequence_dim
 
 
 @torch.library.custom_op("merak::row_linear_backward", mutates_args=())

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from merak.shard.split import module_pattern
-from merak.tensor_parallel import comm
+from merak.core import group_registry
+from merak.core.names import module_pattern
 from merak.tensor_parallel.cross_entropy import set_vocab_parallel
 from merak.tensor_parallel.layers import ParallelContext
 from merak.tensor_parallel.overlap import dropout_modules
@@ -56,8 +56,8 @@ def option_problems(options: TensorParallelOptions, *, prefix: str = "") -> list
         problems.append(f"tp={options.size} needs a TP plan: this model has none (pass one, or describe it "
                         "with merak.set_tp_layer_lists)")
     if options.overlap_level == 2 and options.plan is not None and not options.plan.blocks:
-        problems.append(f"{prefix}tp_overlapping_level=2 overlaps inside whole transformer blocks and this model's TP plan "
-                        "names none; use level 1")
+        problems.append(f"{prefix}tp_overlapping_level=2 overlaps inside whole transformer blocks and this model's "
+                        "TP plan names none; use level 1")
     return problems
 
 
@@ -78,8 +78,8 @@ def split_model(model: nn.Module, options: TensorParallelOptions) -> ResolvedPla
         return None
     resolved = resolve_plan(model, options.plan, tp=options.size, parallel_vocab=options.parallel_vocab,
                             sequence_parallel=options.sequence_parallel)
-    if comm.group_size("tp") != options.size:
-        comm.register_group("tp", None, rank=options.rank, size=options.size)
+    if group_registry.group_size("tp") != options.size:
+        group_registry.register_group("tp", None, rank=options.rank, size=options.size)
     ctx = ParallelContext(rank=options.rank, size=options.size, group="tp",
                           sequence_dim=options.sequence_dim if options.sequence_parallel else -1,
                           overlap=options.overlap_level >= 1)

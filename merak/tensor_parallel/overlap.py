@@ -22,9 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from merak.tensor_parallel import comm
-
-OVERLAP_GROUP = "tp_overlap"
+from merak.core.group_registry import OVERLAP_GROUP, TP_GROUP, groups_renamed
 
 
 def halve(value, batch: int):
@@ -74,7 +72,7 @@ class SubPipelinedStage(nn.Module):
         grad_enabled = torch.is_grad_enabled()
 
         def run_second():
-            with torch.set_grad_enabled(grad_enabled), comm.groups_renamed({"tp": OVERLAP_GROUP}):
+            with torch.set_grad_enabled(grad_enabled), groups_renamed({TP_GROUP: OVERLAP_GROUP}):
                 return self.stage(second)
 
         pending = self._helper.submit(run_second)

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from merak.shard.split import module_pattern
+from merak.core.names import module_pattern
+from merak.core.slices import TensorSlice, mark_partial, record_slice, slice_tensor_
 from merak.tensor_parallel.layers import STYLES, ParallelContext, parallelize, weight_in_out
-from merak.tensor_parallel.sequence import SequenceParallelPlan, install_sequence_parallel, mark_partial
-from merak.tensor_parallel.slicing import TensorSlice, record_slice, slice_tensor_
+from merak.tensor_parallel.sequence import SequenceParallelPlan, install_sequence_parallel
 
 
 class TPPlanError(ValueError):
@@ -156,7 +156,7 @@ def resolve_plan(model: nn.Module, plan: TPPlan, *, tp: int, parallel_vocab: boo
     if parallel_vocab:
         if not plan.vocab:
             problems.append("parallel_vocab=true but this model's TP plan has no vocabulary rules")
-        rules.update({pattern: style for pattern, style in plan.vocab.items()})
+        rules.update(dict(plan.vocab.items()))
     for pattern in plan.fused:
         if rules.get(pattern) != "column":
             problems.append(f"fused {pattern!r} must also be a column rule (the same glob)")

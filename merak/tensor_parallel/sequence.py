@@ -26,11 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from merak.shard.split import module_pattern
+from merak.core.names import module_pattern
+from merak.core.slices import mark_partial, slices_of
 from merak.tensor_parallel import comm
-from merak.tensor_parallel.slicing import slices_of
-
-SEQUENCE_PARTIAL_ATTR = "_merak_sequence_partial"
 
 
 @dataclass(frozen=True)
@@ -106,13 +104,3 @@ def install_sequence_parallel(model: nn.Module, plan: SequenceParallelPlan, ctx,
 def _sliced_parameters(module: nn.Module):
     return [getattr(module, n) for n in slices_of(module) if isinstance(getattr(module, n), nn.Parameter)]
 
-
-def mark_partial(param: nn.Parameter) -> None:
-    """Record that ``param``'s gradient is a partial sum over the tp group (the engine sums it)."""
-    setattr(param, SEQUENCE_PARTIAL_ATTR, True)
-
-
-def sequence_partial(param: nn.Parameter) -> bool:
-    """True when ``param``'s gradient is a partial sum over the tp group: over the sequence
-    chunks (sequence parallelism) or over the heads (a per-head norm, ``TPPlan.partial``)."""
-    return getattr(param, SEQUENCE_PARTIAL_ATTR, False)

@@ -1,7 +1,7 @@
 """Graph capture: turn an unmodified model into one flat ``torch.fx.GraphModule``.
 
 ``'fx'`` (the default) tries ``torch.fx`` symbolic tracing and, when that
-fails (Hugging Face models in transformers 5 do), falls back to
+fails (Hugging Face models of the library's version 5 do), falls back to
 ``torch.export``; ``'dynamo'`` uses ``torch.export`` directly. The captured
 module holds references to the model's own parameters (never copies), so
 stages cut from it train the model's weights.

@@ -54,9 +54,9 @@ def device_constants(graph: fx.Graph) -> list[fx.Node]:
     found = []
     for node in graph.nodes:
         hits: list[object] = []
-        fx.node.map_aggregate(node.args, lambda v: hits.append(v) if _is_device_constant(v) else v)
+        fx.node.map_aggregate(node.args, lambda v, hits=hits: hits.append(v) if _is_device_constant(v) else v)
         for key, value in node.kwargs.items():
-            fx.node.map_aggregate(value, lambda v, k=key: hits.append(v) if _is_device_constant(v, k) else v)
+            fx.node.map_aggregate(value, lambda v, k=key, hits=hits: hits.append(v) if _is_device_constant(v, k) else v)
         if hits:
             found.append(node)
     return found

@@ -24,8 +24,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from merak.tensor_parallel.sequence import mark_partial, sequence_partial
-from merak.tensor_parallel.slicing import TensorSlice, slices_of
+from merak.core.slices import TensorSlice, mark_partial, sequence_partial, slices_of
 
 InitFn = Callable[[nn.Module, nn.Module], None]  # (model, module) -> None, initializes module's parameters
 

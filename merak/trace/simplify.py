@@ -265,6 +265,7 @@ def _free_name(module: nn.Module) -> str:
     return f"{CONSTANT_PREFIX}{index}"
 
 
-__all__ = ["DROPOUT_CALLS", "drop_inactive_dropout", "is_inactive_dropout", "flatten_attribute_paths", "fold_constants", "is_pure", "remove_dead_values", "written_values",
+__all__ = ["DROPOUT_CALLS", "drop_inactive_dropout", "is_inactive_dropout", "flatten_attribute_paths", "fold_constants",
+           "is_pure", "remove_dead_values", "written_values",
            "simplify_captured",
            "simplify_shard", "use_fused_attention"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from merak.tensor_parallel.cross_entropy import accepts_half_precision, cross_entropy
 from transformers import BertConfig, BertForMaskedLM
+
+from merak.tensor_parallel.cross_entropy import accepts_half_precision, cross_entropy
 
 
 def build_model(model_cfg) -> BertForMaskedLM:

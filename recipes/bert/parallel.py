@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from merak.tensor_parallel.model_plans import bert_plan
+from merak.hf.family_plans import bert_plan
 
 INPUT_NAMES = ("input_ids",)
 SPLIT_POINTS = ("bert.encoder.layer.*",)
 
-# merak's BERT plan (merak.tensor_parallel.model_plans.bert_plan: Megatron's split of every encoder
+# merak's BERT plan (merak.hf.family_plans.bert_plan: Megatron's split of every encoder
 # layer; with parallel_vocab the word embedding and the tied MLM decoder) for BertForMaskedLM.
 TP_PLAN = bert_plan()
 
@@ -27,16 +27,13 @@ def example_inputs(model_cfg, micro_batch_size: int) -> dict[str, torch.Tensor]:
 
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
-    """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
+    """Problems with running ``model_cfg`` at this layout (empty list when it fits).
+
+    Each size is already a positive integer (schema.BertModel); these checks relate them.
+    """
     from .data import FIRST_WORD
 
     problems = []
-    for field in ("hidden_size", "num_heads", "num_layers", "ffn_size", "seq_length", "vocab_size"):
-        value = model_cfg.get(field)
-        if not isinstance(value, int) or value < 1:
-            problems.append(f"model.{field}={value!r} must be a positive integer")
-    if problems:
-        return problems
     if model_cfg.hidden_size % model_cfg.num_heads:
         problems.append(f"model.hidden_size={model_cfg.hidden_size} is not divisible by "
                         f"model.num_heads={model_cfg.num_heads}")

@@ -2,7 +2,7 @@
 
 from merak.recipe import RecipeSpec
 
-from . import data, model, parallel
+from . import data, model, parallel, schema
 
 SPEC = RecipeSpec(
     name="bert",
@@ -12,6 +12,8 @@ SPEC = RecipeSpec(
     load_dataset=data.load,
     check_layout=parallel.check_layout,
     check_data=data.check_data,
+    model_schema=schema.BertModel,
+    data_schema=schema.BertData,
     tokens_per_sample=model.tokens_per_sample,
     example_inputs=parallel.example_inputs,
     input_names=parallel.INPUT_NAMES,

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from merak.tensor_parallel.model_plans import gpt2_plan
+from merak.hf.family_plans import gpt2_plan
 
 INPUT_NAMES = ("input_ids",)
 SPLIT_POINTS = ("transformer.h.*",)
 
-# merak's GPT-2 plan (merak.tensor_parallel.model_plans.gpt2_plan: Megatron's split of every
+# merak's GPT-2 plan (merak.hf.family_plans.gpt2_plan: Megatron's split of every
 # block, vocabulary and sequence parallel regions) for GPT2LMHeadModel.
 TP_PLAN = gpt2_plan()
 
@@ -26,14 +26,11 @@ def example_inputs(model_cfg, micro_batch_size: int) -> dict[str, torch.Tensor]:
 
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
-    """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
+    """Problems with running ``model_cfg`` at this layout (empty list when it fits).
+
+    Each size is already a positive integer (schema.GptModel); these checks relate them.
+    """
     problems = []
-    for field in ("hidden_size", "num_heads", "num_layers", "seq_length", "vocab_size"):
-        value = model_cfg.get(field)
-        if not isinstance(value, int) or value < 1:
-            problems.append(f"model.{field}={value!r} must be a positive integer")
-    if problems:
-        return problems
     if model_cfg.hidden_size % model_cfg.num_heads:
         problems.append(f"model.hidden_size={model_cfg.hidden_size} is not divisible by "
                         f"model.num_heads={model_cfg.num_heads}")

@@ -32,12 +32,13 @@ def tp_plan(model_cfg) -> TPPlan:
     ``parallel_vocab``) from a copy built on the meta device (no memory). It has no
     sequence-parallel region, so ``trainer.sequence_parallel`` stays false for this model.
     """
+    values = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else dict(model_cfg)
+    # merak asks for the plan once the values have the schema's types (merak.config.resolve_settings), but
+    # before check_layout: sizes that cannot build are listed by check_layout and the run stops before any
+    # worker starts; an empty plan keeps a second, misleading "no plan" message out of that list.
     if check_layout(model_cfg, 1, 1, 1):
-        # Sizes that may not even build: check_layout lists them and the run stops before any worker
-        # starts; an empty plan keeps a second, misleading "no plan" message out of that list.
         return TPPlan()
-    key = json.dumps(OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg)
-                     else dict(model_cfg), sort_keys=True, default=str)
+    key = json.dumps(values, sort_keys=True, default=str)
     if key not in _PLANS:
         with torch.device("meta"):
             model = build_model(model_cfg)
@@ -57,15 +58,11 @@ def _divisors(value: int) -> str:
 
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
-    """Problems with running ``model_cfg`` at this layout (empty list when it fits); each names the fix."""
+    """Problems with running ``model_cfg`` at this layout (empty list when it fits); each names the fix.
+
+    Each size is already a positive integer (schema.LlamaModel); these checks relate them.
+    """
     problems = []
-    for field in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "num_layers", "seq_length",
-                  "vocab_size"):
-        value = model_cfg.get(field)
-        if not isinstance(value, int) or value < 1:
-            problems.append(f"model.{field}={value!r} must be a positive integer")
-    if problems:
-        return problems
     heads, kv_heads = model_cfg.num_heads, model_cfg.num_kv_heads
     if model_cfg.hidden_size % heads:
         problems.append(f"model.hidden_size={model_cfg.hidden_size} is not divisible by model.num_heads={heads}")

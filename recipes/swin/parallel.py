@@ -9,22 +9,19 @@ data fields the model's forward accepts, so no fixed ``input_names`` are needed.
 
 from __future__ import annotations
 
-from merak.tensor_parallel.model_plans import hf_swin_plan, timm_swin_plan
+from merak.hf.family_plans import hf_swin_plan
+from merak.tensor_parallel.model_plans import timm_swin_plan
 from merak.tensor_parallel.plan import TPPlan
-from recipes.vision.data import (  # noqa: F401
-    example_inputs,
-    image_model_problems,
-    positive_int_problems,
-)
+from recipes.vision.data import example_inputs, image_model_problems  # noqa: F401
 
 # Swin blocks of the Hugging Face model (transformers v5 names); the timm model's are
 # ``layers.*.blocks.*``. conf/train.yaml takes the points of the chosen model from ``model.split_points``.
 SPLIT_POINTS = ("swin.encoder.layers.*.blocks.*",)
 
-# merak's Swin plans (merak.tensor_parallel.model_plans: Megatron's split of every Swin block, the
-# relative position bias table by heads). The Hugging Face and timm models name their modules
-# differently, and a rule that matches nothing is an error, so each source has its plan (tp_plan,
-# the recipe's plan, picks it from model.source).
+# merak's Swin plans (merak.hf.family_plans and merak.tensor_parallel.model_plans: Megatron's split of
+# every Swin block, the relative position bias table by heads). The Hugging Face and timm models name
+# their modules differently, and a rule that matches nothing is an error, so each source has its plan
+# (tp_plan, the recipe's plan, picks it from model.source).
 HF_TP_PLAN = hf_swin_plan()
 TIMM_TP_PLAN = timm_swin_plan()
 TP_PLAN = HF_TP_PLAN
@@ -35,27 +32,16 @@ def tp_plan(model_cfg) -> TPPlan:
     return TIMM_TP_PLAN if model_cfg.source == "timm" else HF_TP_PLAN
 
 
-def _int_list(value) -> list[int] | None:
-    try:
-        items = list(value)
-    except TypeError:
-        return None
-    if not items or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items):
-        return None
-    return items
-
-
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
-    """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
+    """Problems with running ``model_cfg`` at this layout (empty list when it fits).
+
+    Each size is already a positive integer, and depths and heads non-empty lists of them
+    (schema.SwinModel); these checks relate them.
+    """
     problems = image_model_problems(model_cfg, ("hf", "timm"))
-    problems += positive_int_problems(model_cfg, ("patch_size", "embed_dim", "window_size"))
-    depths, heads = _int_list(model_cfg.get("depths")), _int_list(model_cfg.get("num_heads"))
-    if depths is None:
-        problems.append(f"model.depths={model_cfg.get('depths')!r} must be a list of positive integers")
-    if heads is None:
-        problems.append(f"model.num_heads={model_cfg.get('num_heads')!r} must be a list of positive integers")
     if problems:
         return problems
+    depths, heads = list(model_cfg.depths), list(model_cfg.num_heads)
     if model_cfg.source == "timm" and not model_cfg.get("timm_name"):
         problems.append("model.source=timm needs model.timm_name (e.g. swin_tiny_patch4_window7_224)")
     if len(depths) != len(heads):

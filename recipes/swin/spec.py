@@ -3,7 +3,7 @@
 from merak.recipe import RecipeSpec
 from recipes.vision import data, loss
 
-from . import model, parallel
+from . import model, parallel, schema
 
 SPEC = RecipeSpec(
     name="swin",
@@ -13,6 +13,8 @@ SPEC = RecipeSpec(
     load_dataset=data.load,
     check_layout=parallel.check_layout,
     check_data=data.check_data,
+    model_schema=schema.SwinModel,
+    data_schema=schema.SwinData,
     example_inputs=parallel.example_inputs,
     split_points=parallel.SPLIT_POINTS,
     tp_plan=parallel.tp_plan,

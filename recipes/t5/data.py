@@ -63,27 +63,9 @@ TOKENIZER_VERSION = "t5-unigram-v1"  # part of the cache key: bump when the trai
 
 
 def check_data(data_cfg) -> list[str]:
-    """Problems with the data settings that can be seen without reading or generating the data."""
-    source = data_cfg.get("source", "synthetic")
-    problems = [] if source == "synthetic" else text.check_source(data_cfg)
-    if problems and problems[0].startswith("unknown data.source"):
-        return [f"unknown data.source={source!r}; use python_docs, files, hub or synthetic"]
-    if not isinstance(data_cfg.get("seed"), int):
-        problems.append(f"data.seed={data_cfg.get('seed')!r} must be an integer")
-    if source == "synthetic":
-        if not isinstance(data_cfg.get("num_samples"), int) or data_cfg.num_samples < 1:
-            problems.append(f"data.num_samples={data_cfg.get('num_samples')!r} must be a positive integer")
-        if not isinstance(data_cfg.get("branching"), int) or data_cfg.branching < 1:
-            problems.append(f"data.branching={data_cfg.get('branching')!r} must be a positive integer")
-        return problems
-    if not 0.0 < float(data_cfg.get("noise_density", 0.0)) < 1.0:
-        problems.append(f"data.noise_density={data_cfg.get('noise_density')!r} must be in (0, 1)")
-    if not float(data_cfg.get("mean_noise_span_length", 0.0)) >= 1.0:
-        problems.append(f"data.mean_noise_span_length={data_cfg.get('mean_noise_span_length')!r} must be >= 1")
-    chars = data_cfg.get("tokenizer_chars")
-    if chars is not None and (not isinstance(chars, int) or chars < 1):
-        problems.append(f"data.tokenizer_chars={chars!r} must be a positive integer or null (all the text)")
-    return problems
+    """Problems with the data settings that can be seen without reading or generating the data (each
+    value's type and range are checked before, against schema.T5Data)."""
+    return text.check_source_or_synthetic(data_cfg)
 
 
 def prepare(data_cfg, model_cfg) -> str:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from merak.tensor_parallel.model_plans import t5_plan
+from merak.hf.family_plans import t5_plan
 
 INPUT_NAMES = ("input_ids", "decoder_input_ids")
 SPLIT_POINTS = ("encoder.block.*", "decoder.block.*")
 
-# merak's T5 plan (merak.tensor_parallel.model_plans.t5_plan: Megatron's split of every attention and
+# merak's T5 plan (merak.hf.family_plans.t5_plan: Megatron's split of every attention and
 # feed-forward, the relative position bias by heads; with parallel_vocab the shared token embedding
 # and the logits) for T5ForConditionalGeneration.
 TP_PLAN = t5_plan()
@@ -31,17 +31,13 @@ def example_inputs(model_cfg, micro_batch_size: int) -> dict[str, torch.Tensor]:
 
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
-    """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
+    """Problems with running ``model_cfg`` at this layout (empty list when it fits).
+
+    Each size is already a positive integer (schema.T5Model); these checks relate them.
+    """
     from .data import FIRST_WORD
 
     problems = []
-    for field in ("d_model", "d_kv", "d_ff", "num_heads", "num_layers", "num_decoder_layers", "vocab_size",
-                  "source_length", "target_length"):
-        value = model_cfg.get(field)
-        if not isinstance(value, int) or value < 1:
-            problems.append(f"model.{field}={value!r} must be a positive integer")
-    if problems:
-        return problems
     if model_cfg.num_heads % tp:
         problems.append(f"model.num_heads={model_cfg.num_heads} is not divisible by parallel.tp={tp}")
     if model_cfg.vocab_size <= FIRST_WORD + 1:

@@ -64,17 +64,11 @@ def _folder_problems(path) -> list[str]:
 
 
 def check_data(data_cfg) -> list[str]:
-    """Problems with the data settings that can be seen without reading the data."""
+    """Problems with the data settings that can be seen without reading the data (each value's type and
+    range are checked before, against recipes.vision.schema.ImageData)."""
     source = data_cfg.get("source")
     if source == "synthetic":
-        problems = []
-        count = data_cfg.get("num_samples")
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            problems.append(f"data.num_samples={count!r} must be a positive integer")
-        noise = data_cfg.get("noise", 1.0)
-        if not isinstance(noise, (int, float)) or noise < 0:
-            problems.append(f"data.noise={noise!r} must be a number >= 0")
-        return problems
+        return []
     if source == "folder":
         return _folder_problems(data_cfg.get("path"))
     return [f"unknown data.source={source!r}; use {' or '.join(SOURCES)}"]
@@ -165,19 +159,8 @@ def load(prepared: str, model_cfg):
                            image_size=size, seed=description["seed"], noise=description["noise"], key=key)
 
 
-def positive_int_problems(model_cfg, fields) -> list[str]:
-    """``model.<field> must be a positive integer`` for each of ``fields`` that is not."""
-    problems = []
-    for field in fields:
-        value = model_cfg.get(field)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            problems.append(f"model.{field}={value!r} must be a positive integer")
-    return problems
-
-
 def image_model_problems(model_cfg, sources) -> list[str]:
-    """Checks every vision model config shares: a known ``model.source``, image size and classes."""
-    problems = []
+    """The check every vision model config shares: ``model.source`` is one of the recipe's ``sources``."""
     if model_cfg.get("source") not in sources:
-        problems.append(f"model.source={model_cfg.get('source')!r} is unknown; use {' or '.join(sources)}")
-    return problems + positive_int_problems(model_cfg, ("image_size", "num_classes"))
+        return [f"model.source={model_cfg.get('source')!r} is unknown; use {' or '.join(sources)}"]
+    return []

@@ -9,21 +9,19 @@ data fields the model's forward accepts, so no fixed ``input_names`` are needed.
 
 from __future__ import annotations
 
-from merak.tensor_parallel.model_plans import hf_vit_plan, timm_vit_plan
+from merak.hf.family_plans import hf_vit_plan
+from merak.tensor_parallel.model_plans import timm_vit_plan
 from merak.tensor_parallel.plan import TPPlan
-from recipes.vision.data import (  # noqa: F401
-    example_inputs,
-    image_model_problems,
-    positive_int_problems,
-)
+from recipes.vision.data import example_inputs, image_model_problems  # noqa: F401
 
 # Encoder blocks of the Hugging Face model (transformers v5 names); the timm model's are
 # ``blocks.*``. conf/train.yaml takes the points of the chosen model from ``model.split_points``.
 SPLIT_POINTS = ("vit.layers.*",)
 
-# merak's ViT plans (merak.tensor_parallel.model_plans: Megatron's split of every encoder block). The
-# Hugging Face and timm models name their modules differently, and a rule that matches nothing is an
-# error, so each source has its plan (tp_plan, the recipe's plan, picks it from model.source).
+# merak's ViT plans (merak.hf.family_plans and merak.tensor_parallel.model_plans: Megatron's split of
+# every encoder block). The Hugging Face and timm models name their modules differently, and a rule
+# that matches nothing is an error, so each source has its plan (tp_plan, the recipe's plan, picks it
+# from model.source).
 HF_TP_PLAN = hf_vit_plan()
 TIMM_TP_PLAN = timm_vit_plan()
 TP_PLAN = HF_TP_PLAN
@@ -35,10 +33,11 @@ def tp_plan(model_cfg) -> TPPlan:
 
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
-    """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
+    """Problems with running ``model_cfg`` at this layout (empty list when it fits).
+
+    Each size is already a positive integer (schema.VitModel); these checks relate them.
+    """
     problems = image_model_problems(model_cfg, ("hf", "timm"))
-    problems += positive_int_problems(model_cfg, ("patch_size", "hidden_size", "num_layers", "num_heads",
-                                                  "intermediate_size"))
     if problems:
         return problems
     if model_cfg.source == "timm" and not model_cfg.get("timm_name"):

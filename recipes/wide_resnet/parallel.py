@@ -9,11 +9,7 @@ torchvision's ResNet takes the images as ``x``.
 from __future__ import annotations
 
 from merak.tensor_parallel.model_plans import resnet_plan
-from recipes.vision.data import (  # noqa: F401
-    example_inputs,
-    image_model_problems,
-    positive_int_problems,
-)
+from recipes.vision.data import example_inputs, image_model_problems  # noqa: F401
 
 # Every Bottleneck block: layer1.0, layer1.1, ..., layer4.2.
 SPLIT_POINTS = ("layer?.*",)
@@ -26,22 +22,23 @@ TP_PLAN = resnet_plan()
 
 
 def check_layout(model_cfg, dp: int, tp: int, pp: int) -> list[str]:
-    """Problems with running ``model_cfg`` at this layout (empty list when it fits)."""
+    """Problems with running ``model_cfg`` at this layout (empty list when it fits).
+
+    Each size is already a positive integer, and the block counts positive (schema.WideResnetModel);
+    these checks relate them, and ask for the sizes a model without a torchvision builder needs.
+    """
     problems = image_model_problems(model_cfg, ("torchvision",))
     if not problems and model_cfg.image_size < MIN_IMAGE_SIZE:
         problems.append(f"model.image_size={model_cfg.image_size} is below {MIN_IMAGE_SIZE}: the ResNet stem and "
                         "stages downsample by 32")
     if model_cfg.get("torchvision_name"):
         return problems
-    problems += positive_int_problems(model_cfg, ("width_per_group",))
+    if model_cfg.get("width_per_group") is None:
+        problems.append("model.torchvision_name=null needs model.width_per_group (64: the plain ResNet, 128: "
+                        "twice as wide)")
     layers = model_cfg.get("layers")
-    try:
-        layers = list(layers)
-    except TypeError:
-        layers = None
-    if (layers is None or len(layers) != 4
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in layers)):
-        problems.append(f"model.layers={model_cfg.get('layers')!r} must be 4 positive block counts, "
+    if layers is None or len(layers) != len(STAGE_PLANES):
+        problems.append(f"model.layers={layers!r} must be {len(STAGE_PLANES)} positive block counts, "
                         "e.g. [3, 4, 6, 3]")
     if not problems:
         # tensor parallelism splits each Bottleneck's inner width (conv1's output channels)

@@ -181,10 +181,10 @@ def test_save_model_gathers_every_stage_and_tensor_parallel_slice(tmp_path):
 
 def _energy_and_generation(output_dir: str) -> None:
     merak.init(dp=1, tp=1, pp=2)
-    common = dict(per_device_train_batch_size=MICRO, per_device_eval_batch_size=MICRO,
-                  gradient_accumulation_steps=MICROBATCHES, learning_rate=LR, seed=SEED, save=False,
-                  disable_tqdm=True, timeout_s=120, split_method="layer_split",
-                  custom_split_points=["model.layers.*"])
+    common = {"per_device_train_batch_size": MICRO, "per_device_eval_batch_size": MICRO,
+              "gradient_accumulation_steps": MICROBATCHES, "learning_rate": LR, "seed": SEED, "save": False,
+              "disable_tqdm": True, "timeout_s": 120, "split_method": "layer_split",
+              "custom_split_points": ["model.layers.*"]}
     profiler = merak.MerakTrainer(
         model=build_model(), train_data=samples(32, 1),
         args=merak.MerakArguments(output_dir=os.path.join(output_dir, "profile"), max_steps=2, profile=True,
@@ -213,7 +213,8 @@ def test_energy_profile_and_text_generation_from_the_trainer(tmp_path):
     with open(summary["profile"], encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == summary["rows"] > 0
-    assert {row["pp_rank"] for row in rows} == {"0", "1"} and {"forward", "backward"} <= {row["instruction"] for row in rows}
+    assert {row["pp_rank"] for row in rows} == {"0", "1"}
+    assert {"forward", "backward"} <= {row["instruction"] for row in rows}
     with open(os.path.join(output_dir, "generate", "generated.jsonl"), encoding="utf-8") as handle:
         generated = [json.loads(line) for line in handle]
     prompts = [sample["input_ids"].tolist() for sample in samples(4, 2)]

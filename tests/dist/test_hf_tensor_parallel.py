@@ -33,8 +33,8 @@ BATCH, SEQ, VOCAB = 2, 16, 64
 TP = 2
 OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0,
                            lr_scheduler_type="constant")
-SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-             intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False)
+SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": VOCAB, "intermediate_size": 64, "max_position_embeddings": 64, "tie_word_embeddings": False}
 
 
 def llama():

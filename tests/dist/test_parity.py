@@ -7,14 +7,13 @@ the same optimizer, schedule and clipping.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
 import torch
-
-import functools
-
 from gpt_reference import PARITY_OPTIONS, assert_steps_match, train_reference
+
 from merak.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups

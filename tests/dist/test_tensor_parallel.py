@@ -1,7 +1,7 @@
 """Tensor parallelism trains GPT-2 to the single-process losses and gradients, in every 3D layout.
 
 Each layout runs in one gloo world; a worker's gradients are its slices of the
-reference gradients (merak.tensor_parallel.slicing records which slice).
+reference gradients (merak.core.slices records which slice).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import torch
 from gpt_reference import PARITY_OPTIONS, relative_error, train_reference, vocab_padded
 
 from merak.assemble import assemble
+from merak.core.slices import parameter_slices
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel.options import TensorParallelOptions
-from merak.tensor_parallel.slicing import parameter_slices
 from recipes.gpt import data, model, parallel
 
 pytestmark = pytest.mark.dist

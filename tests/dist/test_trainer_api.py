@@ -40,11 +40,11 @@ def samples(count: int, seed: int) -> list[dict]:
 
 
 def arguments(output_dir: str, **overrides):
-    fields = dict(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=MICRO,
-                  per_device_eval_batch_size=MICRO, gradient_accumulation_steps=MICROBATCHES, learning_rate=LR,
-                  seed=SEED, weight_decay=0.01, lr_scheduler_type="linear", disable_tqdm=True,
-                  split_method="layer_split", custom_split_points=["model.layers.*"], timeout_s=120,
-                  activation_checkpointing=True)
+    fields = {"output_dir": output_dir, "max_steps": STEPS, "per_device_train_batch_size": MICRO,
+              "per_device_eval_batch_size": MICRO, "gradient_accumulation_steps": MICROBATCHES, "learning_rate": LR,
+              "seed": SEED, "weight_decay": 0.01, "lr_scheduler_type": "linear", "disable_tqdm": True,
+              "split_method": "layer_split", "custom_split_points": ["model.layers.*"], "timeout_s": 120,
+              "activation_checkpointing": True}
     fields.update(overrides)
     return merak.MerakArguments(**fields)
 

@@ -17,6 +17,7 @@ import torch
 from gpt_reference import PARITY_OPTIONS, relative_error, train_reference, vocab_padded
 
 from merak.assemble import assemble
+from merak.core.slices import parameter_slices
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
@@ -25,7 +26,6 @@ from merak.optim.distributed import ZeroOptions
 from merak.optim.precision import PrecisionOptions
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel.options import TensorParallelOptions
-from merak.tensor_parallel.slicing import parameter_slices
 from recipes.gpt import data, model, parallel
 
 pytestmark = pytest.mark.dist

@@ -4,11 +4,11 @@ Run under ``torchrun --nproc_per_node=4`` (dp=2 x pp=2) by tests/recipes/test_se
 from a folder outside the checkout, so ``import Merak`` is the installed package.
 """
 
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
 import Merak
 from Merak import MerakArguments, MerakTrainer
-
-import torch  # noqa: E402  (after Merak, as the README asks)
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 # Init Merak with degrees of 3D parallelism.
 dp = 2

@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from train_py import run_train_py
 
 pytestmark = pytest.mark.recipe

@@ -14,13 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from train_py import recipe_env
 
 from merak.distributed.launch import free_port
 from merak.energy.dag import step_graph
 from merak.energy.plans import write_plan
 from merak.energy.profile_csv import COLUMNS
-
-from train_py import recipe_env
 
 pytestmark = pytest.mark.recipe
 
@@ -34,7 +33,8 @@ STEP = ["trainer.gradient_accumulation_steps=4", "trainer.max_steps=5"]
 
 
 def _run(command, cache_dir, timeout=300) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=REPO, env=recipe_env(cache_dir), capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, cwd=REPO, env=recipe_env(cache_dir), capture_output=True, text=True,
+                            timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result
 
@@ -75,7 +75,8 @@ def test_profile_plan_and_run_the_plan(tmp_path, cache_dir):
     _run([*CLI, "plan", str(path), "--num-stages", "2", "--num-microbatches", "4", "--schedule", "1f1b",
           "--p2p-power", "80", "--out", str(plan_dir), "--points", "20"], cache_dir)
     report = json.loads((plan_dir / "plan.json").read_text())
-    frontier = list(csv.DictReader(open(plan_dir / "frontier.csv")))
+    with open(plan_dir / "frontier.csv") as handle:
+        frontier = list(csv.DictReader(handle))
     times = [float(r["iteration_time"]) for r in frontier]
     energies = [float(r["energy"]) for r in frontier]
     assert times == sorted(times) and energies == sorted(energies, reverse=True) and len(frontier) >= 3

@@ -28,7 +28,7 @@ def _train(args, cache_dir, timeout=240):
 def test_plan_is_transformers_own_translated():
     from transformers import LlamaForCausalLM
 
-    from merak.tensor_parallel.hf_plans import transformers_rules, translate_plan
+    from merak.hf.tp_translation import transformers_rules, translate_plan
     from recipes.llama.model import build_model
     from recipes.llama.spec import SPEC
 

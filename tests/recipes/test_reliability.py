@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from train_py import GPT_TRAIN, REPO, read_metrics, recipe_env, run_train_py
 
 from merak.run_directory import LOCK_NAME
-from train_py import GPT_TRAIN, REPO, read_metrics, recipe_env, run_train_py
 
 pytestmark = pytest.mark.recipe
 

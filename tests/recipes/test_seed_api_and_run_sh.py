@@ -10,7 +10,6 @@ import sys
 import tomllib
 
 import pytest
-
 from seed_runs import BIN, REPO, check_training, run_command, seed_env
 
 pytestmark = pytest.mark.recipe

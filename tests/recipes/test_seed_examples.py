@@ -10,9 +10,9 @@ import math
 import sys
 
 import pytest
+from seed_runs import BIN, REPO, check_training, link_example, read_metrics, run_command, seed_env, write_text_csv
 
 from merak.distributed.launch import free_port
-from seed_runs import BIN, REPO, check_training, link_example, read_metrics, run_command, seed_env, write_text_csv
 
 pytestmark = pytest.mark.recipe
 

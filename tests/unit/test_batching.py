@@ -55,7 +55,7 @@ def test_steps_of_one_epoch_are_disjoint():
 
 
 def test_unshuffled_exact_indices():
-    kw = dict(num_samples=20, micro_batch_size=2, num_microbatches=2, dp_size=2, shuffle=False)
+    kw = {"num_samples": 20, "micro_batch_size": 2, "num_microbatches": 2, "dp_size": 2, "shuffle": False}
     r0, r1 = BatchPlan(dp_rank=0, **kw), BatchPlan(dp_rank=1, **kw)
     assert r0.steps_per_epoch == 2
     assert r0.microbatch_indices(0) == [[0, 1], [2, 3]]

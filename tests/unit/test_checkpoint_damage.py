@@ -17,6 +17,7 @@ import zlib
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_engine import Input, Net, loss_fn, single_process  # noqa: F401  (a fixture)
 
 from merak.checkpoint import (
     CheckpointError,
@@ -26,14 +27,13 @@ from merak.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from merak.checkpoint import load as checkpoint_load
 from merak.checkpoint import save as checkpoint_save
 from merak.checkpoint.export import main as export_main
-from merak.checkpoint import load as checkpoint_load
 from merak.checkpoint.load import CheckpointSource, LoadOptions
 from merak.checkpoint.save import nonfinite_tensors
 from merak.engine import OptimizerOptions, PipelineEngine
 from merak.pipeline.stage import StageModule
-from tiny_engine import Input, Net, loss_fn, single_process  # noqa: F401  (a fixture)
 
 MODEL = "model/pp000-tp000.safetensors"
 OPTIMIZER = "optimizer/pp000-tp000-dp000.safetensors"

@@ -39,7 +39,7 @@ from merak.checkpoint.files import (
 )
 from merak.checkpoint.rng import capture_rng, restore_rng
 from merak.checkpoint.tensors import join_slices, slice_from_json, slice_to_json
-from merak.tensor_parallel.slicing import TensorSlice
+from merak.core.slices import TensorSlice
 
 # -- helpers ---------------------------------------------------------------------
 

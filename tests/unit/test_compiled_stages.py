@@ -172,8 +172,10 @@ def test_a_compiled_engine_trains_to_the_eager_numbers(single_process, recompute
 def test_half_precision_compiled_stages_track_eager(single_process, precision):
     """Half-precision weights and activations compile (fp32 master weights and loss scaling unchanged);
     losses agree within half-precision rounding."""
-    eager, _ = _train(single_process, compile=CompileOptions(), recompute=RecomputeOptions(activation_checkpointing=False), precision=precision)
-    compiled, engine = _train(single_process, compile=COMPILED, recompute=RecomputeOptions(activation_checkpointing=False), precision=precision)
+    eager, _ = _train(single_process, compile=CompileOptions(),
+                      recompute=RecomputeOptions(activation_checkpointing=False), precision=precision)
+    compiled, engine = _train(single_process, compile=COMPILED,
+                              recompute=RecomputeOptions(activation_checkpointing=False), precision=precision)
     assert engine.chunks[0].parts[1].linear.weight.dtype == precision.dtype
     for (loss, _), (want, _) in zip(compiled, eager, strict=True):
         assert loss == pytest.approx(want, rel=2e-2)
@@ -182,10 +184,10 @@ def test_half_precision_compiled_stages_track_eager(single_process, precision):
 
 def test_compiled_stages_under_the_activation_meter(single_process):
     """The exact activation meter (a saved-tensor hook) sees what compiled graphs save for backward."""
-    eager, eager_engine = _train(single_process, compile=CompileOptions(), recompute=RecomputeOptions(activation_checkpointing=False),
-                                 measure_activations=True)
-    compiled, engine = _train(single_process, compile=COMPILED, recompute=RecomputeOptions(activation_checkpointing=False),
-                              measure_activations=True)
+    eager, eager_engine = _train(single_process, compile=CompileOptions(),
+                                 recompute=RecomputeOptions(activation_checkpointing=False), measure_activations=True)
+    compiled, engine = _train(single_process, compile=COMPILED,
+                              recompute=RecomputeOptions(activation_checkpointing=False), measure_activations=True)
     for (loss, _), (want, _) in zip(compiled, eager, strict=True):
         assert loss == pytest.approx(want, rel=1e-5)
     assert engine.memory_report()["peak_activation_bytes"] > 0

@@ -16,12 +16,12 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
+from test_config import compose
 
 from merak.config import ConfigError, LauncherSettings, TrainerSettings, resolve_settings
 from merak.config_fields import typed_section
 from merak.overrides import override_problems
 from recipes.gpt.spec import SPEC
-from test_config import compose
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,8 @@ def test_every_bad_value_is_listed_at_once():
     assert [p.split("=")[0] for p in override_problems(
         ["-m", "trainer.learning_rate=abc", "trainer.max_steps=1.5", "launcher.timeout_s=0", "model.num_heads=3",
          "trainer.lerning_rate=1"])] == ["trainer.learning_rate", "trainer.max_steps", "launcher.timeout_s",
-                                         "trainer.lerning_rate is not a known setting (did you mean trainer.learning_rate?)"]
+                                         "trainer.lerning_rate is not a known setting "
+                                         "(did you mean trainer.learning_rate?)"]
     problems = problems_of_unschematized("trainer.learning_rate=abc", "trainer.max_steps=1.5", "launcher.timeout_s=0",
                                          "model.num_heads=3")
     fields = [p.split("=")[0] for p in problems]

@@ -3,23 +3,27 @@ and plan_for's choice between them and the user's plan."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import tiny_models
 import torch
 
 from merak.assemble import assemble
-from merak.config import ConfigError
+from merak.core import group_registry
+from merak.core.plan_sources import PlanSource, register_plan_source, unregister_plan_source
+from merak.core.slices import sequence_partial
+from merak.hf.family_plans import bert_plan, gpt2_plan, t5_plan
+from merak.hf.tp_translation import translate_plan
 from merak.shard.plan import ShardingOptions
-from merak.tensor_parallel import TPPlan, TPPlanError, comm, default_plan, plan_for, resolve_plan
-from merak.tensor_parallel.hf_plans import translate_plan
-from merak.tensor_parallel.model_plans import bert_plan, gpt2_plan, t5_plan
+from merak.tensor_parallel import MissingTPPlanError, TPPlan, TPPlanError, default_plan, plan_for, resolve_plan
 from merak.tensor_parallel.options import TensorParallelOptions
-from merak.tensor_parallel.sequence import sequence_partial
 from recipes.bert.parallel import TP_PLAN as BERT_RECIPE_PLAN
 from recipes.gpt.parallel import TP_PLAN as GPT_RECIPE_PLAN
 
-SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-             intermediate_size=64, max_position_embeddings=64)
+SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "vocab_size": 64, "intermediate_size": 64, "max_position_embeddings": 64}
 ATTENTION = "model.layers.*.self_attn"
 DECODER_STYLES = {f"{ATTENTION}.q_proj": "column", f"{ATTENTION}.k_proj": "column", f"{ATTENTION}.v_proj": "column",
                   f"{ATTENTION}.o_proj": "row", "model.layers.*.mlp.gate_proj": "column",
@@ -29,7 +33,7 @@ DECODER_STYLES = {f"{ATTENTION}.q_proj": "column", f"{ATTENTION}.k_proj": "colum
 @pytest.fixture(autouse=True)
 def _no_leftover_groups():
     yield
-    comm.unregister_groups()
+    group_registry.unregister_groups()
 
 
 def _decoder(family: str, **overrides):
@@ -164,7 +168,7 @@ def test_plan_for_prefers_the_users_plan():
 
 
 def test_plan_for_without_any_plan_names_the_class():
-    with pytest.raises(ConfigError, match="model class SkipNet has no tensor-parallel plan.*set_tp_layer_lists"):
+    with pytest.raises(MissingTPPlanError, match="model class SkipNet has no tensor-parallel plan.*set_tp_layer_lists"):
         plan_for(tiny_models.skip_net()[0], None, tp=2)
     assert plan_for(tiny_models.skip_net()[0], None, tp=1) is None
 
@@ -187,3 +191,24 @@ def test_plan_for_builds_a_model_init_only_when_needed():
     assert not calls
     plan = plan_for(model_init, None, tp=2)
     assert calls == [1] and dict(plan.styles) == DECODER_STYLES
+
+
+def test_a_registered_source_gives_plans_for_models_merak_does_not_know():
+    model = tiny_models.skip_net()[0]
+    mine = TPPlan(styles={"no.such.layer": "column"})
+    source = PlanSource(name="test source", default_plan=lambda m: mine if m is model else None)
+    register_plan_source(source)
+    try:
+        assert default_plan(model) is mine and plan_for(model, None, tp=2) is mine
+        assert default_plan(tiny_models.gpt2()[0]) == GPT_RECIPE_PLAN  # the earlier sources come first
+    finally:
+        unregister_plan_source(source.name)
+    assert default_plan(model) is None
+
+
+def test_importing_merak_registers_the_hugging_face_plans_without_importing_transformers():
+    script = ("import sys, merak\n"
+              "from merak.core.plan_sources import plan_sources\n"
+              "print([source.name for source in plan_sources()], 'transformers' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "['Hugging Face'] False"

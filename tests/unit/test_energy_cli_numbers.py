@@ -115,5 +115,6 @@ def test_command_line_num_stages_0(profile, tmp_path):
     command = [sys.executable, "-m", "merak.energy.cli", *_argv(profile, out, **{"--num-stages": "0"})]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "merak-energy plan: error: argument --num-stages: must be >= 1, got 0"
+    assert result.stderr.strip().splitlines()[-1] == \
+        "merak-energy plan: error: argument --num-stages: must be >= 1, got 0"
     assert "Traceback" not in result.stderr and not out.exists()

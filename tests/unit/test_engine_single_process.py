@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_engine import Input, Net, loss_fn, single_process  # noqa: F401  (a fixture)
 
 from merak.engine import OptimizerOptions, PipelineEngine
-from merak.pipeline.hooks import PipelineHook
+from merak.pipeline.hooks import InstructionEvent, PipelineHook
 from merak.pipeline.stage import StageModule
-from tiny_engine import Input, Net, loss_fn, single_process  # noqa: F401  (a fixture)
 
 
 class Recorder(PipelineHook):
@@ -21,11 +21,11 @@ class Recorder(PipelineHook):
     def on_step_end(self) -> None:
         self.events.append("step_end")
 
-    def on_instruction_begin(self, name: str) -> None:
-        self.events.append(f"{name}_begin")
+    def on_instruction_begin(self, event: InstructionEvent) -> None:
+        self.events.append(f"{event.name}_begin")
 
-    def on_instruction_end(self, name: str) -> None:
-        self.events.append(f"{name}_end")
+    def on_instruction_end(self, event: InstructionEvent) -> None:
+        self.events.append(f"{event.name}_end")
 
 
 def test_microbatches_accumulate_to_the_full_batch_step(single_process):

@@ -112,7 +112,8 @@ def test_seed_size_fields_are_checked_against_the_model_and_data(tmp_path):
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16))
     sample = {"input_ids": torch.zeros(12, dtype=torch.long)}
-    assert _args(tmp_path, num_heads=4, seq_length=12, trace_model="GPT2LMHeadModel").model_problems(model, sample) == []
+    args = _args(tmp_path, num_heads=4, seq_length=12, trace_model="GPT2LMHeadModel")
+    assert args.model_problems(model, sample) == []
     problems = _args(tmp_path, num_heads=8, seq_length=16, trace_model="Qwen2ForCausalLM").model_problems(model, sample)
     assert problems == ["num_heads=8 but the model has 4 attention heads",
                         "seq_length=16 but the training samples hold 12 tokens",

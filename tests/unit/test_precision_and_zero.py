@@ -20,8 +20,8 @@ from torch import nn
 from merak.config import ConfigError, resolve_settings
 from merak.optim.distributed import Piece
 from merak.optim.precision import LossScaler, PrecisionOptions
-from merak.optim.settings import precision_problems
 from merak.optim.schedule import build_optimizer, make_optimizer
+from merak.optim.settings import precision_problems
 from recipes.gpt.spec import SPEC
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "recipes" / "gpt" / "conf")
@@ -330,8 +330,9 @@ def test_optimizer_settings_that_resolve():
     (["trainer.gradient_predivide_factor=0"], "trainer.gradient_predivide_factor=0.0 must be positive"),
     (["trainer.save=true", "trainer.save_steps=0"], "trainer.save_steps=0 must be a positive integer"),
     (["trainer.save_total_limit=0"], "trainer.save_total_limit=0"),
-    (["parallel=tp2", "model.vocab_size=50304", "trainer.tp_overlapping_level=2", "trainer.activation_checkpointing=false",
-      "trainer.zero_optimization=true", "trainer.zero_stage=2"], "trainer.zero_stage=2 reduces gradients as autograd"),
+    (["parallel=tp2", "model.vocab_size=50304", "trainer.tp_overlapping_level=2",
+      "trainer.activation_checkpointing=false", "trainer.zero_optimization=true", "trainer.zero_stage=2"],
+     "trainer.zero_stage=2 reduces gradients as autograd"),
     (["trainer.finetune=true"], "trainer.finetune=true loads weights from a checkpoint"),
     (["trainer.pretrained_weights=/models/gpt2", "trainer.resume_from_checkpoint=/runs/a/checkpoint-5"],
      "trainer.pretrained_weights and trainer.resume_from_checkpoint both set"),

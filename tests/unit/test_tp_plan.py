@@ -7,18 +7,18 @@ import tiny_models
 import torch
 
 from merak.assemble import assemble
+from merak.core import group_registry
+from merak.core.slices import TensorSlice, parameter_slices
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel import SequenceParallelPlan, TPPlan, TPPlanError, resolve_plan, set_tp_layer_lists
-from merak.tensor_parallel import comm
 from merak.tensor_parallel.options import TensorParallelOptions, option_problems
-from merak.tensor_parallel.slicing import TensorSlice, parameter_slices
 from recipes.gpt.parallel import TP_PLAN as GPT_PLAN
 
 
 @pytest.fixture(autouse=True)
 def _no_leftover_groups():
     yield
-    comm.unregister_groups()
+    group_registry.unregister_groups()
 
 
 def _gpt2():
@@ -135,7 +135,7 @@ def test_shards_start_from_slices_of_the_single_device_weights(init_device):
                           example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long)},
                           options=ShardingOptions()).model.named_parameters())
     for rank in range(2):
-        comm.unregister_groups()
+        group_registry.unregister_groups()
         built = assemble(build=_padded_gpt2, seed=5, init_device=init_device, num_stages=1, num_microbatches=1,
                          stage_id=0, device=torch.device("cpu"),
                          example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long)}, options=ShardingOptions(),

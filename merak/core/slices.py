@@ -1,9 +1,11 @@
-"""Which part of a full tensor a tensor-parallel rank holds.
+"""How a tensor-parallel rank's parameters relate to the full model's.
 
 A sharded parameter remembers its :class:`TensorSlice` (in its module's
 ``_merak_tp_slices``), so that weights initialized at full size, loaded from a
 full checkpoint, or saved for another layout map to and from the rank-local
-piece exactly.
+piece exactly. A replicated parameter whose gradient is only a partial sum over
+the tensor-parallel group (sequence parallelism, per-head norms) carries a mark
+(:func:`mark_partial`) that the engine reads to sum it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 SLICES_ATTR = "_merak_tp_slices"
+PARTIAL_GRADIENT_ATTR = "_merak_sequence_partial"
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ def slices_of(module: nn.Module) -> dict[str, TensorSlice]:
 
 
 def record_slice(module: nn.Module, name: str, spec: TensorSlice) -> None:
+    """Remember that ``module``'s tensor ``name`` is the piece ``spec`` of the full tensor."""
     if SLICES_ATTR not in module.__dict__:
         setattr(module, SLICES_ATTR, {})
     getattr(module, SLICES_ATTR)[name] = spec
@@ -118,3 +122,14 @@ def tensor_slices(model: nn.Module) -> dict[str, TensorSlice]:
         for name, spec in slices_of(module).items():
             out[f"{module_name}.{name}" if module_name else name] = spec
     return out
+
+
+def mark_partial(param: nn.Parameter) -> None:
+    """Record that ``param``'s gradient is a partial sum over the tp group (the engine sums it)."""
+    setattr(param, PARTIAL_GRADIENT_ATTR, True)
+
+
+def sequence_partial(param: nn.Parameter) -> bool:
+    """True when ``param``'s gradient is a partial sum over the tp group: over the sequence
+    chunks (sequence parallelism) or over the heads (a per-head norm, ``TPPlan.partial``)."""
+    return getattr(param, PARTIAL_GRADIENT_ATTR, False)

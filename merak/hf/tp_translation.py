@@ -35,7 +35,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from merak.shard.split import module_pattern
+from merak.core.names import module_pattern
 from merak.tensor_parallel.layers import weight_in_out
 from merak.tensor_parallel.plan import TPPlan, TPPlanError
 
