@@ -244,42 +244,8 @@ def _chunks_or_one(trainer: TrainerSettings) -> int:
     return trainer.schedule.chunks
 
 
-def pipeline_chunks(trainer: TrainerSettings) -> int:
-    """Model chunks per pipeline rank: the setting, else 2 for interleaved schedules and 1 otherwise."""
-    return trainer.schedule.chunks
-
-
-def compile_options(trainer: TrainerSettings):
-    """The compiled-stage settings (see merak.pipeline.settings.CompileSettings.options)."""
-    return trainer.compile.options()
-
-
-def zero_options(trainer: TrainerSettings):
-    """The optimizer's ZeRO options (stage 0 when zero_optimization is off)."""
-    from merak.optim.distributed import ZeroOptions
-
-    zero = trainer.zero
-    return ZeroOptions(stage=zero.zero_stage if zero.zero_optimization else 0,
-                       reduce_bucket_size=int(zero.zero_reduce_bucket_size),
-                       allgather_bucket_size=int(zero.zero_allgather_bucket_size),
-                       prescale_gradients=zero.prescale_gradients,
-                       gradient_predivide_factor=zero.gradient_predivide_factor)
-
-
-def precision_options(trainer: TrainerSettings):
-    """The optimizer's mixed-precision options (the precision section's fields)."""
-    from merak.optim.precision import PrecisionOptions
-
-    return PrecisionOptions(**dataclasses.asdict(trainer.precision))
-
-
 def total_steps(settings: RunSettings, steps_per_epoch: int) -> int:
     """Optimizer steps of the run: max_steps, else epochs x steps per epoch."""
     if settings.trainer.max_steps > 0:
         return settings.trainer.max_steps
     return max(1, int(settings.trainer.num_train_epochs * steps_per_epoch))
-
-
-def warmup_steps(settings: RunSettings, steps: int) -> int:
-    """warmup_steps if set, else warmup_ratio x steps (as the HF Trainer)."""
-    return settings.trainer.optimizer.warmup_steps_for(steps)

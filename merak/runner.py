@@ -20,13 +20,7 @@ import torch
 from merak.checkpoint import CheckpointError, find_checkpoint
 from merak.checkpoint.files import read_manifest
 from merak.compat.allocator import keep_freed_memory
-from merak.config import (
-    ConfigError,
-    RunSettings,
-    pipeline_chunks,
-    resolve_settings,
-    total_steps,
-)
+from merak.config import ConfigError, RunSettings, resolve_settings, total_steps
 from merak.console import configure_worker_logging, only_errors, use_merak_format
 from merak.data.batching import BatchPlan
 from merak.distributed import groups
@@ -49,6 +43,7 @@ from merak.report import (
     write_json_atomic,
 )
 from merak.run_directory import RunDirectoryBusy, RunDirectoryLock
+from merak.run_options import pipeline_chunks
 from merak.session import TrainingSession, assemble_worker
 from merak.shard.partition import PartitionError
 from merak.shard.split import ShardingError

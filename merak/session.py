@@ -23,17 +23,11 @@ from merak.assemble import assemble
 from merak.checkpoint import load_checkpoint, load_pretrained, save_checkpoint
 from merak.checkpoint.load import LoadOptions
 from merak.checkpoint.save import SaveOptions
-from merak.config import (
-    RunSettings,
-    compile_options,
-    pipeline_chunks,
-    precision_options,
-    zero_options,
-)
+from merak.config import RunSettings
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.groups import ParallelState
-from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions, StepResult
+from merak.engine import PipelineEngine, StepResult
 from merak.pipeline.hooks import PipelineHook
 from merak.pipeline.wall_clock import write_timelines
 from merak.report import (
@@ -43,9 +37,18 @@ from merak.report import (
     peak_tflops,
     write_json_atomic,
 )
+from merak.run_options import (
+    compile_options,
+    optimizer_options,
+    pipeline_chunks,
+    precision_options,
+    recompute_options,
+    sharding_options,
+    tensor_parallel_options,
+    zero_options,
+)
 from merak.shard.costs import calibrate
-from merak.shard.plan import ShardingOptions, needs_calibration
-from merak.tensor_parallel.options import TensorParallelOptions
+from merak.shard.plan import needs_calibration
 from merak.trackers import Trackers, tracker_names
 
 logger = logging.getLogger(__name__)
@@ -60,19 +63,6 @@ class TrainingDiverged(RuntimeError):
 StepListener = Callable[[int, StepResult, StepRecord], bool]
 
 
-def sharding_options(spec, settings: RunSettings) -> ShardingOptions:
-    """Capture/shard/partition options: the trainer settings over the recipe's defaults."""
-    trainer = settings.trainer
-    return ShardingOptions(
-        trace_method=trainer.trace_method, split_method=trainer.split_method, shard_count=trainer.shard_count,
-        split_points=tuple(trainer.custom_split_points or spec.split_points),
-        partition_method=trainer.partition_method,
-        custom_partition=tuple(trainer.custom_partition) if trainer.custom_partition else None,
-        leaf_modules=tuple(spec.leaf_modules) + tuple(trainer.leaf_modules or ()),
-        input_names=tuple(trainer.input_names or spec.input_names or ()) or None,
-        autopipe_costs=trainer.autopipe_costs)
-
-
 def example_inputs(spec, settings: RunSettings, prepared) -> dict[str, torch.Tensor]:
     """One microbatch-shaped input: from the recipe's config shapes, else the first samples of the data."""
     size = settings.trainer.per_device_train_batch_size
@@ -80,29 +70,6 @@ def example_inputs(spec, settings: RunSettings, prepared) -> dict[str, torch.Ten
         return dict(spec.example_inputs(settings.model_cfg, size))
     dataset = spec.load_dataset(prepared, settings.model_cfg)
     return spec.collate([dataset[i] for i in range(min(size, len(dataset)))])
-
-
-def tensor_parallel_options(spec, settings: RunSettings, tp_rank: int) -> TensorParallelOptions:
-    """The tensor-parallel options of one tp rank."""
-    return settings.trainer.tensor_parallel.options(plan=spec.tensor_parallel_plan(settings.model_cfg),
-                                                    size=settings.grid.tp, rank=tp_rank)
-
-
-def recompute_options(settings: RunSettings) -> RecomputeOptions:
-    """The activation-checkpointing settings (same field names as the trainer settings)."""
-    trainer = settings.trainer
-    ratio = trainer.activation_checkpoint_ratio
-    return RecomputeOptions(activation_checkpointing=trainer.activation_checkpointing,
-                            checkpoint_num_layers=trainer.checkpoint_num_layers,
-                            activation_checkpoint_ratio=tuple(ratio) if isinstance(ratio, list) else ratio)
-
-
-def optimizer_options(settings: RunSettings, steps: int) -> OptimizerOptions:
-    """OptimizerOptions from the trainer settings (same field names), warm-up resolved."""
-    optimizer = settings.trainer.optimizer
-    names = {field.name for field in dataclasses.fields(OptimizerOptions)}
-    values = {name: getattr(optimizer, name) for name in names}
-    return OptimizerOptions(**{**values, "warmup_steps": optimizer.warmup_steps_for(steps)})
 
 
 def _calibrate_as_a_worker(settings: RunSettings, device, dtype):
@@ -505,5 +472,4 @@ def _flops_report(flops_per_step: float | None, step_time_s: float | None, world
             "peak_tflops_per_device": peak, "mfu": achieved / peak if peak else None}
 
 
-__all__ = ["TrainingDiverged", "TrainingSession", "assemble_worker", "example_inputs", "recompute_options",
-           "sharding_options", "tensor_parallel_options"]
+__all__ = ["TrainingDiverged", "TrainingSession", "assemble_worker", "example_inputs"]
