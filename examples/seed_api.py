@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import merak
 from examples.seed_data import IMAGE_RECIPES, image_overrides, text_overrides
+from merak.distributed import groups
 
 
 @dataclass
@@ -79,9 +80,14 @@ def main(recipe: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = example.dp or max(1, world // (example.tp * example.pp))
     merak.init(dp=dp, tp=example.tp, pp=example.pp)
-    spec, cfg, train, evaluation = _datasets(recipe, example, args)
-    torch.manual_seed(args.seed)  # the same initial weights in every process
-    trainer = merak.MerakTrainer(model=spec.build_model(cfg.model), args=args, train_data=train,
-                                 eval_data=evaluation, compute_loss=spec.loss_fn,
-                                 tp_plan=spec.tensor_parallel_plan(cfg.model), leaf_modules=spec.leaf_modules)
-    trainer.train()
+    try:
+        spec, cfg, train, evaluation = _datasets(recipe, example, args)
+        torch.manual_seed(args.seed)  # the same initial weights in every process
+        trainer = merak.MerakTrainer(model=spec.build_model(cfg.model), args=args, train_data=train,
+                                     eval_data=evaluation, compute_loss=spec.loss_fn,
+                                     tp_plan=spec.tensor_parallel_plan(cfg.model), leaf_modules=spec.leaf_modules)
+        trainer.train()
+    finally:
+        # Destroy the process groups before the interpreter exits: left to the interpreter's teardown,
+        # a process group's threads may be destroyed while still running, which aborts the process.
+        groups.shutdown()
