@@ -27,7 +27,7 @@ from merak.optim.settings import OptimizerSettings
 from merak.pipeline import instructions as ins
 from merak.pipeline.compiled import CompileClock, CompileOptions
 from merak.pipeline.executor import PipelineExecutor
-from merak.pipeline.hooks import InstructionEvent, PipelineHook
+from merak.pipeline.hooks import HookList, InstructionEvent, PipelineHook
 from merak.pipeline.recompute import (
     CheckpointOptions,
     checkpointed_parts,
@@ -345,21 +345,25 @@ class PipelineEngine:
         Returns:
             The mean loss of this step over the dp replicas (on every rank), and on the last
             stage the outputs by microbatch when ``keep_outputs`` (an empty dict elsewhere).
-            Training continues exactly as without this call (dropout seeds follow training steps).
+            Training continues exactly as without this call (dropout seeds follow training steps), and
+            the engine's listeners do not see the evaluation step.
         """
         if self.num_chunks > 1:
             raise NotImplementedError("evaluation with interleaved schedules (pipeline_chunks > 1) is not supported")
         if self._eval_instructions is None:
             self._eval_instructions = build_forward_only_schedule(
                 stage_id=self.stage_id, num_stages=self.num_stages, num_microbatches=self.num_microbatches)
-        step_index = self.executor.step_index
+        step_index, listeners = self.executor.step_index, self.executor.hooks
+        # The listeners (timers, energy meters, frequency plans) follow training steps: a forward-only
+        # evaluation step is none of theirs (a frequency plan would not find its instructions in it).
+        self.executor.hooks = HookList()
         for chunk in self.chunks.values():
             chunk.eval()
         try:
             with torch.no_grad():
                 local_loss = self.executor.run(self._eval_instructions, microbatches, keep_outputs=keep_outputs)
         finally:
-            self.executor.step_index = step_index
+            self.executor.step_index, self.executor.hooks = step_index, listeners
             for chunk in self.chunks.values():
                 chunk.train()
         return self._global_loss(local_loss), self.executor.outputs

@@ -59,6 +59,24 @@ def test_microbatches_accumulate_to_the_full_batch_step(single_process):
     assert recorder.events == per_step * 3
 
 
+def test_listeners_see_training_steps_only(single_process):
+    """An evaluation step runs no listener (a frequency plan lists the training instructions only)."""
+    net, recorder = Net(), Recorder()
+    engine = PipelineEngine(model=net, stages=[StageModule([Input(net), net.second])], loss_fn=loss_fn,
+                            state=single_process, schedule="1f1b", num_microbatches=2, total_steps=2,
+                            hooks=[recorder])
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    microbatches = [{"x": x[:2], "y": y[:2]}, {"x": x[2:], "y": y[2:]}]
+    engine.evaluate_step(microbatches)
+    assert recorder.events == []
+    engine.train_step(microbatches)
+    trained = list(recorder.events)
+    assert trained == ["step_begin", *["forward_begin", "forward_end", "backward_begin", "backward_end"] * 2,
+                       "step_end"]  # one stage's 1F1B
+    engine.evaluate_step(microbatches)
+    assert recorder.events == trained
+
+
 def test_stage_count_must_match_pp(single_process):
     net = Net()
     with pytest.raises(ValueError, match="got 2 stages for pp=1"):
