@@ -163,7 +163,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     problems.extend(trainer.report.problems())
     problems.extend(trainer.compile.problems(on_cuda=_trains_on_cuda(launcher)))
     problems.extend(_cross_section_problems(trainer, grid))
-    if grid and not trainer.schedule.problems(pp=None, num_microbatches=0):
+    if grid and _schedule_usable(trainer):
         problems.extend(trainer.energy.problems(schedule=trainer.train_schedule, pp=grid.pp,
                                                 num_microbatches=num_microbatches, num_chunks=trainer.schedule.chunks))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
@@ -234,14 +234,17 @@ def _cross_section_problems(trainer: TrainerSettings, grid: RankGrid | None) -> 
     return problems
 
 
-def _chunks_or_one(trainer: TrainerSettings) -> int:
-    """Model chunks per rank, 1 when the schedule is unknown or the chunk count invalid (reported elsewhere)."""
+def _schedule_usable(trainer: TrainerSettings) -> bool:
+    """Whether the schedule name is known and pipeline_chunks valid (else the schedule section reports it)."""
     from merak.pipeline.schedules import schedule_names
 
     chunks = trainer.pipeline_chunks
-    if trainer.train_schedule not in schedule_names() or (chunks is not None and not isinstance(chunks, int)):
-        return 1
-    return trainer.schedule.chunks
+    return trainer.train_schedule in schedule_names() and (chunks is None or chunks >= 1)
+
+
+def _chunks_or_one(trainer: TrainerSettings) -> int:
+    """Model chunks per rank, 1 when the schedule cannot be used (reported elsewhere)."""
+    return trainer.schedule.chunks if _schedule_usable(trainer) else 1
 
 
 def total_steps(settings: RunSettings, steps_per_epoch: int) -> int:
