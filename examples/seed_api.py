@@ -80,6 +80,7 @@ def main(recipe: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = example.dp or max(1, world // (example.tp * example.pp))
     merak.init(dp=dp, tp=example.tp, pp=example.pp)
+    finished = False
     try:
         spec, cfg, train, evaluation = _datasets(recipe, example, args)
         torch.manual_seed(args.seed)  # the same initial weights in every process
@@ -87,7 +88,8 @@ def main(recipe: str) -> None:
                                      eval_data=evaluation, compute_loss=spec.loss_fn,
                                      tp_plan=spec.tensor_parallel_plan(cfg.model), leaf_modules=spec.leaf_modules)
         trainer.train()
+        finished = True
     finally:
         # Destroy the process groups before the interpreter exits: left to the interpreter's teardown,
         # a process group's threads may be destroyed while still running, which aborts the process.
-        groups.shutdown()
+        groups.shutdown(synchronize=finished)

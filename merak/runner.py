@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from merak.autoplan.auto import plan_layout, wants_auto
 from merak.checkpoint import CheckpointError, find_checkpoint
 from merak.checkpoint.files import read_manifest
 from merak.compat.allocator import keep_freed_memory
@@ -76,6 +77,8 @@ def run(spec, cfg) -> dict:
     """
     use_merak_format()
     outside_world = existing_world_size()
+    if wants_auto(cfg):
+        cfg = plan_layout(spec, cfg, outside_world=outside_world)
     settings = resolve_settings(spec, cfg, world_size=outside_world)
     with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
         return _run_locked(spec, cfg, settings, outside_world)
@@ -274,18 +277,22 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
                         timeout_s=settings.launcher.timeout_s)
     configure_worker_logging(state.rank)
     energy = None
+    finished = False
     try:
         settings, resume = _agree_on_output_dir(settings, resume)
         energy = start_energy(settings.trainer.energy, state)
         session = TrainingSession(spec, settings, prepared, steps=steps, state=state, resume=resume,
                                   hooks=energy.hooks if energy else ())
         if energy is None:
-            return session.train()
-        if settings.trainer.profile:
-            return run_profile(session, energy)
-        session.summary_sections.append(lambda: {"energy": energy.summary()})
-        return session.train()
+            result = session.train()
+        elif settings.trainer.profile:
+            result = run_profile(session, energy)
+        else:
+            session.summary_sections.append(lambda: {"energy": energy.summary()})
+            result = session.train()
+        finished = True
+        return result
     finally:
         if energy is not None:
             energy.close()
-        groups.shutdown()
+        groups.shutdown(synchronize=finished)

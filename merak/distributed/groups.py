@@ -199,13 +199,23 @@ def is_initialized() -> bool:
     return _STATE is not None
 
 
-def shutdown() -> None:
-    """Forget the parallel state and destroy the default process group."""
+def shutdown(*, synchronize: bool = False) -> None:
+    """Forget the parallel state and destroy the default process group.
+
+    Args:
+        synchronize: Wait at a barrier first, so no rank tears its connections down while a peer
+            still talks to it (a gloo rank whose peer had already destroyed its group was seen to
+            abort). Only for ranks that all finished: after a failure the peers never arrive, and
+            the barrier would wait for the whole collective timeout.
+    """
     global _STATE
     _STATE = None
     group_registry.unregister_groups()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if synchronize and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def get_rank_grid() -> RankGrid:

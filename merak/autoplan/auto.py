@@ -1,0 +1,99 @@
+"""``parallel=auto``: plan the layout before the run is resolved, then run the chosen one.
+
+The recipe's config selects ``parallel: auto`` (``merak/conf/parallel/auto.yaml``) and, optionally,
+a ``cluster`` (``cluster=h100-80 cluster.nodes=64``; default: this machine). The planner ranks
+every layout for ``trainer.global_batch_size`` on the processes at hand, writes ``plan.json`` to
+the run directory, logs the table, and returns the config with the chosen degrees and trainer
+settings, which then runs (or, with ``dry_run=true``, is only partitioned and reported).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from merak.autoplan.cluster import THIS, Cluster, load_cluster
+from merak.autoplan.planner import PlanError, plan_for_settings, requested_global_batch, single_process_settings
+from merak.autoplan.table import format_table
+from merak.config import ConfigError
+from merak.report import write_json_atomic
+
+logger = logging.getLogger(__name__)
+
+PLAN_FILE = "plan.json"
+
+
+def wants_auto(cfg: DictConfig) -> bool:
+    """Whether the config asks merak to choose the layout (``parallel=auto``)."""
+    parallel = cfg.get("parallel") or {}
+    return bool(parallel.get("auto", False))
+
+
+def _cluster(cfg: DictConfig, world_size: int | None, deterministic: bool) -> Cluster:
+    spec = cfg.get("cluster")
+    spec = OmegaConf.to_container(spec, resolve=True) if spec is not None else THIS
+    processes = world_size
+    try:
+        return load_cluster(spec, processes=processes, measure=not deterministic)
+    except ValueError as error:
+        raise ConfigError(f"invalid configuration:\n  - cluster: {error}") from None
+
+
+def _world_size(cfg: DictConfig, outside_world: int | None) -> int | None:
+    if outside_world is not None:
+        return outside_world
+    value = (cfg.get("parallel") or {}).get("world_size")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"invalid configuration:\n  - parallel.world_size={value!r} must be a positive integer")
+    return value
+
+
+def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None) -> DictConfig:
+    """The config with ``parallel`` and the trainer settings the planner chose (see the module docstring).
+
+    Under an outside launcher (torchrun, srun) every rank plans by itself, so the plan must not depend
+    on timings: the machine is then described by nominal rates and the model is not timed.
+    """
+    deterministic = outside_world is not None
+    world = _world_size(cfg, outside_world)
+    cluster = _cluster(cfg, world or default_processes(), deterministic)
+    if world is None:
+        world = cluster.world_size
+    settings = single_process_settings(spec, cfg)
+    try:
+        report = plan_for_settings(spec, settings, world_size=world, cluster=cluster,
+                                   global_batch_size=requested_global_batch(cfg), calibrate=not deterministic)
+    except PlanError as error:
+        raise ConfigError(f"invalid configuration:\n  - parallel=auto: {error}") from None
+    best = report.best.layout
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        os.makedirs(settings.output_dir, exist_ok=True)
+        path = os.path.join(settings.output_dir, PLAN_FILE)
+        write_json_atomic(path, report.to_json(top=50))
+        logger.info("parallel=auto chose %s\n%s\nwrote %s", best.key(), format_table(report), path)
+    chosen = cfg.copy()
+    with open_dict(chosen):
+        OmegaConf.update(chosen, "parallel", {"dp": best.dp, "tp": best.tp, "pp": best.pp}, merge=False)
+        for override in best.overrides():
+            key, value = override.split("=", 1)
+            if key.startswith("trainer."):
+                OmegaConf.update(chosen, key, _parse(value))
+    return chosen
+
+
+def _parse(value: str):
+    """A Hydra override's value as YAML reads it (``true`` -> True, ``4`` -> 4, ``null`` -> None)."""
+    return yaml.safe_load(value)
+
+
+def default_processes() -> int:
+    """Processes to plan for on this machine when nothing says: one per usable core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

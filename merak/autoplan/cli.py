@@ -1,0 +1,110 @@
+"""``merak-plan``: rank every parallel layout of a recipe's model on a cluster, without training.
+
+    merak-plan gpt model=toy trainer.global_batch_size=16 --world 4
+    merak-plan gpt model=gpt3-175b model.seq_length=2048 trainer.bf16=true trainer.global_batch_size=2048 \\
+        --cluster h100-80 --nodes 64 --compare megatron:tp=4,pp=8,mb=2,schedule=interleaved_1f1b,chunks=6,sp=1
+
+Prints the ranked table (predicted step time, MFU, memory per device, why each runner-up lost) and
+writes ``plan.json``. ``--compare NAME:KEY=VALUE,...`` prices a layout of your own beside them
+(keys: dp, tp, pp, mb, schedule, chunks, recompute, zero, sp; dp defaults to what the world leaves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from merak.autoplan.cluster import load_cluster
+from merak.autoplan.layout import Layout
+from merak.autoplan.planner import (
+    PlanError,
+    compose_recipe,
+    plan_for_settings,
+    requested_global_batch,
+    single_process_settings,
+)
+from merak.autoplan.table import format_table
+
+logger = logging.getLogger("merak.plan")
+
+_COMPARE_KEYS = {"dp": int, "tp": int, "pp": int, "mb": int, "schedule": str, "chunks": int, "recompute": int,
+                 "zero": int, "sp": int}
+
+
+def parse_layout(text: str, world_size: int, global_batch_size: int) -> tuple[str, Layout]:
+    """``NAME:tp=4,pp=8,...`` as a named :class:`Layout` of ``world_size`` devices (ValueError if invalid)."""
+    name, _, body = text.rpartition(":")
+    values: dict[str, object] = {}
+    for item in filter(None, body.split(",")):
+        key, _, value = item.partition("=")
+        if key not in _COMPARE_KEYS:
+            raise ValueError(f"--compare: unknown key {key!r}; use {', '.join(_COMPARE_KEYS)}")
+        values[key] = _COMPARE_KEYS[key](value)
+    tp, pp = int(values.get("tp", 1)), int(values.get("pp", 1))
+    dp = int(values.get("dp", world_size // (tp * pp)))
+    if dp * tp * pp != world_size:
+        raise ValueError(f"--compare {text}: dp*tp*pp = {dp * tp * pp}, the world is {world_size}")
+    micro = int(values.get("mb", 1))
+    if global_batch_size % (dp * micro):
+        raise ValueError(f"--compare {text}: the global batch {global_batch_size} does not divide by dp x mb")
+    layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=micro,
+                    num_microbatches=global_batch_size // (dp * micro), schedule=str(values.get("schedule", "1f1b")),
+                    chunks=int(values.get("chunks", 1)), recompute=bool(values.get("recompute", 0)),
+                    zero_stage=int(values.get("zero", 0)), sequence_parallel=bool(values.get("sp", 0)))
+    return name or "compare", layout
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="merak-plan", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("recipe", help="a recipe under recipes/ (gpt, bert, t5, llama, vit, swin, wide_resnet)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe (model=..., trainer.*=...)")
+    parser.add_argument("--cluster", default="this",
+                        help="a preset (a100-40, a100-80, h100-80, h200), 'this' (this machine's processes) or a "
+                             "YAML/JSON file (default: this)")
+    parser.add_argument("--nodes", type=int, help="nodes of the cluster (a preset has 1)")
+    parser.add_argument("--devices-per-node", type=int, help="devices per node (a GPU preset has 8)")
+    parser.add_argument("--world", type=int,
+                        help="devices to plan for (default: the whole cluster; with --cluster this, one per core)")
+    parser.add_argument("--top", type=int, default=10, help="rows of the table (default: 10)")
+    parser.add_argument("--compare", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="price this layout beside the ranked ones (repeatable)")
+    parser.add_argument("--no-calibrate", action="store_true",
+                        help="with --cluster this: do not time the model, use the device rates alone")
+    parser.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``merak-plan`` with ``argv``; returns the exit status (2: the request cannot be planned)."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from merak.autoplan.auto import default_processes
+
+    try:
+        processes = args.world or (default_processes() if args.cluster == "this" else None)
+        cluster = load_cluster(args.cluster, processes=processes, measure=not args.no_calibrate)
+        cluster = cluster.with_size(nodes=args.nodes, devices_per_node=args.devices_per_node)
+        world = args.world or cluster.world_size
+        spec, cfg = compose_recipe(args.recipe, args.overrides)
+        batch = requested_global_batch(cfg)
+        compared = [parse_layout(text, world, batch) for text in args.compare]
+        report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=world, cluster=cluster,
+                                   global_batch_size=batch, calibrate=not args.no_calibrate)
+        extra = [(name, report.price(layout)) for name, layout in compared]
+    except (PlanError, ValueError) as error:
+        logger.error("%s", error)
+        return 2
+    print(format_table(report, top=args.top, extra=extra))
+    payload = report.to_json(top=max(args.top, 50))
+    payload["compared"] = [{"name": name, **c.to_json(), "mfu": report.mfu(c)} for name, c in extra]
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, indent=1)
+    logger.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

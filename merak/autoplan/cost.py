@@ -1,0 +1,511 @@
+"""Predicting a layout's step time and memory per device from a graph profile and a cluster.
+
+Compute: each unit of the captured graph (:mod:`merak.autoplan.profile`, at the layout's tensor
+degree and microbatch) takes ``flops / F + bytes / B + ops * c`` (the partitioner's model,
+:class:`merak.shard.costs.MachineRates`) with the accelerator's rates. That sum is the efficiency
+curve: small matrices are held back by memory traffic and launch overhead, large ones approach
+``F``. CPU workers that outnumber the cores share them. The backward costs twice the forward;
+recomputation adds a forward to it.
+
+Communication: tensor-parallel collectives from their bytes in the graph (ring all-reduce,
+all-gather and reduce-scatter on the tensor group's link), pipeline transfers from what crosses
+each stage boundary, the data-parallel gradient reduction (and ZeRO's gather) from the stage's
+gradient bytes, all over the link that joins the group's ranks (:meth:`Cluster.link_for`).
+
+Pipeline: the stages' per-microbatch costs run through the schedule simulator
+(:func:`merak.pipeline.simulate.simulate`) with the real instruction lists, so bubbles,
+interleaving and zero-bubble splits count as they run; :func:`quick_step_seconds` is its closed
+form for ranking many candidates first.
+
+Memory: parameters, gradients, master weights and optimizer state of the stage's parameters
+(ZeRO divides what it shards by dp), plus activations: what autograd saves per microbatch times
+the microbatches the schedule keeps in flight, or with recomputation only the checkpointed
+inputs plus one layer being recomputed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from merak.autoplan.cluster import Cluster, Link
+from merak.autoplan.layout import Layout
+from merak.autoplan.profile import GraphProfile
+from merak.distributed.topology import RankGrid
+from merak.pipeline.instructions import (
+    P2P_TYPES,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Exchange,
+    Forward,
+    OptimizerStep,
+    PreCheckpointForward,
+    RecomputeForward,
+    ReduceGrads,
+)
+from merak.pipeline.schedules import build_schedule
+from merak.pipeline.simulate import simulate
+from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates
+
+BACKWARD_FACTOR = 2.0  # a backward does twice a forward's matrix work
+ADAM_BYTES_PER_PARAMETER = 28  # read weight, gradient, two moments; write weight and moments (fp32)
+SIMULATED_MICROBATCHES = 8  # a longer step is simulated at about this many and extended linearly
+
+
+class LayoutError(ValueError):
+    """The layout cannot run this model (too few cuts for the stages, a schedule that does not fit)."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each kind of model state."""
+
+    weight: int = 4
+    gradient: int = 4
+    master: int = 0
+    optimizer: int = 8
+
+    @classmethod
+    def of(cls, dtype_bytes: int) -> Precision:
+        return cls() if dtype_bytes == 4 else cls(weight=dtype_bytes, gradient=dtype_bytes, master=4, optimizer=8)
+
+
+@dataclass(frozen=True)
+class VirtualStage:
+    """One model piece's per-microbatch costs (seconds) and sizes (bytes)."""
+
+    forward: float
+    backward: float
+    recompute: float
+    send_bytes: int
+    params: int
+    saved: int  # autograd's saved tensors per microbatch without recomputation (the loss's included)
+    kept: int  # per microbatch with recomputation: the checkpointed inputs (and the loss's)
+    largest_layer: int  # saved bytes of the largest layer: live while it is recomputed
+    tp_seconds: float  # of forward + backward, included in forward/backward
+
+
+@dataclass
+class Prediction:
+    """A layout's predicted step and memory, and where the time goes."""
+
+    layout: Layout
+    step_s: float
+    stage_memory: tuple[int, ...]
+    breakdown: dict[str, float] = field(default_factory=dict)
+    simulated: bool = False
+
+    @property
+    def max_memory(self) -> int:
+        return max(self.stage_memory)
+
+
+def device_rates(cluster: Cluster, dtype: str) -> MachineRates:
+    """One device's rates when it has its compute to itself."""
+    accelerator = cluster.accelerator
+    return MachineRates(flops_per_s=accelerator.flops_per_s(dtype),
+                        bytes_per_s=accelerator.memory_bandwidth_gbs * 1e9,
+                        seconds_per_op=accelerator.seconds_per_op)
+
+
+def all_reduce_seconds(nbytes: float, size: int, link: Link) -> float:
+    """A ring all-reduce of ``nbytes`` over ``size`` ranks."""
+    if size == 1 or nbytes == 0:
+        return 0.0
+    steps = 2 * (size - 1)
+    return steps * link.latency_us * 1e-6 + steps / size * nbytes / (link.bandwidth_gbs * 1e9)
+
+
+def gather_seconds(nbytes: float, size: int, link: Link) -> float:
+    """A ring all-gather (or reduce-scatter) whose full tensor has ``nbytes``."""
+    if size == 1 or nbytes == 0:
+        return 0.0
+    steps = size - 1
+    return steps * link.latency_us * 1e-6 + steps / size * nbytes / (link.bandwidth_gbs * 1e9)
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_links(cluster: Cluster, dp: int, tp: int, pp: int) -> tuple[Link, Link, Link]:
+    """The links of rank 0's tensor, data and pipeline groups (the slowest hop decides a ring)."""
+    grid = RankGrid(dp=dp, tp=tp, pp=pp)
+    return tuple(cluster.link_for(grid.axis_groups(axis)[0]) for axis in ("tp", "dp", "pp"))
+
+
+def _cuts(profile: GraphProfile, pieces: int, unit_seconds: Sequence[float]) -> list[int]:
+    """Piece boundaries over the units: only where no more crosses than between two layers (as the
+    min_bytes split cuts), the slowest piece as fast as possible."""
+    count = len(profile)
+    if pieces == 1:
+        return [0, count]
+    floor = min((profile.crossing_bytes[k] for k in profile.layer_starts if k > 0), default=None)
+    allowed = [k for k in range(1, count) if floor is None or profile.crossing_bytes[k] <= floor * 1.01]
+    if len(allowed) < pieces - 1:
+        raise LayoutError(f"only {len(allowed) + 1} pieces can be cut between layers, {pieces} needed")
+    prefix = [0.0]
+    for value in unit_seconds:
+        prefix.append(prefix[-1] + value)
+
+    def greedy(limit: float) -> list[int] | None:
+        bounds, start = [0], 0
+        for index, k in enumerate(allowed):
+            if prefix[k] - prefix[start] > limit:
+                previous = allowed[index - 1] if index else None
+                if previous is None or previous <= start or prefix[previous] - prefix[start] > limit:
+                    return None
+                bounds.append(previous)
+                start = previous
+        if prefix[count] - prefix[start] > limit:
+            if allowed[-1] <= start or prefix[count] - prefix[allowed[-1]] > limit:
+                return None
+            bounds.append(allowed[-1])
+        return bounds + [count] if len(bounds) <= pieces else None
+
+    low, high = max(unit_seconds, default=0.0), prefix[count]
+    best = greedy(high)
+    for _ in range(60):
+        middle = (low + high) / 2
+        found = greedy(middle)
+        if found is None:
+            low = middle
+        else:
+            high, best = middle, found
+    best = best or [0, count]
+    # The slowest piece is as fast as it can be with fewer pieces than asked: split the costliest
+    # pieces further, each at the allowed cut nearest its middle (in time).
+    while len(best) - 1 < pieces:
+        spans = sorted(zip(best, best[1:]), key=lambda span: prefix[span[1]] - prefix[span[0]], reverse=True)
+        for first, last in spans:
+            middle = (prefix[first] + prefix[last]) / 2
+            low, high = bisect.bisect_right(allowed, first), bisect.bisect_left(allowed, last)
+            if low < high:
+                cut = min(allowed[low:high], key=lambda k: abs(prefix[k] - middle))
+                bisect.insort(best, cut)
+                break
+        else:
+            raise LayoutError(f"the model cannot be cut into {pieces} pieces")
+    return best
+
+
+class StageCostModel:
+    """Prices instructions of a schedule for the simulator, per stage and chunk."""
+
+    def __init__(self, pieces: Sequence[VirtualStage], num_stages: int, p2p_link: Link,
+                 dp_seconds: Sequence[float], optimizer_seconds: Sequence[float], recompute: bool) -> None:
+        self.pieces, self.num_stages, self.link = pieces, num_stages, p2p_link
+        self.dp_seconds, self.optimizer_seconds, self.recompute = dp_seconds, optimizer_seconds, recompute
+
+    def _piece(self, stage_id: int, instruction) -> VirtualStage:
+        return self.pieces[getattr(instruction, "chunk", 0) * self.num_stages + stage_id]
+
+    def of(self, stage_id: int, instruction) -> float:
+        if isinstance(instruction, (Forward, PreCheckpointForward)):
+            return self._piece(stage_id, instruction).forward
+        if isinstance(instruction, RecomputeForward):
+            return self._piece(stage_id, instruction).recompute
+        if isinstance(instruction, (Backward, BackwardInput, BackwardWeight)):
+            piece = self._piece(stage_id, instruction)
+            extra = piece.recompute if self.recompute else 0.0
+            if isinstance(instruction, Backward):
+                return piece.backward + extra
+            half = piece.backward / 2
+            return half + extra if isinstance(instruction, BackwardInput) else half
+        if isinstance(instruction, (Exchange, *P2P_TYPES)):
+            piece = self._piece(stage_id, instruction)
+            return self.link.seconds(piece.send_bytes)
+        if isinstance(instruction, ReduceGrads):
+            return self.dp_seconds[stage_id]
+        if isinstance(instruction, OptimizerStep):
+            return self.optimizer_seconds[stage_id]
+        return 0.0
+
+
+def _in_flight_peak(instructions, weights: dict[int, int]) -> int:
+    """The largest sum of ``weights[chunk]`` over microbatches forwarded and not yet fully backwarded."""
+    live, peak, current = set(), 0, 0
+    weight_split = any(isinstance(i, BackwardWeight) for i in instructions)
+    for instruction in instructions:
+        key = (getattr(instruction, "chunk", 0), getattr(instruction, "microbatch", None))
+        if isinstance(instruction, (Forward, PreCheckpointForward)) and key not in live:
+            live.add(key)
+            current += weights.get(key[0], 0)
+        elif (isinstance(instruction, BackwardWeight) or (isinstance(instruction, Backward) and not weight_split)) \
+                and key in live:
+            live.discard(key)
+            current -= weights.get(key[0], 0)
+        peak = max(peak, current)
+    return peak
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    return [0, *itertools.accumulate(values)]
+
+
+@dataclass(frozen=True)
+class _UnitTable:
+    """One profile's per-unit costs at one microbatch, as prefix sums: any piece is priced in O(1)."""
+
+    forward: list[float]  # prefix sums of compute seconds (compute_scale applied, no CPU sharing)
+    tp_forward: list[float]
+    tp_backward: list[float]
+    params: list[float]
+    saved: list[float]
+    kept: list[float]  # prefix sums of what crosses each layer start (what recomputation keeps)
+    layer_saved: list[tuple[int, int]]  # (layer start, saved bytes up to the next layer start)
+    cuts_at: list[float]  # per-unit seconds used to place piece boundaries
+    crossing: tuple[int, ...]
+    layer_starts: tuple[int, ...]
+    loss_forward: float
+    loss_backward: float
+    output_bytes: int
+    dtype_bytes: int
+    shared: tuple[tuple[int, tuple[int, ...]], ...]  # GraphProfile.shared_params
+
+    @property
+    def count(self) -> int:
+        return len(self.crossing) - 1
+
+
+def _shared_in(shared, first: int, last: int) -> int:
+    """Elements of shared (tied) parameters that units ``first .. last - 1`` read after an earlier piece did:
+    the piece keeps its own copy (merak sums the copies' gradients)."""
+    return sum(numel for numel, readers in shared
+               if readers[0] < first and any(first <= unit < last for unit in readers))
+
+
+def in_flight_counts(schedule: str, num_stages: int, num_microbatches: int, chunks: int) -> list[int]:
+    """Per stage, the most microbatch pieces whose forward ran and backward has not (closed form):
+    1F1B and zero-bubble hold ``min(S - s, M)``, GPipe all ``M``, interleaving ``2 (S - s - 1) + (v - 1) S + 1``."""
+    if schedule == "gpipe":
+        return [num_microbatches * chunks] * num_stages
+    if chunks > 1:
+        return [min(2 * (num_stages - s - 1) + (chunks - 1) * num_stages + 1, num_microbatches * chunks)
+                for s in range(num_stages)]
+    return [min(num_stages - s, num_microbatches) for s in range(num_stages)]
+
+
+class CostModel:
+    """Predicts :class:`Prediction` for layouts of one model on one cluster.
+
+    Args:
+        profiles: ``(tp, sequence_parallel) -> GraphProfile`` (at any microbatch; scaled here).
+        cluster: the devices and links.
+        dtype: the compute dtype's name (``float32``, ``bfloat16``, ``float16``).
+        compute_scale: measured over estimated compute time of this model on one device
+            (:mod:`merak.autoplan.calibrate`; 1.0: the rates alone).
+        optimizer_seconds_per_parameter: measured optimizer step time per parameter (None: from the
+            accelerator's memory bandwidth).
+    """
+
+    def __init__(self, profiles, cluster: Cluster, dtype: str = "float32", *, compute_scale: float = 1.0,
+                 optimizer_seconds_per_parameter: float | None = None) -> None:
+        self.profiles, self.cluster, self.dtype = profiles, cluster, dtype
+        self.compute_scale = compute_scale
+        self.optimizer_seconds_per_parameter = optimizer_seconds_per_parameter
+        self._tables: dict[tuple[int, bool, int], _UnitTable] = {}
+        self._bounds: dict[tuple[int, bool, int, int], list[int]] = {}
+        self._simulations: dict[tuple, tuple[list[float], tuple | None]] = {}
+
+    def _table(self, layout: Layout) -> _UnitTable:
+        key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size)
+        if key in self._tables:
+            return self._tables[key]
+        profile = self.profiles(layout.tp, layout.sequence_parallel).scaled(layout.micro_batch_size)
+        rates = device_rates(self.cluster, self.dtype)
+        tp_link, _, _ = _group_links(self.cluster, 1, layout.tp, 1)
+        forward = [rates.seconds(f, b, o) * self.compute_scale
+                   for f, b, o in zip(profile.flops, profile.bytes_moved, profile.ops)]
+        tp_forward = [all_reduce_seconds(r, layout.tp, tp_link) + gather_seconds(g, layout.tp, tp_link)
+                      for r, g in zip(profile.forward_all_reduce, profile.forward_gather)]
+        tp_backward = [all_reduce_seconds(r, layout.tp, tp_link) + gather_seconds(g, layout.tp, tp_link)
+                       for r, g in zip(profile.backward_all_reduce, profile.backward_gather)]
+        starts = [k for k in profile.layer_starts if 0 < k < len(profile)]
+        kept = [profile.crossing_bytes[k] if k in set(starts) else 0 for k in range(len(profile))]
+        edges = [*starts, len(profile)]
+        layer_saved = [(a, sum(profile.saved_bytes[a:b])) for a, b in zip(edges, edges[1:])]
+        table = _UnitTable(
+            forward=_prefix(forward), tp_forward=_prefix(tp_forward), tp_backward=_prefix(tp_backward),
+            params=_prefix(profile.params), saved=_prefix(profile.saved_bytes), kept=_prefix(kept),
+            layer_saved=layer_saved,
+            cuts_at=[f * (1 + BACKWARD_FACTOR) + a + b for f, a, b in zip(forward, tp_forward, tp_backward)],
+            crossing=tuple(profile.crossing_bytes), layer_starts=tuple(starts),
+            loss_forward=rates.seconds(0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS) * self.compute_scale,
+            loss_backward=rates.seconds(0, LOSS_PASSES_BACKWARD * profile.output_bytes, LOSS_OPS)
+            * self.compute_scale,
+            output_bytes=profile.output_bytes, dtype_bytes=profile.dtype_bytes, shared=profile.shared_params)
+        self._tables[key] = table
+        return table
+
+    def _piece_bounds(self, layout: Layout, table: _UnitTable) -> list[int]:
+        count = layout.pp * layout.chunks
+        key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size, count)
+        if key not in self._bounds:
+            profile = self.profiles(layout.tp, layout.sequence_parallel)
+            self._bounds[key] = _cuts(profile, count, table.cuts_at)
+        return self._bounds[key]
+
+    def _share(self, layout: Layout, stage_work: Sequence[float]) -> float:
+        """Each process's share of its device: on a CPU node the processes busy on average (every
+        tensor and data replica, and the pipeline stages in proportion to their work) share the cores."""
+        if self.cluster.cores_per_node is None:
+            return 1.0
+        busiest = max(stage_work)
+        busy_stages = sum(stage_work) / busiest if busiest > 0 else layout.pp
+        per_node = min(layout.world_size, self.cluster.devices_per_node) / layout.world_size
+        return self.cluster.compute_share(max(1.0, layout.dp * layout.tp * busy_stages * per_node))
+
+    def pieces(self, layout: Layout) -> list[VirtualStage]:
+        """The layout's model pieces (pp x chunks), each with its per-microbatch costs."""
+        table = self._table(layout)
+        bounds = self._piece_bounds(layout, table)
+        count = len(bounds) - 1
+        spans = list(zip(bounds, bounds[1:]))
+        work = [0.0] * layout.pp
+        for index, (first, last) in enumerate(spans):
+            work[index % layout.pp] += (table.forward[last] - table.forward[first]) * (1 + BACKWARD_FACTOR)
+        work[(count - 1) % layout.pp] += table.loss_forward + table.loss_backward
+        slowdown = 1 / self._share(layout, work)
+        pieces = []
+        for index, (first, last) in enumerate(spans):
+            is_last = index == count - 1
+            compute = (table.forward[last] - table.forward[first]) * slowdown
+            tp_f = table.tp_forward[last] - table.tp_forward[first]
+            tp_b = table.tp_backward[last] - table.tp_backward[first]
+            kept = table.kept[last] - table.kept[first + 1] + (table.crossing[first] if first > 0 else 0)
+            largest = max((saved for start, saved in table.layer_saved if first <= start < last),
+                          default=round(table.saved[last] - table.saved[first]))
+            loss_saved = table.output_bytes if is_last else 0
+            pieces.append(VirtualStage(
+                forward=compute + tp_f + (table.loss_forward * slowdown if is_last else 0.0),
+                backward=compute * BACKWARD_FACTOR + tp_b + (table.loss_backward * slowdown if is_last else 0.0),
+                recompute=compute + tp_f,
+                send_bytes=0 if is_last else table.crossing[last],
+                params=round(table.params[last] - table.params[first]) + _shared_in(table.shared, first, last),
+                saved=round(table.saved[last] - table.saved[first]) + loss_saved,
+                kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b))
+        return pieces
+
+    def _optimizer_seconds(self, parameters: float) -> float:
+        if self.optimizer_seconds_per_parameter is not None:
+            return parameters * self.optimizer_seconds_per_parameter
+        return parameters * ADAM_BYTES_PER_PARAMETER / (self.cluster.accelerator.memory_bandwidth_gbs * 1e9)
+
+    def _state_bytes(self, layout: Layout, params: int, precision: Precision) -> int:
+        dp = layout.dp
+        sharded_optimizer = (precision.master + precision.optimizer) / (dp if layout.zero_stage >= 1 else 1)
+        gradient = precision.gradient / (dp if layout.zero_stage >= 2 else 1)
+        return round(params * (precision.weight + gradient + sharded_optimizer))
+
+    def _activation_bytes(self, layout: Layout, pieces: Sequence[VirtualStage], stage: int, lists,
+                          counts: Sequence[int]) -> int:
+        """Peak activations on ``stage``: exact from its instruction list when given, else from ``counts``
+        (:func:`in_flight_counts`)."""
+        mine = {c: pieces[c * layout.pp + stage] for c in range(layout.chunks)}
+        weights = {c: p.kept if layout.recompute else p.saved for c, p in mine.items()}
+        held = _in_flight_peak(lists[stage], weights) if lists is not None else counts[stage] * max(weights.values())
+        return held + (max(p.largest_layer for p in mine.values()) if layout.recompute else 0)
+
+    def _simulated(self, layout: Layout, pieces: Sequence[VirtualStage], p2p_link: Link):
+        """:func:`simulated_pipeline`, shared by layouts whose pipelines cost the same (ZeRO stages differ
+        only after the pipeline)."""
+        key = (layout.schedule, layout.pp, layout.chunks, layout.num_microbatches, layout.recompute, p2p_link,
+               tuple((p.forward, p.backward, p.recompute, p.send_bytes) for p in pieces))
+        if key not in self._simulations:
+            zeros = [0.0] * layout.pp
+            model = StageCostModel(pieces, layout.pp, p2p_link, zeros, zeros, layout.recompute)
+            self._simulations[key] = simulated_pipeline(layout, model)
+        return self._simulations[key]
+
+    def predict(self, layout: Layout, *, simulate_schedule: bool = True) -> Prediction:
+        """The layout's step time and memory per pipeline stage (raises LayoutError if it cannot run).
+
+        ``simulate_schedule``: run the real instruction lists through the simulator (exact bubbles and
+        activations in flight); False: closed forms, for ranking many layouts quickly.
+        """
+        pieces = self.pieces(layout)
+        precision = Precision.of(self._table(layout).dtype_bytes)
+        _, dp_link, pp_link = _group_links(self.cluster, layout.dp, layout.tp, layout.pp)
+        pp, chunks = layout.pp, layout.chunks
+        stage_params = [sum(pieces[c * pp + s].params for c in range(chunks)) for s in range(pp)]
+        dp_seconds = [all_reduce_seconds(p * precision.gradient, layout.dp, dp_link) for p in stage_params]
+        optimizer_seconds = [self._optimizer_seconds(p / (layout.dp if layout.zero_stage else 1))
+                             for p in stage_params]
+        lists = None
+        if simulate_schedule:
+            ends, lists = self._simulated(layout, pieces, pp_link)
+            # Each stage reduces its gradients and steps once its last backward is done.
+            step = max(end + dp + step_s for end, dp, step_s in zip(ends, dp_seconds, optimizer_seconds))
+        counts = in_flight_counts(layout.schedule, pp, layout.num_microbatches, chunks)
+        memory = tuple(self._state_bytes(layout, stage_params[s], precision)
+                       + self._activation_bytes(layout, pieces, s, lists, counts) for s in range(pp))
+        if lists is None:
+            step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link)
+        per_microbatch = [sum(pieces[c * pp + s].forward + pieces[c * pp + s].backward
+                              + (pieces[c * pp + s].recompute if layout.recompute else 0.0)
+                              for c in range(chunks)) for s in range(pp)]
+        busiest = max(range(pp), key=per_microbatch.__getitem__)
+        work = per_microbatch[busiest] * layout.num_microbatches
+        mine = [pieces[c * pp + busiest] for c in range(chunks)]
+        breakdown = {
+            "compute_s": work,
+            "bubble_s": max(0.0, step - work - max(dp_seconds) - max(optimizer_seconds)),
+            "tp_comm_s": sum(p.tp_seconds for p in mine) * layout.num_microbatches,
+            "recompute_s": sum(p.recompute for p in mine) * layout.num_microbatches if layout.recompute else 0.0,
+            "dp_comm_s": max(dp_seconds), "optimizer_s": max(optimizer_seconds)}
+        return Prediction(layout=layout, step_s=step, stage_memory=memory, breakdown=breakdown,
+                          simulated=simulate_schedule)
+
+
+@functools.lru_cache(maxsize=256)
+def _lists(schedule: str, pp: int, chunks: int, microbatches: int) -> tuple[tuple, ...]:
+    return tuple(tuple(build_schedule(name=schedule, stage_id=s, num_stages=pp, num_microbatches=microbatches,
+                                      num_chunks=chunks)) for s in range(pp))
+
+
+def _stage_ends(lists, model: StageCostModel) -> list[float]:
+    ends = [0.0] * len(lists)
+    for event in simulate(lists, model).timeline:
+        ends[event.stage] = max(ends[event.stage], event.end)
+    return ends
+
+
+def simulated_pipeline(layout: Layout, model: StageCostModel) -> tuple[list[float], tuple | None]:
+    """When each stage finishes its last instruction, and the instruction lists whose activations in flight
+    are those of the layout.
+
+    Past the warm-up (at most pp microbatches) every schedule here repeats the same pattern per group of
+    ``pp`` microbatches, so the step grows linearly with M: a long step is simulated at two short lengths
+    and extended along that line (the lists of the shorter one hold as many microbatches in flight).
+    GPipe keeps every microbatch in flight: its lists are not returned when shortened.
+    """
+    pp, chunks, microbatches = layout.pp, layout.chunks, layout.num_microbatches
+    # Whole groups of pp microbatches, past the warm-up (interleaving warms up over about two groups).
+    short = max(pp * (2 if chunks > 1 else 1), SIMULATED_MICROBATCHES) // pp * pp
+    if microbatches <= short + pp:
+        lists = _lists(layout.schedule, pp, chunks, microbatches)
+        return _stage_ends(lists, model), lists
+    lists = _lists(layout.schedule, pp, chunks, short)
+    first = _stage_ends(lists, model)
+    second = _stage_ends(_lists(layout.schedule, pp, chunks, short + pp), model)
+    ends = [a + (b - a) * (microbatches - short) / pp for a, b in zip(first, second)]
+    return ends, None if layout.schedule == "gpipe" else lists
+
+
+def quick_step_seconds(pieces: Sequence[VirtualStage], layout: Layout, dp_seconds: Sequence[float],
+                       optimizer_seconds: Sequence[float], p2p_link: Link) -> float:
+    """The schedule simulator's result in closed form, for ranking many candidates before simulating the
+    best: M times the busiest stage, plus the fill and drain of the other stages (shortened by
+    interleaving, about a third with the zero-bubble split), plus the transfers, reduction and step."""
+    pp, chunks, microbatches = layout.pp, layout.chunks, layout.num_microbatches
+    work = []
+    for s in range(pp):
+        mine = [pieces[c * pp + s] for c in range(chunks)]
+        work.append(sum(p.forward + p.backward + (p.recompute if layout.recompute else 0.0) for p in mine))
+    fill = (pp - 1) * (sum(work) / pp) / chunks
+    if layout.schedule == "zb_h1":
+        fill /= 3
+    transfers = 2 * (pp * chunks - 1) * max((p2p_link.seconds(p.send_bytes) for p in pieces), default=0.0)
+    return microbatches * max(work) + fill + transfers + max(dp_seconds) + max(optimizer_seconds)

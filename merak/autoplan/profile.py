@@ -1,0 +1,269 @@
+"""What a model costs per unit of its captured graph, at one tensor-parallel degree.
+
+The planner prices every layout from one capture per tensor-parallel setting. The model is built
+on the meta device (no weights, so a 175 B model costs nothing), split for tensor rank 0 as a
+worker would split it (collectives simulated), captured, and run once on meta tensors:
+
+* per unit, as :mod:`merak.shard.costs` measures for the partitioner: matrix FLOPs, bytes moved,
+  operations, parameters (rank-local, counted once);
+* per unit, the bytes autograd saves for backward (what the activation meter counts in a run);
+* per unit, the bytes of the tensor-parallel collectives in its forward and in its backward
+  (merak's collective ops are nodes of the captured graph);
+* per cut between units, the bytes that cross it (what a stage boundary would send).
+
+A profile is taken at one microbatch size; everything but parameters and operation counts grows
+linearly with the microbatch, which :meth:`GraphProfile.scaled` uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from merak.assemble import build_model, default_input_names
+from merak.core.group_registry import simulated_groups
+from merak.shard.costs import measure_units
+from merak.shard.graph import GraphUnits, _params_of_node
+from merak.tensor_parallel.options import split_model
+from merak.trace.capture import capture
+from merak.trace.meta import buffers_on_meta
+from merak.trace.simplify import simplify_captured
+
+logger = logging.getLogger(__name__)
+
+# merak's tensor-parallel collectives (merak.tensor_parallel.comm) as graph nodes: what each moves
+# (all-reduce or all-gather/reduce-scatter, of its output or of its input) in forward and backward.
+_ALL_REDUCE, _GATHER = "all_reduce", "gather"
+_COLLECTIVES = {
+    "copy_to_tp": (None, _ALL_REDUCE),
+    "reduce_from_tp": (_ALL_REDUCE, None),
+    "scatter_to_sequence": (None, _GATHER),
+    "gather_from_sequence": (_GATHER, _GATHER),
+    "reduce_scatter_sequence": (_GATHER, _GATHER),
+    "gather_to_replicated": (_GATHER, None),
+}
+_LINEARS = ("column_linear", "row_linear")
+_LAYER_INDEX = re.compile(r"\.\d+$")
+
+
+@dataclass(frozen=True)
+class GraphProfile:
+    """Per-unit costs of one rank's model at ``micro_batch_size`` (see the module docstring).
+
+    ``crossing_bytes[k]`` is what crosses a cut before unit ``k`` (index 0 unused);
+    ``layer_starts`` are the units where a repeated layer (``...h.3``) begins: where recomputation
+    checkpoints and where a pipeline stage boundary sends the least.
+    """
+
+    micro_batch_size: int
+    tp: int
+    sequence_parallel: bool
+    dtype_bytes: int
+    flops: tuple[int, ...]
+    bytes_moved: tuple[int, ...]
+    ops: tuple[int, ...]
+    params: tuple[int, ...]
+    saved_bytes: tuple[int, ...]
+    forward_all_reduce: tuple[int, ...]
+    forward_gather: tuple[int, ...]
+    backward_all_reduce: tuple[int, ...]
+    backward_gather: tuple[int, ...]
+    crossing_bytes: tuple[int, ...]
+    layer_starts: tuple[int, ...]
+    output_bytes: int  # the logits a loss reads (its forward and backward read them again)
+    # Parameters read by several units (tied embeddings): (elements, the units reading it). ``params``
+    # counts each at its first use; a later stage that reads it keeps a copy (and its gradient) too.
+    shared_params: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.flops)
+
+    def scaled(self, micro_batch_size: int) -> GraphProfile:
+        """The profile at another microbatch size (parameters and operation counts do not change)."""
+        factor = micro_batch_size / self.micro_batch_size
+
+        def grow(values):
+            return tuple(round(v * factor) for v in values)
+
+        return dataclasses.replace(
+            self, micro_batch_size=micro_batch_size, flops=grow(self.flops), bytes_moved=grow(self.bytes_moved),
+            saved_bytes=grow(self.saved_bytes), forward_all_reduce=grow(self.forward_all_reduce),
+            forward_gather=grow(self.forward_gather), backward_all_reduce=grow(self.backward_all_reduce),
+            backward_gather=grow(self.backward_gather), crossing_bytes=grow(self.crossing_bytes),
+            output_bytes=round(self.output_bytes * factor))
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> GraphProfile:
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        values["shared_params"] = tuple((numel, tuple(units)) for numel, units in values.get("shared_params", ()))
+        return cls(**values)
+
+
+def _collective_name(node: fx.Node) -> str | None:
+    if node.op != "call_function":
+        return None
+    name = getattr(node.target, "__name__", str(node.target))
+    base = name.split(".")[0]
+    return base if base in _COLLECTIVES or base in _LINEARS else None
+
+
+def _tensor_bytes(value) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _argument(node: fx.Node, index: int, name: str):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
+class _SavedBytesRecorder(fx.Interpreter):
+    """Runs the graph with autograd on, filing what autograd saves under the unit computing it,
+    and the bytes of every tensor-parallel collective."""
+
+    def __init__(self, module: fx.GraphModule, units: GraphUnits, tp: int) -> None:
+        super().__init__(module)
+        self.units, self.tp = units, tp
+        count = len(units)
+        self.saved = [0] * count
+        self.comm = {key: [0] * count for key in ("forward_all_reduce", "forward_gather", "backward_all_reduce",
+                                                   "backward_gather")}
+        self._unit: int | None = None
+        self._seen: set[int] = set()
+        self._parameters = {id(p) for p in module.parameters()}
+        self._keep_alive: list[torch.Tensor] = []  # ids stay unique while the run lasts
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor if tensor._base is None else tensor._base
+        if self._unit is not None and id(base) not in self._parameters and id(base) not in self._seen:
+            self._seen.add(id(base))
+            self._keep_alive.append(base)
+            self.saved[self._unit] += _tensor_bytes(base)
+        return tensor
+
+    def _add(self, key: str, nbytes: int) -> None:
+        self.comm[key][self._unit] += nbytes
+
+    def _linear_traffic(self, name: str, node: fx.Node, result) -> None:
+        """The collectives inside merak's fused tensor-parallel linears (merak.tensor_parallel.linear_ops)."""
+        if name == "column_linear":
+            x = self.env[node.args[0]]
+            mode = _argument(node, 5, "input_comm")
+            if mode == "gather":  # sequence parallel: gather the input, reduce-scatter its gradient
+                full = _tensor_bytes(x) * self.tp
+                self._add("forward_gather", full)
+                self._add("backward_gather", 2 * full)  # the input is gathered again for the weight gradient
+            elif mode != "none":
+                self._add("backward_all_reduce", _tensor_bytes(x))
+        else:  # row_linear
+            sequence_dim = _argument(node, 5, "sequence_dim")
+            if sequence_dim is not None and sequence_dim >= 0:
+                full = _tensor_bytes(result) * self.tp
+                self._add("forward_gather", full)
+                self._add("backward_gather", full)
+            else:
+                self._add("forward_all_reduce", _tensor_bytes(result))
+
+    def run_node(self, node: fx.Node):
+        self._unit = self.units.unit_of.get(node)
+        result = super().run_node(node)
+        name = _collective_name(node)
+        if name is None or self._unit is None or self.tp == 1:
+            return result
+        if name in _LINEARS:
+            self._linear_traffic(name, node, result)
+            return result
+        forward, backward = _COLLECTIVES[name]
+        source = self.env.get(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+        size = max(_tensor_bytes(result), _tensor_bytes(source))
+        if forward:
+            self._add(f"forward_{forward}", size)
+        if backward:
+            self._add(f"backward_{backward}", size)
+        return result
+
+
+def _layer_key(scope: tuple[str, ...]) -> str | None:
+    """The repeated layer a unit belongs to (``transformer.h.3``), if any."""
+    return next((name for name in scope if _LAYER_INDEX.search(name)), None)
+
+
+def _layer_starts(units: GraphUnits) -> tuple[int, ...]:
+    starts, previous = [], None
+    for index, unit in enumerate(units.units):
+        key = _layer_key(unit.scope)
+        if key is not None and key != previous:
+            starts.append(index)
+        previous = key if key is not None else previous
+    return tuple(starts)
+
+
+def _shared_params(units: GraphUnits) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    readers: dict[int, tuple[int, set[int]]] = {}
+    for index, unit in enumerate(units.units):
+        for node in unit.nodes:
+            for param in _params_of_node(node, units.captured.module):
+                readers.setdefault(id(param), (param.numel(), set()))[1].add(index)
+    return tuple((numel, tuple(sorted(found))) for numel, found in readers.values() if len(found) > 1)
+
+
+def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor], *, trace_method: str,
+                  input_names=None, leaf_modules=(), tp: int = 1, sequence_parallel: bool = False) -> GraphProfile:
+    """Capture ``model`` (already split for tensor rank 0, weights on meta) and measure it."""
+    example_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
+    names = list(input_names or default_input_names(model, example_inputs))
+    captured = capture(model, {n: example_inputs[n] for n in names}, method=trace_method, input_names=names,
+                       leaf_modules=tuple(leaf_modules))
+    simplify_captured(captured.module)
+    units = GraphUnits(captured)
+    inputs = {name: example_inputs[name] for name in captured.input_names}
+    costs = measure_units(units, inputs)
+    recorder = _SavedBytesRecorder(captured.module, units, tp)
+    with simulated_groups(), buffers_on_meta(captured.module), \
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor):
+        recorder.run(*[inputs[name] for name in captured.input_names])
+    dtype_bytes = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    micro_batch = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return GraphProfile(
+        micro_batch_size=int(micro_batch), tp=tp, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
+        flops=tuple(costs.flops), bytes_moved=tuple(costs.bytes_moved), ops=tuple(costs.ops),
+        params=tuple(units.unit_params), saved_bytes=tuple(recorder.saved),
+        **{key: tuple(values) for key, values in recorder.comm.items()},
+        crossing_bytes=tuple(units.crossing_bytes(costs.value_bytes)), layer_starts=_layer_starts(units),
+        output_bytes=costs.output_bytes, shared_params=_shared_params(units))
+
+
+def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int = 1) -> GraphProfile:
+    """The profile of ``spec``'s model as the run's settings build it, at tensor-parallel degree ``tp``."""
+    from merak.run_options import precision_options, sharding_options
+    from merak.session import example_inputs
+
+    trainer = settings.trainer
+    model, _ = build_model(functools.partial(spec.build_model, settings.model_cfg), seed=trainer.seed,
+                           init_device="meta")
+    model.train()
+    tp_settings = dataclasses.replace(trainer.tensor_parallel, sequence_parallel=sequence_parallel,
+                                      tp_overlapping_level=0)
+    split_model(model, tp_settings.options(plan=spec.tensor_parallel_plan(settings.model_cfg), size=tp))
+    dtype = precision_options(trainer).dtype
+    if dtype != torch.float32:
+        model.to(dtype)
+    batch_settings = dataclasses.replace(settings, trainer=dataclasses.replace(
+        trainer, per_device_train_batch_size=micro_batch_size))
+    examples = example_inputs(spec, batch_settings, None if spec.example_inputs is not None else
+                              spec.prepare_data(settings.data_cfg, settings.model_cfg))
+    if dtype != torch.float32:
+        examples = {k: v.to(dtype) if v.is_floating_point() else v for k, v in examples.items()}
+    options = sharding_options(spec, settings)
+    with contextlib.ExitStack():
+        return profile_graph(model, examples, trace_method=options.trace_method or "fx",
+                             input_names=options.input_names, leaf_modules=options.leaf_modules, tp=tp,
+                             sequence_parallel=sequence_parallel)

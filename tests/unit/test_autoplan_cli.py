@@ -1,0 +1,106 @@
+"""merak-plan (merak.autoplan.cli): the table, plan.json, --compare, and the exit status of bad requests."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+
+import pytest
+
+from merak.autoplan.cli import main, parse_layout
+from merak.autoplan.layout import Layout
+
+TOY = ["gpt", "model=toy", "trainer.global_batch_size=16", "--world", "4", "--no-calibrate"]
+
+
+def test_parse_layout_fills_in_data_parallel_and_microbatches():
+    name, layout = parse_layout("megatron:tp=2,pp=2,mb=2,schedule=interleaved_1f1b,chunks=2,recompute=1,zero=1,sp=1",
+                                world_size=8, global_batch_size=16)
+    assert name == "megatron"
+    assert layout == Layout(dp=2, tp=2, pp=2, micro_batch_size=2, num_microbatches=4, schedule="interleaved_1f1b",
+                            chunks=2, recompute=True, zero_stage=1, sequence_parallel=True)
+    unnamed, plain = parse_layout("pp=4", world_size=4, global_batch_size=16)
+    assert unnamed == "compare"
+    assert plain == Layout(dp=1, tp=1, pp=4, micro_batch_size=1, num_microbatches=16)
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("x:pipeline=4", "unknown key 'pipeline'"),
+    ("x:dp=2,tp=4", "dp\\*tp\\*pp = 8, the world is 4"),
+    ("x:dp=4,mb=3", "does not divide"),
+    ("x:tp=two", "invalid literal"),
+])
+def test_parse_layout_rejects_bad_layouts(text, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_layout(text, world_size=4, global_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def toy_run(cache_dir, tmp_path_factory):
+    """``merak-plan`` on the toy GPT with a compared layout: (exit status, plan.json, printed table)."""
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main([*TOY, "--out", str(out), "--top", "5", "--compare", "mine:pp=4,mb=2"])
+    return status, json.loads(out.read_text()) if out.exists() else None, printed.getvalue()
+
+
+def test_cli_writes_the_plan(toy_run):
+    status, payload, _ = toy_run
+    assert status == 0
+    assert {"best", "candidates", "compared"} <= set(payload)
+    assert payload["best"]["fits"] is True
+    assert payload["best"]["key"] == payload["candidates"][0]["key"]
+    assert payload["world_size"] == 4 and payload["global_batch_size"] == 16
+    assert len(payload["candidates"]) == min(50, payload["num_candidates"])
+    compared = payload["compared"]
+    assert [c["name"] for c in compared] == ["mine"]
+    assert compared[0]["key"] == "dp1 tp1 pp4 mb2 M8 1f1b rc0 z0 sp0"
+    assert compared[0]["simulated"] is True
+    assert compared[0]["predicted_step_s"] > payload["best"]["predicted_step_s"]
+
+
+def test_cli_prints_the_table(toy_run):
+    _, payload, table = toy_run
+    lines = table.splitlines()
+    header = next(line for line in lines if line.startswith("#"))
+    assert "step (ms)" in header and "why not first" in header
+    rows = lines[lines.index(header) + 1:]
+    assert [row.split()[0] for row in rows] == ["1", "2", "3", "4", "5", "mine"]
+    assert "(chosen)" in rows[0]
+    assert lines[0].startswith("gpt/toy on 4 x cpu")
+
+
+def test_cli_bad_compare_key_exits_2(cache_dir, tmp_path, caplog):
+    out = tmp_path / "plan.json"
+    with caplog.at_level(logging.ERROR, logger="merak.plan"):
+        assert main([*TOY, "--out", str(out), "--compare", "mine:pipeline=4"]) == 2
+    assert "unknown key 'pipeline'" in caplog.text
+    assert not out.exists()
+
+
+def test_cli_compare_of_another_world_exits_2(cache_dir, tmp_path, caplog):
+    with caplog.at_level(logging.ERROR, logger="merak.plan"):
+        assert main([*TOY, "--out", str(tmp_path / "plan.json"), "--compare", "mine:dp=2,pp=4"]) == 2
+    assert "the world is 4" in caplog.text
+
+
+def test_cli_compare_that_cannot_run_exits_2(cache_dir, tmp_path):
+    assert main([*TOY, "--out", str(tmp_path / "plan.json"), "--compare", "mine:pp=4,schedule=no_such_schedule"]) == 2
+
+
+def test_cli_plans_gpt2_on_two_gpu_servers(cache_dir, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["gpt", "model=gpt2", "trainer.global_batch_size=16", "--cluster", "h100-80", "--nodes", "2",
+                 "--out", str(out), "--top", "3"]) == 0
+    payload = json.loads(out.read_text())
+    assert payload["world_size"] == 16
+    assert payload["cluster"]["nodes"] == 2 and payload["cluster"]["devices_per_node"] == 8
+    best = payload["best"]["layout"]
+    assert best["dp"] * best["tp"] * best["pp"] == 16
+    assert best["tp"] in (1, 2, 4)  # 12 heads: no tensor degree of 8, and none across nodes
+    assert payload["best"]["fits"] and 0 < payload["best"]["mfu"] < 1
+    assert payload["compared"] == []
+    assert "gpt/gpt2 on 16 x H100-80GB" in capsys.readouterr().out

@@ -1,0 +1,397 @@
+"""merak.autoplan.cost (and Layout, GraphProfile.scaled): the cost model on a hand-built profile.
+
+The synthetic model is an embedding unit, 8 identical layers of 3 units each and a head unit. Embedding and
+head cost nothing, so pipeline stages of whole layers are uniform; only the layer starts send as little as
+the hidden state, so cuts fall between layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from merak.autoplan.cluster import Link, preset, this_machine
+from merak.autoplan.cost import (
+    CostModel,
+    LayoutError,
+    _in_flight_peak,
+    all_reduce_seconds,
+    gather_seconds,
+    quick_step_seconds,
+)
+from merak.autoplan.layout import Layout
+from merak.autoplan.profile import GraphProfile
+from merak.pipeline.schedules import build_schedule
+
+LAYERS = 8
+UNITS_PER_LAYER = 3
+HIDDEN = 1 << 20  # bytes of the hidden state between layers
+SAVED_PER_UNIT = 2 * HIDDEN
+PARAMS_PER_UNIT = 10**6
+FLOPS_PER_UNIT = 10**11
+FP32_STATE_BYTES = 4 + 4 + 8  # weight, gradient, Adam's two moments
+
+
+def synthetic_profile(*, layers: int = LAYERS, dtype_bytes: int = 4, forward_all_reduce: int = 0,
+                      backward_all_reduce: int = 0, tp: int = 1) -> GraphProfile:
+    """An embedding, ``layers`` layers of three units and a head; each layer's last unit all-reduces
+    ``forward_all_reduce`` bytes in forward and its first unit ``backward_all_reduce`` in backward."""
+    count = 1 + layers * UNITS_PER_LAYER + 1
+
+    def per_unit(layer_values) -> tuple[int, ...]:
+        """Zero for the embedding and the head, ``layer_values[i % 3]`` for the i-th unit of the layers."""
+        return (0, *[layer_values[i % UNITS_PER_LAYER] for i in range(layers * UNITS_PER_LAYER)], 0)
+
+    crossing = [0] + [HIDDEN if (k - 1) % UNITS_PER_LAYER == 0 else 3 * HIDDEN for k in range(1, count)]
+    crossing[-1] = 2 * HIDDEN  # the head's input is more than a hidden state: no cut before it
+    return GraphProfile(
+        micro_batch_size=1, tp=tp, sequence_parallel=False, dtype_bytes=dtype_bytes,
+        flops=per_unit([FLOPS_PER_UNIT] * 3), bytes_moved=per_unit([0] * 3), ops=per_unit([0] * 3),
+        params=per_unit([PARAMS_PER_UNIT] * 3), saved_bytes=per_unit([SAVED_PER_UNIT] * 3),
+        forward_all_reduce=per_unit([0, 0, forward_all_reduce]), forward_gather=per_unit([0] * 3),
+        backward_all_reduce=per_unit([backward_all_reduce, 0, 0]), backward_gather=per_unit([0] * 3),
+        crossing_bytes=tuple(crossing), layer_starts=tuple(range(1, count - 1, UNITS_PER_LAYER)), output_bytes=0)
+
+
+def gpu_model(profile: GraphProfile | None = None, nodes: int = 2) -> CostModel:
+    """A cost model of ``profile`` (default: the synthetic one) on ``nodes`` H100 servers."""
+    profile = profile or synthetic_profile()
+    return CostModel(lambda tp, sequence_parallel: profile, preset("h100-80").with_size(nodes=nodes))
+
+
+def layout(**fields) -> Layout:
+    """A Layout with dp = tp = pp = 1, microbatch 1 and 8 microbatches unless ``fields`` say otherwise."""
+    values = {"dp": 1, "tp": 1, "pp": 1, "micro_batch_size": 1, "num_microbatches": 8, **fields}
+    return Layout(**values)
+
+
+def activation_bytes(model: CostModel, chosen: Layout) -> list[int]:
+    """Each stage's predicted memory minus its fp32 model state (no ZeRO): the activations it holds."""
+    prediction = model.predict(chosen, simulate_schedule=False)
+    pieces = model.pieces(chosen)
+    pp = chosen.pp
+    params = [sum(pieces[c * pp + s].params for c in range(chosen.chunks)) for s in range(pp)]
+    return [memory - p * FP32_STATE_BYTES for memory, p in zip(prediction.stage_memory, params)]
+
+
+# --- Layout --------------------------------------------------------------------------------------------------
+
+
+def test_layout_key_and_sizes():
+    plain = Layout(dp=2, tp=1, pp=2, micro_batch_size=4, num_microbatches=2)
+    assert plain.key() == "dp2 tp1 pp2 mb4 M2 1f1b rc0 z0 sp0"
+    assert (plain.world_size, plain.global_batch_size, plain.grid) == (4, 16, (2, 1, 2))
+    fancy = Layout(dp=2, tp=4, pp=2, micro_batch_size=1, num_microbatches=4, schedule="interleaved_1f1b", chunks=2,
+                   recompute=True, zero_stage=2, sequence_parallel=True)
+    assert fancy.key() == "dp2 tp4 pp2 mb1 M4 interleaved_1f1bx2 rc1 z2 sp1"
+    assert fancy.world_size == 16 and fancy.global_batch_size == 8
+
+
+def test_layout_overrides_set_every_field():
+    fancy = Layout(dp=2, tp=4, pp=2, micro_batch_size=3, num_microbatches=4, schedule="interleaved_1f1b", chunks=2,
+                   recompute=True, zero_stage=2, sequence_parallel=True)
+    values = dict(item.split("=", 1) for item in fancy.overrides())
+    assert values == {
+        "parallel.dp": "2", "parallel.tp": "4", "parallel.pp": "2",
+        "trainer.per_device_train_batch_size": "3", "trainer.gradient_accumulation_steps": "4",
+        "trainer.global_batch_size": "24", "trainer.train_schedule": "interleaved_1f1b",
+        "trainer.pipeline_chunks": "2", "trainer.activation_checkpointing": "true",
+        "trainer.activation_checkpoint_ratio": "null", "trainer.zero_optimization": "true",
+        "trainer.zero_stage": "2", "trainer.sequence_parallel": "true"}
+    plain = dict(item.split("=", 1) for item in layout().overrides())
+    assert plain["trainer.pipeline_chunks"] == "null"
+    assert plain["trainer.activation_checkpointing"] == "false"
+    assert plain["trainer.zero_optimization"] == "false"
+    assert plain["trainer.sequence_parallel"] == "false"
+    assert json.loads(json.dumps(fancy.to_json())) == dataclasses.asdict(fancy)
+
+
+# --- collectives ---------------------------------------------------------------------------------------------
+
+
+def test_ring_collectives_vanish_for_one_rank_or_no_bytes():
+    link = Link(bandwidth_gbs=10.0, latency_us=5.0)
+    assert all_reduce_seconds(1e9, 1, link) == 0.0
+    assert gather_seconds(1e9, 1, link) == 0.0
+    assert all_reduce_seconds(0, 8, link) == 0.0
+    assert gather_seconds(0, 8, link) == 0.0
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+def test_ring_all_reduce_and_gather_formulas(size):
+    bandwidth_only = Link(bandwidth_gbs=10.0, latency_us=0.0)
+    nbytes = 1e9
+    one_pass = nbytes / 10e9
+    assert all_reduce_seconds(nbytes, size, bandwidth_only) == pytest.approx(2 * (size - 1) / size * one_pass)
+    assert gather_seconds(nbytes, size, bandwidth_only) == pytest.approx((size - 1) / size * one_pass)
+    with_latency = Link(bandwidth_gbs=10.0, latency_us=7.0)
+    assert all_reduce_seconds(nbytes, size, with_latency) == pytest.approx(
+        2 * (size - 1) * 7e-6 + 2 * (size - 1) / size * one_pass)
+    assert gather_seconds(nbytes, size, with_latency) == pytest.approx((size - 1) * 7e-6 + (size - 1) / size * one_pass)
+
+
+def test_ring_all_reduce_grows_towards_twice_the_message():
+    link = Link(bandwidth_gbs=1.0, latency_us=0.0)
+    times = [all_reduce_seconds(1e9, size, link) for size in (2, 4, 8, 64)]
+    assert times == sorted(times)
+    assert times[0] == pytest.approx(1.0)
+    assert times[-1] == pytest.approx(2 * 63 / 64)
+    # A tiny message costs the latency of each ring step: 2 (t - 1) for an all-reduce, t - 1 for a gather.
+    slow_start = Link(bandwidth_gbs=1.0, latency_us=10.0)
+    assert all_reduce_seconds(1, 4, slow_start) == pytest.approx(6 * 10e-6, rel=1e-3)
+    assert gather_seconds(1, 4, slow_start) == pytest.approx(3 * 10e-6, rel=1e-3)
+
+
+# --- GraphProfile.scaled -------------------------------------------------------------------------------------
+
+
+def test_scaled_profile_grows_activations_not_parameters():
+    profile = synthetic_profile(forward_all_reduce=HIDDEN, backward_all_reduce=HIDDEN)
+    profile = dataclasses.replace(profile, bytes_moved=tuple(range(0, 3 * len(profile), 3)),
+                                  ops=tuple(range(len(profile))), output_bytes=5000)
+    doubled = profile.scaled(2)
+    assert doubled.micro_batch_size == 2
+    assert doubled.flops == tuple(2 * v for v in profile.flops)
+    assert doubled.bytes_moved == tuple(2 * v for v in profile.bytes_moved)
+    assert doubled.saved_bytes == tuple(2 * v for v in profile.saved_bytes)
+    assert doubled.crossing_bytes == tuple(2 * v for v in profile.crossing_bytes)
+    assert doubled.forward_all_reduce == tuple(2 * v for v in profile.forward_all_reduce)
+    assert doubled.backward_all_reduce == tuple(2 * v for v in profile.backward_all_reduce)
+    assert doubled.output_bytes == 10000
+    assert doubled.params == profile.params
+    assert doubled.ops == profile.ops
+    assert doubled.layer_starts == profile.layer_starts
+    assert doubled.scaled(1) == profile
+    assert GraphProfile.from_json(json.loads(json.dumps(doubled.to_json()))) == doubled
+
+
+# --- cuts ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4, 8])
+def test_pipeline_cuts_fall_between_layers(pp):
+    pieces = gpu_model().pieces(layout(pp=pp))
+    assert len(pieces) == pp
+    assert [p.params for p in pieces] == [LAYERS // pp * UNITS_PER_LAYER * PARAMS_PER_UNIT] * pp
+    assert [p.send_bytes for p in pieces] == [HIDDEN] * (pp - 1) + [0]
+
+
+@pytest.mark.parametrize(("pp", "chunks"), [(10, 1), (5, 2), (8, 2)])
+def test_more_pieces_than_cuts_is_a_layout_error(pp, chunks):
+    # 8 layer starts (the first one after the free embedding included): at most 9 pieces.
+    schedule = "interleaved_1f1b" if chunks > 1 else "1f1b"
+    too_many = layout(pp=pp, chunks=chunks, schedule=schedule, num_microbatches=2 * pp)
+    with pytest.raises(LayoutError, match=f"{pp * chunks} needed"):
+        gpu_model().predict(too_many)
+
+
+def test_nine_pieces_still_fit_the_cuts():
+    assert len(gpu_model().pieces(layout(pp=9, num_microbatches=9))) == 9
+
+
+# --- step time -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+@pytest.mark.parametrize("microbatches", [4, 8, 16])
+def test_simulated_and_closed_form_1f1b_steps_agree(pp, microbatches):
+    model = gpu_model()
+    chosen = layout(pp=pp, num_microbatches=microbatches)
+    simulated = model.predict(chosen, simulate_schedule=True)
+    quick = model.predict(chosen, simulate_schedule=False)
+    assert simulated.simulated and not quick.simulated
+    assert quick.step_s == pytest.approx(simulated.step_s, rel=0.1)
+    assert simulated.stage_memory == quick.stage_memory
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+@pytest.mark.parametrize("microbatches", [4, 8, 16])
+def test_1f1b_step_follows_the_bubble_formula(pp, microbatches):
+    model = gpu_model()
+    chosen = layout(pp=pp, num_microbatches=microbatches)
+    per_microbatch = max(p.forward + p.backward for p in model.pieces(chosen))
+    full_model = LAYERS * UNITS_PER_LAYER * FLOPS_PER_UNIT * 3 / preset("h100-80").accelerator.flops_per_s("float32")
+    assert per_microbatch == pytest.approx(full_model / pp, rel=0.01)
+    prediction = model.predict(chosen)
+    assert prediction.step_s == pytest.approx((microbatches + pp - 1) * per_microbatch, rel=0.02)
+    assert prediction.breakdown["compute_s"] == pytest.approx(microbatches * per_microbatch, rel=0.01)
+    assert prediction.breakdown["bubble_s"] == pytest.approx((pp - 1) * per_microbatch, rel=0.05, abs=1e-3)
+
+
+def test_deeper_pipelines_step_faster_but_waste_more():
+    model = gpu_model()
+    steps = [model.predict(layout(pp=pp, num_microbatches=8)).step_s for pp in (1, 2, 4, 8)]
+    assert steps == sorted(steps, reverse=True)
+    # (M + pp - 1) / (M pp) of the unpipelined step: the efficiency falls with pp.
+    for pp, step in zip((2, 4, 8), steps[1:]):
+        assert step / steps[0] == pytest.approx((8 + pp - 1) / (8 * pp), rel=0.02)
+
+
+def test_interleaving_and_zero_bubble_shrink_the_bubble():
+    model = gpu_model()
+    steps = {}
+    for schedule, chunks in (("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)):
+        chosen = layout(pp=4, schedule=schedule, chunks=chunks)
+        simulated = model.predict(chosen).step_s
+        assert model.predict(chosen, simulate_schedule=False).step_s == pytest.approx(simulated, rel=0.1)
+        steps[schedule] = simulated
+    assert steps["interleaved_1f1b"] < steps["1f1b"]
+    assert steps["zb_h1"] < steps["1f1b"]
+
+
+def test_quick_step_seconds_is_the_closed_form():
+    model = gpu_model()
+    chosen = layout(pp=4, num_microbatches=8)
+    pieces = model.pieces(chosen)
+    link = Link(bandwidth_gbs=1.0, latency_us=0.0)
+    work = pieces[0].forward + pieces[0].backward
+    transfers = 2 * 3 * HIDDEN / 1e9
+    expected = 8 * work + 3 * work + transfers + 0.5 + 0.25
+    assert quick_step_seconds(pieces, chosen, [0.5, 0.1, 0.1, 0.1], [0.25] * 4, link) == pytest.approx(expected,
+                                                                                                       rel=1e-3)
+
+
+def test_recompute_costs_a_forward_per_microbatch():
+    model = gpu_model()
+    plain = model.predict(layout(pp=2))
+    recomputed = model.predict(layout(pp=2, recompute=True))
+    piece = model.pieces(layout(pp=2))[0]
+    assert plain.breakdown["recompute_s"] == 0.0
+    assert recomputed.breakdown["recompute_s"] == pytest.approx(8 * piece.recompute)
+    assert piece.recompute == pytest.approx(piece.forward)
+    assert recomputed.step_s == pytest.approx(plain.step_s + (8 + 1) * piece.recompute, rel=0.02)
+
+
+def test_data_parallel_reduction_uses_the_link_its_group_crosses():
+    model = gpu_model(nodes=2)
+    gradient_bytes = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT * 4
+    cluster = preset("h100-80")
+    one_node = model.predict(layout(dp=8)).breakdown["dp_comm_s"]
+    two_nodes = model.predict(layout(dp=16)).breakdown["dp_comm_s"]
+    assert model.predict(layout(dp=1)).breakdown["dp_comm_s"] == 0.0
+    assert one_node == pytest.approx(all_reduce_seconds(gradient_bytes, 8, cluster.intra_node))
+    assert two_nodes == pytest.approx(all_reduce_seconds(gradient_bytes, 16, cluster.inter_node))
+    assert two_nodes > one_node
+
+
+def test_cpu_workers_beyond_the_cores_share_them():
+    profile = synthetic_profile()
+    two_cores = dataclasses.replace(this_machine(4, measure=False), cores_per_node=2)
+    four_cores = dataclasses.replace(two_cores, cores_per_node=4)
+    shared = CostModel(lambda tp, sequence_parallel: profile, two_cores)
+    alone = CostModel(lambda tp, sequence_parallel: profile, four_cores)
+    single = shared.pieces(layout(dp=1))[0].forward
+    assert shared.pieces(layout(dp=2))[0].forward == pytest.approx(single)
+    assert shared.pieces(layout(dp=4))[0].forward == pytest.approx(2 * single)
+    assert alone.pieces(layout(dp=4))[0].forward == pytest.approx(single)
+    gpu_single = gpu_model().pieces(layout(dp=1))[0].forward
+    assert gpu_model().pieces(layout(dp=8))[0].forward == pytest.approx(gpu_single)
+
+
+# --- memory --------------------------------------------------------------------------------------------------
+
+
+def test_in_flight_peak_of_1f1b_and_gpipe_lists():
+    weights = {0: 1}
+    for microbatches in (2, 4, 8):
+        for stage in range(4):
+            one_f_one_b = build_schedule(name="1f1b", stage_id=stage, num_stages=4, num_microbatches=microbatches)
+            gpipe = build_schedule(name="gpipe", stage_id=stage, num_stages=4, num_microbatches=microbatches)
+            assert _in_flight_peak(one_f_one_b, weights) == min(4 - stage, microbatches)
+            assert _in_flight_peak(gpipe, weights) == microbatches
+    # Interleaved: (pp - s - 1) * 2 + (chunks - 1) * pp warm-up forwards over both chunks, plus one.
+    for stage, expected in ((0, 5), (1, 3)):
+        interleaved = build_schedule(name="interleaved_1f1b", stage_id=stage, num_stages=2, num_microbatches=4,
+                                     num_chunks=2)
+        assert _in_flight_peak(interleaved, {0: 1, 1: 1}) == expected
+        per_chunk = [_in_flight_peak(interleaved, {0: 1, 1: 0}), _in_flight_peak(interleaved, {0: 0, 1: 1})]
+        assert max(per_chunk) <= expected <= sum(per_chunk)
+    # Zero bubble: a microbatch stays until its weight gradient, at most pp of them on any stage.
+    peaks = [_in_flight_peak(build_schedule(name="zb_h1", stage_id=s, num_stages=4, num_microbatches=8), weights)
+             for s in range(4)]
+    assert peaks[0] == 4 and max(peaks) <= 4
+
+
+@pytest.mark.parametrize(("pp", "microbatches"), [(4, 8), (4, 4), (4, 2), (2, 8)])
+def test_1f1b_first_stage_holds_pp_microbatches_last_holds_one(pp, microbatches):
+    model = gpu_model()
+    per_microbatch = LAYERS // pp * UNITS_PER_LAYER * SAVED_PER_UNIT
+    held = activation_bytes(model, layout(pp=pp, num_microbatches=microbatches))
+    assert held[0] == min(pp, microbatches) * per_microbatch
+    assert held[-1] == per_microbatch
+    assert held == [min(pp - s, microbatches) * per_microbatch for s in range(pp)]
+
+
+def test_gpipe_holds_every_microbatch():
+    model = gpu_model()
+    per_microbatch = LAYERS // 4 * UNITS_PER_LAYER * SAVED_PER_UNIT
+    assert activation_bytes(model, layout(pp=4, schedule="gpipe")) == [8 * per_microbatch] * 4
+
+
+def test_recompute_keeps_layer_inputs_and_one_layer():
+    model = gpu_model()
+    plain = activation_bytes(model, layout(pp=4))
+    recomputed = activation_bytes(model, layout(pp=4, recompute=True))
+    layers_per_stage = LAYERS // 4
+    one_layer = UNITS_PER_LAYER * SAVED_PER_UNIT
+    assert recomputed == [(4 - s) * layers_per_stage * HIDDEN + one_layer for s in range(4)]
+    assert all(r < p for r, p in zip(recomputed, plain))
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero_stages_shard_the_model_state(dp):
+    model = gpu_model()
+    stage_params = LAYERS // 2 * UNITS_PER_LAYER * PARAMS_PER_UNIT
+    memory = {z: model.predict(layout(dp=dp, pp=2, zero_stage=z), simulate_schedule=False).stage_memory
+              for z in (0, 1, 2)}
+    sharded = 1 - 1 / dp
+    for stage in range(2):
+        assert memory[0][stage] - memory[1][stage] == pytest.approx(stage_params * 8 * sharded, abs=1)
+        assert memory[1][stage] - memory[2][stage] == pytest.approx(stage_params * 4 * sharded, abs=1)
+
+
+def test_zero_with_half_precision_shards_master_weights_too():
+    model = gpu_model(synthetic_profile(dtype_bytes=2))
+    stage_params = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT
+    z0, z1, z2 = (model.predict(layout(dp=4, zero_stage=z), simulate_schedule=False).max_memory for z in (0, 1, 2))
+    # bf16 weight 2 + gradient 2, fp32 master 4 + moments 8: stage 1 shards 12 bytes, stage 2 also the 2 of grads.
+    assert z0 - z1 == pytest.approx(stage_params * 12 * 3 / 4, abs=1)
+    assert z1 - z2 == pytest.approx(stage_params * 2 * 3 / 4, abs=1)
+
+
+def test_zero_shards_the_optimizer_step():
+    model = gpu_model()
+    plain = model.predict(layout(dp=4)).breakdown["optimizer_s"]
+    assert model.predict(layout(dp=4, zero_stage=1)).breakdown["optimizer_s"] == pytest.approx(plain / 4)
+
+
+# --- tensor parallelism --------------------------------------------------------------------------------------
+
+
+def tp_model(message_bytes: int) -> CostModel:
+    """A cost model whose profile at tp > 1 all-reduces ``message_bytes`` per layer in forward and backward."""
+    plain = synthetic_profile()
+    split = synthetic_profile(forward_all_reduce=message_bytes, backward_all_reduce=message_bytes, tp=2)
+    return CostModel(lambda tp, sequence_parallel: split if tp > 1 else plain, preset("h100-80"))
+
+
+def test_tensor_parallel_collectives_cost_time():
+    chosen = layout(tp=2, num_microbatches=4)
+    silent = tp_model(0).predict(chosen)
+    small = tp_model(HIDDEN).predict(chosen)
+    large = tp_model(16 * HIDDEN).predict(chosen)
+    assert silent.breakdown["tp_comm_s"] == 0.0
+    link = preset("h100-80").intra_node
+    assert small.breakdown["tp_comm_s"] == pytest.approx(4 * LAYERS * 2 * all_reduce_seconds(HIDDEN, 2, link))
+    assert 0 < small.breakdown["tp_comm_s"] < large.breakdown["tp_comm_s"]
+    assert silent.step_s < small.step_s < large.step_s
+
+
+def test_one_tensor_rank_has_no_collectives():
+    profile = synthetic_profile(forward_all_reduce=16 * HIDDEN, backward_all_reduce=16 * HIDDEN)
+    assert sum(profile.forward_all_reduce) == LAYERS * 16 * HIDDEN
+    model = CostModel(lambda tp, sequence_parallel: profile, preset("h100-80"))
+    assert model.predict(layout(tp=1)).breakdown["tp_comm_s"] == 0.0
+    assert model.predict(layout(tp=2)).breakdown["tp_comm_s"] > 0.0
