@@ -3,45 +3,93 @@
 The rates of a device (FLOP/s, bytes/s, seconds per operation) price matrix products and memory
 traffic well, but not everything a training step runs: the loss in float32, allocator traffic,
 autograd's bookkeeping. On the machine at hand the model itself is timed: one process runs the
-recipe's model, loss and backward on real weights for a few microbatches, and the ratio of that time
-to the rate-based estimate scales every compute cost. The optimizer step is timed the same way.
+recipe's model, loss and backward on real weights at a small and a larger microbatch; the line
+through both fits the rate-based estimate to it (how much the work that grows with the microbatch and
+the per-operation overhead each really cost). The optimizer step is timed the same way. Then
+as many processes as the run will start time the model all at once: how much slower each is when they
+share the cores (more than the cores' count alone says: memory bandwidth and caches are shared too),
+and how long a small all-reduce takes among them (a collective waits for every process to be
+scheduled).
 Only for models small enough to build here (GPU presets plan giant models from their rates alone).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import json
 import logging
+import os
+import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from merak.assemble import CallModel, default_input_names
-from merak.autoplan.cost import BACKWARD_FACTOR
 from merak.autoplan.profile import GraphProfile
+from merak.distributed.launch import spawn_workers
+from merak.report import write_json_atomic
 from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates
 
 logger = logging.getLogger(__name__)
 
 MAX_CALIBRATED_PARAMETERS = 300_000_000
+BACKWARD_FLOPS_FACTOR = 2.0  # a backward does twice a forward's matrix work
 REPEATS = 3
+CONCURRENT_TIMEOUT_S = 120.0
+ALL_REDUCE_ELEMENTS = 1024
+ALL_REDUCES = 20
 
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Measured over estimated compute time, and the optimizer's seconds per parameter."""
+    """What the measurement found (the defaults: nothing measured, the device rates alone).
 
-    compute_scale: float = 1.0
+    Attributes:
+        work_scale: measured over estimated time of the work that grows with the microbatch (matrix
+            products, memory traffic).
+        launch_scale: measured over estimated time of what each operation costs whatever its size
+            (launch and framework overhead).
+        optimizer_seconds_per_parameter: the optimizer step's time per parameter.
+        processes: how many processes ran the model at once for ``concurrent_slowdown``.
+        concurrent_slowdown: their step time over one process's alone (cores shared, memory
+            bandwidth and caches too).
+        all_reduce_s: one small all-reduce among ``processes`` processes (the latency of a collective
+            when every core has more than one process to run).
+    """
+
+    work_scale: float = 1.0
+    launch_scale: float = 1.0
     optimizer_seconds_per_parameter: float | None = None
-    micro_batch_size: int = 0
-    measured_step_s: float = 0.0
+    processes: int = 1
+    concurrent_slowdown: float = 1.0
+    all_reduce_s: float | None = None
+
+    def seconds(self, rates: MachineRates, flops: float, bytes_moved: float, ops: float) -> float:
+        """The calibrated time of ``flops``, ``bytes_moved`` and ``ops`` at ``rates``."""
+        return (self.work_scale * (flops / rates.flops_per_s + bytes_moved / rates.bytes_per_s)
+                + self.launch_scale * ops * rates.seconds_per_op)
+
+    def slowdown(self, busy: float) -> float | None:
+        """The step time of ``busy`` processes computing at once over one alone, along the line from one
+        process to the measured ``processes`` (None: not measured)."""
+        if self.processes < 2:
+            return None
+        return max(1.0, 1 + (self.concurrent_slowdown - 1) * (busy - 1) / (self.processes - 1))
 
 
-def estimated_seconds(profile: GraphProfile, rates: MachineRates) -> float:
-    """Forward, loss and backward of the profiled model at the profile's microbatch, from the rates."""
-    forward = sum(rates.seconds(f, b, o) for f, b, o in zip(profile.flops, profile.bytes_moved, profile.ops))
-    loss = rates.seconds(0, (LOSS_PASSES_FORWARD + LOSS_PASSES_BACKWARD) * profile.output_bytes, 2 * LOSS_OPS)
-    return forward * (1 + BACKWARD_FACTOR) + loss
+def estimated_parts(profile: GraphProfile, rates: MachineRates) -> tuple[float, float]:
+    """(work, launches): the rate-based estimate of the profiled model's forward, loss and backward at the
+    profile's microbatch, split into what grows with the microbatch and what each operation costs."""
+    passes = 1 + BACKWARD_FLOPS_FACTOR
+    work = passes * sum(f / rates.flops_per_s + b / rates.bytes_per_s
+                        for f, b in zip(profile.flops, profile.bytes_moved))
+    work += (LOSS_PASSES_FORWARD + LOSS_PASSES_BACKWARD) * profile.output_bytes / rates.bytes_per_s
+    launches = (passes * sum(profile.ops) + 2 * LOSS_OPS) * rates.seconds_per_op
+    return work, launches
 
 
 def _best_of(function, repeats: int) -> float:
@@ -54,39 +102,118 @@ def _best_of(function, repeats: int) -> float:
     return best
 
 
-def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, threads: int = 1) -> Calibration:
-    """Time the recipe's model on one process at ``profile``'s microbatch and compare with the estimate."""
+def _model_step(spec, settings, micro_batch_size: int):
+    """(one forward + loss + backward of the recipe's model on real weights, the model), or None when the
+    model is too large to build here."""
     model_cfg = settings.model_cfg
+    torch.manual_seed(settings.trainer.seed)
+    model = spec.build_model(model_cfg)
+    count = sum(p.numel() for p in model.parameters())
+    if count > MAX_CALIBRATED_PARAMETERS:
+        logger.info("not timing %s here (%s parameters): compute costs from the device rates alone", spec.name,
+                    f"{count:,}")
+        return None
+    model.train()
+    prepared = spec.prepare_data(settings.data_cfg, model_cfg)
+    dataset = spec.load_dataset(prepared, model_cfg)
+    batch = spec.collate([dataset[i % len(dataset)] for i in range(micro_batch_size)])
+    names = settings.trainer.input_names or spec.input_names or default_input_names(model, batch)
+    runner = CallModel(model, list(names))
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        spec.loss_fn(runner(batch), batch).backward()
+
+    return step, model
+
+
+def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, out_dir: str) -> None:
+    """One of the processes timing the model all at once, then small all-reduces among them."""
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=CONCURRENT_TIMEOUT_S))
+    try:
+        step, _ = _model_step(spec, settings, micro_batch_size)
+        step()  # warm-up
+        dist.barrier()
+        times = []
+        for _ in range(REPEATS):
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started)
+        dist.barrier()
+        message = torch.zeros(ALL_REDUCE_ELEMENTS)
+        dist.all_reduce(message)
+        started = time.perf_counter()
+        for _ in range(ALL_REDUCES):
+            dist.all_reduce(message)
+        all_reduce = (time.perf_counter() - started) / ALL_REDUCES
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    rank = int(os.environ["RANK"])  # set by spawn_workers
+    write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"), {"step_s": statistics.median(times),
+                                                                   "all_reduce_s": all_reduce})
+
+
+def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int) -> tuple[float, float]:
+    """(median step time, all-reduce time) of ``processes`` processes running the model at once."""
+    with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
+        spawn_workers(_concurrent_worker, world_size=processes,
+                      args=(spec, settings, micro_batch_size, threads, out_dir),
+                      env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
+                      store_timeout_s=CONCURRENT_TIMEOUT_S)
+        reports = [json.loads(Path(out_dir, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
+    return (statistics.median(r["step_s"] for r in reports), statistics.median(r["all_reduce_s"] for r in reports))
+
+
+def _fit(small: tuple[float, float, float], large: tuple[float, float, float] | None) -> tuple[float, float]:
+    """(work_scale, launch_scale) from ``(work, launches, measured)`` at two microbatch sizes: the line through
+    both measurements (one measurement: one scale for both)."""
+    work, launches, measured = small
+    if large is not None and large[0] > work:
+        work_scale = (large[2] - measured) / (large[0] - work)
+        if work_scale > 0:
+            launch_scale = (measured - work_scale * work) / launches if launches > 0 else 1.0
+            if launch_scale > 0:
+                return work_scale, launch_scale
+    scale = measured / (work + launches) if work + launches > 0 else 1.0
+    return scale, scale
+
+
+def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro_batch_sizes: tuple[int, ...],
+            threads: int = 1, processes: int = 1) -> Calibration:
+    """Time the recipe's model on one process at one or two microbatch sizes and fit the estimate to it;
+    with ``processes`` > 1, also time that many processes running it at once (at the largest size)."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    points = []
     try:
-        torch.manual_seed(settings.trainer.seed)
-        model = spec.build_model(model_cfg)
-        count = sum(p.numel() for p in model.parameters())
-        if count > MAX_CALIBRATED_PARAMETERS:
-            logger.info("not timing %s here (%s parameters): compute costs from the device rates alone",
-                        spec.name, f"{count:,}")
-            return Calibration()
-        model.train()
-        prepared = spec.prepare_data(settings.data_cfg, model_cfg)
-        dataset = spec.load_dataset(prepared, model_cfg)
-        batch = spec.collate([dataset[i % len(dataset)] for i in range(profile.micro_batch_size)])
-        names = settings.trainer.input_names or spec.input_names or default_input_names(model, batch)
-        runner = CallModel(model, list(names))
-
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
-            spec.loss_fn(runner(batch), batch).backward()
-
-        seconds = _best_of(step, REPEATS)
+        for micro in sorted(set(micro_batch_sizes)):
+            built = _model_step(spec, settings, micro)
+            if built is None:
+                return Calibration()
+            step, model = built
+            measured = _best_of(step, REPEATS)
+            points.append((*estimated_parts(profile.scaled(micro), rates), measured))
+            logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward", spec.name, micro,
+                        measured * 1e3)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
         optimizer_seconds = _best_of(optimizer.step, REPEATS)
+        count = sum(p.numel() for p in model.parameters())
+        del step, model, optimizer
     finally:
         torch.set_num_threads(previous_threads)
-    estimate = estimated_seconds(profile, rates)
-    scale = seconds / estimate if estimate > 0 else 1.0
-    logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward (%.2fx the estimate); "
-                "optimizer step %.1f ms", spec.name, profile.micro_batch_size, seconds * 1e3, scale,
-                optimizer_seconds * 1e3)
-    return Calibration(compute_scale=scale, optimizer_seconds_per_parameter=optimizer_seconds / max(count, 1),
-                       micro_batch_size=profile.micro_batch_size, measured_step_s=seconds)
+    work_scale, launch_scale = _fit(points[0], points[-1] if len(points) > 1 else None)
+    logger.info("compute estimates scaled by %.2f (work growing with the microbatch) and %.2f (per operation); "
+                "optimizer step %.1f ms", work_scale, launch_scale, optimizer_seconds * 1e3)
+    calibration = Calibration(work_scale=work_scale, launch_scale=launch_scale,
+                              optimizer_seconds_per_parameter=optimizer_seconds / max(count, 1))
+    if processes < 2:
+        return calibration
+    largest = max(micro_batch_sizes)
+    concurrent, all_reduce = measure_concurrent(spec, settings, largest, processes, threads)
+    slowdown = concurrent / points[-1][2]
+    logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone); a small all-reduce among them "
+                "%.2f ms", processes, concurrent * 1e3, slowdown, all_reduce * 1e3)
+    return dataclasses.replace(calibration, processes=processes, concurrent_slowdown=slowdown,
+                               all_reduce_s=all_reduce)

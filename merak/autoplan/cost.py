@@ -4,8 +4,9 @@ Compute: each unit of the captured graph (:mod:`merak.autoplan.profile`, at the 
 degree and microbatch) takes ``flops / F + bytes / B + ops * c`` (the partitioner's model,
 :class:`merak.shard.costs.MachineRates`) with the accelerator's rates. That sum is the efficiency
 curve: small matrices are held back by memory traffic and launch overhead, large ones approach
-``F``. CPU workers that outnumber the cores share them. The backward costs twice the forward;
-recomputation adds a forward to it.
+``F``. On a CPU node the processes busy at once share the cores, slowed as much as the calibration
+measured (:mod:`merak.autoplan.calibrate`). The backward costs twice the forward; recomputation adds
+a forward to it.
 
 Communication: tensor-parallel collectives from their bytes in the graph (ring all-reduce,
 all-gather and reduce-scatter on the tensor group's link), pipeline transfers from what crosses
@@ -26,11 +27,13 @@ inputs plus one layer being recomputed.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from merak.autoplan.calibrate import BACKWARD_FLOPS_FACTOR, Calibration
 from merak.autoplan.cluster import Cluster, Link
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile
@@ -51,7 +54,6 @@ from merak.pipeline.schedules import build_schedule
 from merak.pipeline.simulate import simulate
 from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates
 
-BACKWARD_FACTOR = 2.0  # a backward does twice a forward's matrix work
 ADAM_BYTES_PER_PARAMETER = 28  # read weight, gradient, two moments; write weight and moments (fp32)
 SIMULATED_MICROBATCHES = 8  # a longer step is simulated at about this many and extended linearly
 
@@ -110,6 +112,11 @@ def device_rates(cluster: Cluster, dtype: str) -> MachineRates:
     return MachineRates(flops_per_s=accelerator.flops_per_s(dtype),
                         bytes_per_s=accelerator.memory_bandwidth_gbs * 1e9,
                         seconds_per_op=accelerator.seconds_per_op)
+
+
+def p2p_seconds(nbytes: float, link: Link) -> float:
+    """One stage-to-stage transfer: a small header first (what follows: shapes, dtypes), then the tensors."""
+    return link.latency_us * 1e-6 + link.seconds(nbytes)
 
 
 def all_reduce_seconds(nbytes: float, size: int, link: Link) -> float:
@@ -214,8 +221,7 @@ class StageCostModel:
             half = piece.backward / 2
             return half + extra if isinstance(instruction, BackwardInput) else half
         if isinstance(instruction, (Exchange, *P2P_TYPES)):
-            piece = self._piece(stage_id, instruction)
-            return self.link.seconds(piece.send_bytes)
+            return p2p_seconds(self._piece(stage_id, instruction).send_bytes, self.link)
         if isinstance(instruction, ReduceGrads):
             return self.dp_seconds[stage_id]
         if isinstance(instruction, OptimizerStep):
@@ -248,7 +254,7 @@ def _prefix(values: Sequence[float]) -> list[float]:
 class _UnitTable:
     """One profile's per-unit costs at one microbatch, as prefix sums: any piece is priced in O(1)."""
 
-    forward: list[float]  # prefix sums of compute seconds (compute_scale applied, no CPU sharing)
+    forward: list[float]  # prefix sums of compute seconds (calibrated, no CPU sharing)
     tp_forward: list[float]
     tp_backward: list[float]
     params: list[float]
@@ -278,9 +284,12 @@ def _shared_in(shared, first: int, last: int) -> int:
 
 def in_flight_counts(schedule: str, num_stages: int, num_microbatches: int, chunks: int) -> list[int]:
     """Per stage, the most microbatch pieces whose forward ran and backward has not (closed form):
-    1F1B and zero-bubble hold ``min(S - s, M)``, GPipe all ``M``, interleaving ``2 (S - s - 1) + (v - 1) S + 1``."""
+    1F1B holds ``min(S - s, M)``, zero-bubble ``min(S, M)`` (a weight gradient waits), GPipe all ``M``,
+    interleaving ``2 (S - s - 1) + (v - 1) S + 1``."""
     if schedule == "gpipe":
         return [num_microbatches * chunks] * num_stages
+    if schedule == "zb_h1":
+        return [min(num_stages, num_microbatches)] * num_stages
     if chunks > 1:
         return [min(2 * (num_stages - s - 1) + (chunks - 1) * num_stages + 1, num_microbatches * chunks)
                 for s in range(num_stages)]
@@ -294,17 +303,24 @@ class CostModel:
         profiles: ``(tp, sequence_parallel) -> GraphProfile`` (at any microbatch; scaled here).
         cluster: the devices and links.
         dtype: the compute dtype's name (``float32``, ``bfloat16``, ``float16``).
-        compute_scale: measured over estimated compute time of this model on one device
-            (:mod:`merak.autoplan.calibrate`; 1.0: the rates alone).
-        optimizer_seconds_per_parameter: measured optimizer step time per parameter (None: from the
-            accelerator's memory bandwidth).
+        calibration: what timing the model here found (:mod:`merak.autoplan.calibrate`): a scale of the
+            compute estimates, the optimizer's time per parameter, how processes sharing the cores slow
+            each other and how long a collective waits for them (default: nothing measured, the device
+            rates and links alone).
     """
 
-    def __init__(self, profiles, cluster: Cluster, dtype: str = "float32", *, compute_scale: float = 1.0,
-                 optimizer_seconds_per_parameter: float | None = None) -> None:
-        self.profiles, self.cluster, self.dtype = profiles, cluster, dtype
-        self.compute_scale = compute_scale
-        self.optimizer_seconds_per_parameter = optimizer_seconds_per_parameter
+    def __init__(self, profiles, cluster: Cluster, dtype: str = "float32", *,
+                 calibration: Calibration = Calibration()) -> None:
+        self.profiles, self.dtype, self.calibration = profiles, dtype, calibration
+        self.optimizer_seconds_per_parameter = calibration.optimizer_seconds_per_parameter
+        if calibration.all_reduce_s is not None and calibration.processes > 1:
+            # A collective among processes that share the cores waits for each to be scheduled: the
+            # latency of a hop is what the measured all-reduce took per ring step.
+            hop = calibration.all_reduce_s / (2 * (calibration.processes - 1)) * 1e6
+            link = cluster.intra_node
+            cluster = dataclasses.replace(cluster, intra_node=dataclasses.replace(
+                link, latency_us=max(link.latency_us, hop)))
+        self.cluster = cluster
         self._tables: dict[tuple[int, bool, int], _UnitTable] = {}
         self._bounds: dict[tuple[int, bool, int, int], list[int]] = {}
         self._simulations: dict[tuple, tuple[list[float], tuple | None]] = {}
@@ -316,7 +332,7 @@ class CostModel:
         profile = self.profiles(layout.tp, layout.sequence_parallel).scaled(layout.micro_batch_size)
         rates = device_rates(self.cluster, self.dtype)
         tp_link, _, _ = _group_links(self.cluster, 1, layout.tp, 1)
-        forward = [rates.seconds(f, b, o) * self.compute_scale
+        forward = [self.calibration.seconds(rates, f, b, o)
                    for f, b, o in zip(profile.flops, profile.bytes_moved, profile.ops)]
         tp_forward = [all_reduce_seconds(r, layout.tp, tp_link) + gather_seconds(g, layout.tp, tp_link)
                       for r, g in zip(profile.forward_all_reduce, profile.forward_gather)]
@@ -330,11 +346,10 @@ class CostModel:
             forward=_prefix(forward), tp_forward=_prefix(tp_forward), tp_backward=_prefix(tp_backward),
             params=_prefix(profile.params), saved=_prefix(profile.saved_bytes), kept=_prefix(kept),
             layer_saved=layer_saved,
-            cuts_at=[f * (1 + BACKWARD_FACTOR) + a + b for f, a, b in zip(forward, tp_forward, tp_backward)],
+            cuts_at=[f * (1 + BACKWARD_FLOPS_FACTOR) + a + b for f, a, b in zip(forward, tp_forward, tp_backward)],
             crossing=tuple(profile.crossing_bytes), layer_starts=tuple(starts),
-            loss_forward=rates.seconds(0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS) * self.compute_scale,
-            loss_backward=rates.seconds(0, LOSS_PASSES_BACKWARD * profile.output_bytes, LOSS_OPS)
-            * self.compute_scale,
+            loss_forward=self.calibration.seconds(rates, 0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS),
+            loss_backward=self.calibration.seconds(rates, 0, LOSS_PASSES_BACKWARD * profile.output_bytes, LOSS_OPS),
             output_bytes=profile.output_bytes, dtype_bytes=profile.dtype_bytes, shared=profile.shared_params)
         self._tables[key] = table
         return table
@@ -355,7 +370,9 @@ class CostModel:
         busiest = max(stage_work)
         busy_stages = sum(stage_work) / busiest if busiest > 0 else layout.pp
         per_node = min(layout.world_size, self.cluster.devices_per_node) / layout.world_size
-        return self.cluster.compute_share(max(1.0, layout.dp * layout.tp * busy_stages * per_node))
+        busy = max(1.0, layout.dp * layout.tp * busy_stages * per_node)
+        measured = self.calibration.slowdown(busy)
+        return 1 / measured if measured is not None else self.cluster.compute_share(busy)
 
     def pieces(self, layout: Layout) -> list[VirtualStage]:
         """The layout's model pieces (pp x chunks), each with its per-microbatch costs."""
@@ -365,7 +382,7 @@ class CostModel:
         spans = list(zip(bounds, bounds[1:]))
         work = [0.0] * layout.pp
         for index, (first, last) in enumerate(spans):
-            work[index % layout.pp] += (table.forward[last] - table.forward[first]) * (1 + BACKWARD_FACTOR)
+            work[index % layout.pp] += (table.forward[last] - table.forward[first]) * (1 + BACKWARD_FLOPS_FACTOR)
         work[(count - 1) % layout.pp] += table.loss_forward + table.loss_backward
         slowdown = 1 / self._share(layout, work)
         pieces = []
@@ -380,7 +397,7 @@ class CostModel:
             loss_saved = table.output_bytes if is_last else 0
             pieces.append(VirtualStage(
                 forward=compute + tp_f + (table.loss_forward * slowdown if is_last else 0.0),
-                backward=compute * BACKWARD_FACTOR + tp_b + (table.loss_backward * slowdown if is_last else 0.0),
+                backward=compute * BACKWARD_FLOPS_FACTOR + tp_b + (table.loss_backward * slowdown if is_last else 0.0),
                 recompute=compute + tp_f,
                 send_bytes=0 if is_last else table.crossing[last],
                 params=round(table.params[last] - table.params[first]) + _shared_in(table.shared, first, last),
@@ -507,5 +524,5 @@ def quick_step_seconds(pieces: Sequence[VirtualStage], layout: Layout, dp_second
     fill = (pp - 1) * (sum(work) / pp) / chunks
     if layout.schedule == "zb_h1":
         fill /= 3
-    transfers = 2 * (pp * chunks - 1) * max((p2p_link.seconds(p.send_bytes) for p in pieces), default=0.0)
+    transfers = 2 * (pp * chunks - 1) * max((p2p_seconds(p.send_bytes, p2p_link) for p in pieces), default=0.0)
     return microbatches * max(work) + fill + transfers + max(dp_seconds) + max(optimizer_seconds)

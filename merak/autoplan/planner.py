@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from merak.autoplan.calibrate import Calibration, measure
+from merak.autoplan.calibrate import BACKWARD_FLOPS_FACTOR, Calibration, measure
 from merak.autoplan.cluster import Cluster, load_cluster
-from merak.autoplan.cost import BACKWARD_FACTOR, CostModel, LayoutError, device_rates
+from merak.autoplan.cost import CostModel, LayoutError, device_rates
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile, profile_recipe
 from merak.autoplan.search import MEMORY_HEADROOM, Candidate, SearchSpace, explain, search
@@ -32,7 +32,7 @@ from merak.report import write_json_atomic
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-CALIBRATION_MICRO_BATCH = 4
+CALIBRATION_MICRO_BATCH = 4  # the larger of the two microbatch sizes timed
 
 
 class PlanError(ValueError):
@@ -195,11 +195,11 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
             space = dataclasses.replace(space, sequence_parallel=(False,))
     calibration = Calibration()
     if cluster.cores_per_node is not None and calibrate:  # the processes at hand: time the model here
-        micro = max(1, min(CALIBRATION_MICRO_BATCH, global_batch_size))
-        calibration = measure(spec, settings, profiles(1, False).scaled(micro), device_rates(cluster, "float32"),
-                              threads=settings.launcher.threads_per_rank)
-    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), compute_scale=calibration.compute_scale,
-                      optimizer_seconds_per_parameter=calibration.optimizer_seconds_per_parameter)
+        sizes = (1, max(1, min(CALIBRATION_MICRO_BATCH, global_batch_size)))
+        calibration = measure(spec, settings, profiles(1, False), device_rates(cluster, "float32"),
+                              micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,
+                              processes=min(world_size, cluster.devices_per_node))
+    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), calibration=calibration)
     capacity = cluster.accelerator.memory_gib * 2**30
     candidates = search(model, space, capacity)
     elapsed = time.perf_counter() - started
@@ -217,7 +217,7 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
 
 
 def _flops_per_sample(profile: GraphProfile) -> float:
-    return sum(profile.flops) * (1 + BACKWARD_FACTOR) / profile.micro_batch_size
+    return sum(profile.flops) * (1 + BACKWARD_FLOPS_FACTOR) / profile.micro_batch_size
 
 
 def _peak_flops(cluster: Cluster, dtype: str) -> float | None:

@@ -1,0 +1,68 @@
+"""``parallel=auto`` through a recipe's real train.py: the planner chooses, the run trains what it chose."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.recipe
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "recipes/gpt/train.py"
+
+
+def _train(args, cache_dir, timeout=300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(400)
+def test_auto_trains_the_layout_it_chose(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    result = _train(["model=toy", "parallel=auto", "parallel.world_size=2", "trainer.global_batch_size=8",
+                     "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    best = plan["best"]["layout"]
+    assert plan["world_size"] == 2 and plan["global_batch_size"] == 8
+    assert best["dp"] * best["tp"] * best["pp"] == 2
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["layout"] == {"dp": best["dp"], "tp": best["tp"], "pp": best["pp"]}
+    assert summary["global_batch_size"] == 8 and summary["num_microbatches"] == best["num_microbatches"]
+    assert summary["schedule"] == best["schedule"]
+    assert "parallel=auto chose" in result.stdout + result.stderr
+
+
+@pytest.mark.timeout(400)
+def test_auto_dry_run_plans_for_a_gpu_cluster(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    result = _train(["model=gpt2", "parallel=auto", "cluster=h100-80", "cluster.nodes=2", "trainer.bf16=true",
+                     "trainer.global_batch_size=64", "dry_run=true", f"hydra.run.dir={run_dir}"], cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["world_size"] == 16 and plan["cluster"]["accelerator"]["name"].startswith("H100")
+    assert plan["best"]["fits"] and plan["best"]["mfu"] > 0
+    best = plan["best"]["layout"]
+    # The chosen layout is then partitioned as a dry run does, and nothing trains.
+    partition = json.loads((run_dir / "partition.json").read_text())
+    assert partition["layout"] == {"dp": best["dp"], "tp": best["tp"], "pp": best["pp"]}
+    assert not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_auto_names_what_would_fit(tmp_path, cache_dir):
+    # 6.7 B parameters with Adam take ~107 GB before any activation: not on one 80 GB device.
+    result = _train(["model=gpt3-6.7b", "parallel=auto", "cluster=h100-80", "cluster.devices_per_node=1",
+                     "trainer.global_batch_size=8", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"], cache_dir)
+    assert result.returncode == 2
+    printed = result.stdout + result.stderr
+    assert "does not fit on 1 x H100" in printed and "try at least 2 devices" in printed
+    assert "Traceback" not in printed
