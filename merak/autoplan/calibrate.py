@@ -73,12 +73,15 @@ class Calibration:
         return (self.work_scale * (flops / rates.flops_per_s + bytes_moved / rates.bytes_per_s)
                 + self.launch_scale * ops * rates.seconds_per_op)
 
-    def slowdown(self, busy: float) -> float | None:
-        """The step time of ``busy`` processes computing at once over one alone, along the line from one
-        process to the measured ``processes`` (None: not measured)."""
+    def slowdown(self, busy: float, cores: int) -> float | None:
+        """The step time of ``busy`` processes computing at once on ``cores`` cores over one alone (None: not
+        measured): the cores' share, ``busy / cores`` once they are outnumbered, times what sharing the
+        memory and caches adds, from nothing for one process to what ``processes`` showed."""
         if self.processes < 2:
             return None
-        return max(1.0, 1 + (self.concurrent_slowdown - 1) * (busy - 1) / (self.processes - 1))
+        sharing = self.concurrent_slowdown / max(1.0, self.processes / cores)
+        extra = 1 + (sharing - 1) * min(1.0, max(0.0, busy - 1) / (self.processes - 1))
+        return max(1.0, max(1.0, busy / cores) * extra)
 
 
 def estimated_parts(profile: GraphProfile, rates: MachineRates) -> tuple[float, float]:
@@ -128,15 +131,16 @@ def _model_step(spec, settings, micro_batch_size: int):
 
 
 def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, out_dir: str) -> None:
-    """One of the processes timing the model all at once, then small all-reduces among them."""
+    """One of the processes timing the model all at once (each repetition started together), then small
+    all-reduces among them."""
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=CONCURRENT_TIMEOUT_S))
     try:
         step, _ = _model_step(spec, settings, micro_batch_size)
         step()  # warm-up
-        dist.barrier()
         times = []
         for _ in range(REPEATS):
+            dist.barrier()
             started = time.perf_counter()
             step()
             times.append(time.perf_counter() - started)
@@ -151,31 +155,35 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, out_
     finally:
         dist.destroy_process_group()
     rank = int(os.environ["RANK"])  # set by spawn_workers
-    write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"), {"step_s": statistics.median(times),
-                                                                   "all_reduce_s": all_reduce})
+    write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"), {"step_s": times, "all_reduce_s": all_reduce})
 
 
 def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int) -> tuple[float, float]:
-    """(median step time, all-reduce time) of ``processes`` processes running the model at once."""
+    """(step time, all-reduce time) of ``processes`` processes running the model at once. A synchronous
+    step waits for the slowest process: the step time is the median over repetitions of the slowest
+    process's time (processes sharing cores finish a time slice apart)."""
     with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
         spawn_workers(_concurrent_worker, world_size=processes,
                       args=(spec, settings, micro_batch_size, threads, out_dir),
                       env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
                       store_timeout_s=CONCURRENT_TIMEOUT_S)
         reports = [json.loads(Path(out_dir, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
-    return (statistics.median(r["step_s"] for r in reports), statistics.median(r["all_reduce_s"] for r in reports))
+    slowest = [max(times) for times in zip(*(r["step_s"] for r in reports))]
+    return statistics.median(slowest), statistics.median(r["all_reduce_s"] for r in reports)
 
 
-def _fit(small: tuple[float, float, float], large: tuple[float, float, float] | None) -> tuple[float, float]:
+def fit_scales(small: tuple[float, float, float], large: tuple[float, float, float] | None) -> tuple[float, float]:
     """(work_scale, launch_scale) from ``(work, launches, measured)`` at two microbatch sizes: the line through
-    both measurements (one measurement: one scale for both)."""
+    both measurements. A step that grows faster than its work (caches outgrown) gives no line with a positive
+    launch scale: then no launch scale, and the work scale that fits both best. One measurement: one scale."""
     work, launches, measured = small
     if large is not None and large[0] > work:
         work_scale = (large[2] - measured) / (large[0] - work)
-        if work_scale > 0:
-            launch_scale = (measured - work_scale * work) / launches if launches > 0 else 1.0
-            if launch_scale > 0:
-                return work_scale, launch_scale
+        launch_scale = (measured - work_scale * work) / launches if launches > 0 else 0.0
+        if work_scale > 0 and launch_scale >= 0:
+            return work_scale, launch_scale
+        if work_scale > 0:  # least squares through the origin over both points
+            return (work * measured + large[0] * large[2]) / (work ** 2 + large[0] ** 2), 0.0
     scale = measured / (work + launches) if work + launches > 0 else 1.0
     return scale, scale
 
@@ -203,7 +211,7 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
         del step, model, optimizer
     finally:
         torch.set_num_threads(previous_threads)
-    work_scale, launch_scale = _fit(points[0], points[-1] if len(points) > 1 else None)
+    work_scale, launch_scale = fit_scales(points[0], points[-1] if len(points) > 1 else None)
     logger.info("compute estimates scaled by %.2f (work growing with the microbatch) and %.2f (per operation); "
                 "optimizer step %.1f ms", work_scale, launch_scale, optimizer_seconds * 1e3)
     calibration = Calibration(work_scale=work_scale, launch_scale=launch_scale,

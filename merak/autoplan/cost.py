@@ -114,6 +114,11 @@ def device_rates(cluster: Cluster, dtype: str) -> MachineRates:
                         seconds_per_op=accelerator.seconds_per_op)
 
 
+def _slowed(link: Link, slowdown: float) -> Link:
+    """``link`` with its bandwidth divided by ``slowdown`` (the latency is measured as it is)."""
+    return link if slowdown == 1.0 else dataclasses.replace(link, bandwidth_gbs=link.bandwidth_gbs / slowdown)
+
+
 def p2p_seconds(nbytes: float, link: Link) -> float:
     """One stage-to-stage transfer: a small header first (what follows: shapes, dtypes), then the tensors."""
     return link.latency_us * 1e-6 + link.seconds(nbytes)
@@ -371,11 +376,16 @@ class CostModel:
         busy_stages = sum(stage_work) / busiest if busiest > 0 else layout.pp
         per_node = min(layout.world_size, self.cluster.devices_per_node) / layout.world_size
         busy = max(1.0, layout.dp * layout.tp * busy_stages * per_node)
-        measured = self.calibration.slowdown(busy)
+        measured = self.calibration.slowdown(busy, self.cluster.cores_per_node)
         return 1 / measured if measured is not None else self.cluster.compute_share(busy)
 
     def pieces(self, layout: Layout) -> list[VirtualStage]:
         """The layout's model pieces (pp x chunks), each with its per-microbatch costs."""
+        return self._pieces(layout)[0]
+
+    def _pieces(self, layout: Layout) -> tuple[list[VirtualStage], float]:
+        """The pieces, and how much slower than alone each process computes (CPU processes sharing cores;
+        gloo's copies and reductions of large transfers share them too)."""
         table = self._table(layout)
         bounds = self._piece_bounds(layout, table)
         count = len(bounds) - 1
@@ -403,7 +413,7 @@ class CostModel:
                 params=round(table.params[last] - table.params[first]) + _shared_in(table.shared, first, last),
                 saved=round(table.saved[last] - table.saved[first]) + loss_saved,
                 kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b))
-        return pieces
+        return pieces, slowdown
 
     def _optimizer_seconds(self, parameters: float) -> float:
         if self.optimizer_seconds_per_parameter is not None:
@@ -442,9 +452,10 @@ class CostModel:
         ``simulate_schedule``: run the real instruction lists through the simulator (exact bubbles and
         activations in flight); False: closed forms, for ranking many layouts quickly.
         """
-        pieces = self.pieces(layout)
+        pieces, slowdown = self._pieces(layout)
         precision = Precision.of(self._table(layout).dtype_bytes)
-        _, dp_link, pp_link = _group_links(self.cluster, layout.dp, layout.tp, layout.pp)
+        _, dp_link, pp_link = (_slowed(link, slowdown)
+                               for link in _group_links(self.cluster, layout.dp, layout.tp, layout.pp))
         pp, chunks = layout.pp, layout.chunks
         stage_params = [sum(pieces[c * pp + s].params for c in range(chunks)) for s in range(pp)]
         dp_seconds = [all_reduce_seconds(p * precision.gradient, layout.dp, dp_link) for p in stage_params]

@@ -136,8 +136,12 @@ class DistributedOptimizer:
         self.counts_replica = self.sharded or dp_rank == 0
         self.copies = self.sharded or precision.needs_master_weights
         self.master = [self._master_of(p, piece) for p, piece in zip(self.params, self.pieces)]
-        self.optimizer = make_optimizer([(m, p.ndim >= 2) for m, p in zip(self.master, self.params)
-                                         if m.numel() > 0])
+        owned = [(m, p.ndim >= 2) for m, p in zip(self.master, self.params) if m.numel() > 0]
+        # A rank may own nothing to update (a stage without parameters, or ZeRO pieces of tensors smaller
+        # than dp): its optimizer still exists, over an empty placeholder, for the learning-rate schedule.
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.owns_parameters = bool(owned)
+        self.optimizer = make_optimizer(owned or [(nn.Parameter(torch.empty(0, device=device)), False)])
         self.peak_gradient_bytes = 0
         if zero.stage >= 2 and self.sharded:
             self._watch_gradients()
@@ -313,9 +317,11 @@ class DistributedOptimizer:
         factor = 1.0 / scale
         if max_grad_norm > 0 and norm + 1e-6 > max_grad_norm:
             factor *= max_grad_norm / (norm + 1e-6)
-        if factor != 1.0:
-            torch._foreach_mul_([g for g in grads if g is not None], factor)
-        self.optimizer.step()
+        present = [g for g in grads if g is not None]
+        if factor != 1.0 and present:
+            torch._foreach_mul_(present, factor)
+        if self.owns_parameters:
+            self.optimizer.step()
         self.scaler.update(False)
         self._publish()
         return StepOutcome(grad_norm=norm, skipped=False, loss_scale=scale)

@@ -66,3 +66,31 @@ def test_auto_names_what_would_fit(tmp_path, cache_dir):
     printed = result.stdout + result.stderr
     assert "does not fit on 1 x H100" in printed and "try at least 2 devices" in printed
     assert "Traceback" not in printed
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(400)
+def test_a_stage_without_parameters_trains_with_zero(tmp_path, cache_dir):
+    """A plan the planner may choose: bert's first stage holds only the mask shard (no parameter), and
+    ZeRO-1 over dp=2 leaves that stage's ranks nothing to update. It trains as the same microbatches do
+    in one pipeline stage (the masked-token mean of each microbatch is the loss, so the comparison keeps
+    the microbatches)."""
+    bert = REPO / "recipes/bert/train.py"
+    common = ["model=toy", "trainer.global_batch_size=16", "trainer.per_device_train_batch_size=8",
+              "trainer.max_steps=3", "trainer.activation_checkpointing=false", "parallel.dp=2", "parallel.tp=1"]
+    runs = {"one_stage": ["parallel.pp=1"],
+            "empty_stage": ["parallel.pp=2", "trainer.zero_optimization=true", "trainer.partition_method=custom",
+                            "trainer.custom_partition=[0,1,25]"]}
+    losses = {}
+    for name, args in runs.items():
+        env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+        env.pop("RANK", None)
+        env.pop("WORLD_SIZE", None)
+        result = subprocess.run([sys.executable, str(bert), *common, *args, f"hydra.run.dir={tmp_path / name}"],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name] = _losses(tmp_path / name)
+    assert losses["empty_stage"] == pytest.approx(losses["one_stage"], rel=1e-6)
