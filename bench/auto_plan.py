@@ -251,7 +251,7 @@ def compare(recipe: str, model: str, world: int, candidate, timing: dict, memory
             "predicted_max_stage_bytes": predicted_max, "measured_max_stage_bytes": measured_max,
             "memory_error_pct": error_pct(predicted_max, measured_max),
             "stage_memory_errors_pct": per_stage,
-            "max_abs_stage_memory_error_pct": max(map(abs, per_stage)) if per_stage else None,
+            "max_abs_stage_memory_error_pct": max((abs(e) for e in per_stage or () if e is not None), default=None),
             "timing_run": timing, "memory_run": memory}
 
 

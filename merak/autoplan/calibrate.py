@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import statistics
 import tempfile
@@ -53,6 +54,8 @@ class Calibration:
             products, memory traffic).
         launch_scale: measured over estimated time of what each operation costs whatever its size
             (launch and framework overhead).
+        size_factors: ``(microbatch, measured over fitted time)`` at every size timed: where the fit
+            through the two smallest sizes misses larger ones (caches outgrown, larger matrices faster).
         optimizer_seconds_per_parameter: the optimizer step's time per parameter.
         processes: how many processes ran the model at once for ``concurrent_slowdown``.
         concurrent_slowdown: their step time over one process's alone (cores shared, memory
@@ -63,6 +66,7 @@ class Calibration:
 
     work_scale: float = 1.0
     launch_scale: float = 1.0
+    size_factors: tuple[tuple[int, float], ...] = ()
     optimizer_seconds_per_parameter: float | None = None
     processes: int = 1
     concurrent_slowdown: float = 1.0
@@ -72,6 +76,21 @@ class Calibration:
         """The calibrated time of ``flops``, ``bytes_moved`` and ``ops`` at ``rates``."""
         return (self.work_scale * (flops / rates.flops_per_s + bytes_moved / rates.bytes_per_s)
                 + self.launch_scale * ops * rates.seconds_per_op)
+
+    def size_factor(self, micro_batch_size: int) -> float:
+        """The correction at ``micro_batch_size``: the timed sizes' factors, linear in log2 of the size
+        between them, the nearest one's beyond them."""
+        if not self.size_factors:
+            return 1.0
+        sizes = [math.log2(size) for size, _ in self.size_factors]
+        factors = [factor for _, factor in self.size_factors]
+        where = math.log2(micro_batch_size)
+        if where <= sizes[0]:
+            return factors[0]
+        for (left, low), (right, high) in zip(zip(sizes, factors), zip(sizes[1:], factors[1:])):
+            if where <= right:
+                return low + (high - low) * (where - left) / (right - left)
+        return factors[-1]
 
     def slowdown(self, busy: float, cores: int) -> float | None:
         """The step time of ``busy`` processes computing at once on ``cores`` cores over one alone (None: not
@@ -190,8 +209,9 @@ def fit_scales(small: tuple[float, float, float], large: tuple[float, float, flo
 
 def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro_batch_sizes: tuple[int, ...],
             threads: int = 1, processes: int = 1) -> Calibration:
-    """Time the recipe's model on one process at one or two microbatch sizes and fit the estimate to it;
-    with ``processes`` > 1, also time that many processes running it at once (at the largest size)."""
+    """Time the recipe's model on one process at each of ``micro_batch_sizes`` and fit the estimate to it (the
+    two smallest fix the scales, the others correct them); with ``processes`` > 1, also time that many
+    processes running it at once (at the second size)."""
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     points = []
@@ -211,16 +231,21 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
         del step, model, optimizer
     finally:
         torch.set_num_threads(previous_threads)
-    work_scale, launch_scale = fit_scales(points[0], points[-1] if len(points) > 1 else None)
-    logger.info("compute estimates scaled by %.2f (work growing with the microbatch) and %.2f (per operation); "
-                "optimizer step %.1f ms", work_scale, launch_scale, optimizer_seconds * 1e3)
-    calibration = Calibration(work_scale=work_scale, launch_scale=launch_scale,
+    work_scale, launch_scale = fit_scales(points[0], points[1] if len(points) > 1 else None)
+    sizes = sorted(set(micro_batch_sizes))
+    factors = tuple((size, measured / (work_scale * work + launch_scale * launches))
+                    for size, (work, launches, measured) in zip(sizes, points))
+    logger.info("compute estimates scaled by %.2f (work growing with the microbatch) and %.2f (per operation), "
+                "then by %s at microbatches %s; optimizer step %.1f ms", work_scale, launch_scale,
+                ", ".join(f"{f:.2f}" for _, f in factors), ", ".join(str(s) for s in sizes), optimizer_seconds * 1e3)
+    calibration = Calibration(work_scale=work_scale, launch_scale=launch_scale, size_factors=factors,
                               optimizer_seconds_per_parameter=optimizer_seconds / max(count, 1))
     if processes < 2:
         return calibration
-    largest = max(micro_batch_sizes)
-    concurrent, all_reduce = measure_concurrent(spec, settings, largest, processes, threads)
-    slowdown = concurrent / points[-1][2]
+    # At the second size: large enough to be typical, small enough for every process to run it quickly.
+    concurrent_size = sizes[1] if len(sizes) > 1 else sizes[0]
+    concurrent, all_reduce = measure_concurrent(spec, settings, concurrent_size, processes, threads)
+    slowdown = concurrent / points[sizes.index(concurrent_size)][2]
     logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone); a small all-reduce among them "
                 "%.2f ms", processes, concurrent * 1e3, slowdown, all_reduce * 1e3)
     return dataclasses.replace(calibration, processes=processes, concurrent_slowdown=slowdown,

@@ -337,7 +337,8 @@ class CostModel:
         profile = self.profiles(layout.tp, layout.sequence_parallel).scaled(layout.micro_batch_size)
         rates = device_rates(self.cluster, self.dtype)
         tp_link, _, _ = _group_links(self.cluster, 1, layout.tp, 1)
-        forward = [self.calibration.seconds(rates, f, b, o)
+        size_factor = self.calibration.size_factor(layout.micro_batch_size)
+        forward = [self.calibration.seconds(rates, f, b, o) * size_factor
                    for f, b, o in zip(profile.flops, profile.bytes_moved, profile.ops)]
         tp_forward = [all_reduce_seconds(r, layout.tp, tp_link) + gather_seconds(g, layout.tp, tp_link)
                       for r, g in zip(profile.forward_all_reduce, profile.forward_gather)]
@@ -353,8 +354,10 @@ class CostModel:
             layer_saved=layer_saved,
             cuts_at=[f * (1 + BACKWARD_FLOPS_FACTOR) + a + b for f, a, b in zip(forward, tp_forward, tp_backward)],
             crossing=tuple(profile.crossing_bytes), layer_starts=tuple(starts),
-            loss_forward=self.calibration.seconds(rates, 0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS),
-            loss_backward=self.calibration.seconds(rates, 0, LOSS_PASSES_BACKWARD * profile.output_bytes, LOSS_OPS),
+            loss_forward=self.calibration.seconds(rates, 0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS)
+            * size_factor,
+            loss_backward=self.calibration.seconds(rates, 0, LOSS_PASSES_BACKWARD * profile.output_bytes, LOSS_OPS)
+            * size_factor,
             output_bytes=profile.output_bytes, dtype_bytes=profile.dtype_bytes, shared=profile.shared_params)
         self._tables[key] = table
         return table

@@ -32,7 +32,7 @@ from merak.report import write_json_atomic
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-CALIBRATION_MICRO_BATCH = 4  # the larger of the two microbatch sizes timed
+CALIBRATION_MICRO_BATCHES = (1, 4, 16)  # microbatch sizes timed (at most the global batch)
 
 
 class PlanError(ValueError):
@@ -195,7 +195,7 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
             space = dataclasses.replace(space, sequence_parallel=(False,))
     calibration = Calibration()
     if cluster.cores_per_node is not None and calibrate:  # the processes at hand: time the model here
-        sizes = (1, max(1, min(CALIBRATION_MICRO_BATCH, global_batch_size)))
+        sizes = tuple(max(1, min(size, global_batch_size)) for size in CALIBRATION_MICRO_BATCHES)
         calibration = measure(spec, settings, profiles(1, False), device_rates(cluster, "float32"),
                               micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,
                               processes=min(world_size, cluster.devices_per_node))

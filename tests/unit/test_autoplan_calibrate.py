@@ -47,3 +47,12 @@ def test_slowdown_is_the_cores_share_times_what_sharing_adds():
     assert measured.slowdown(2, cores=2) == pytest.approx(1 + 0.25 / 3)  # cores enough, a third of the sharing
     assert measured.slowdown(3, cores=2) == pytest.approx(1.5 * (1 + 0.25 * 2 / 3))
     assert measured.slowdown(0.5, cores=2) == 1.0  # never faster than alone
+
+
+def test_size_factors_interpolate_in_log_size_and_hold_beyond():
+    calibration = Calibration(size_factors=((1, 1.0), (4, 1.0), (16, 0.6)))
+    assert calibration.size_factor(1) == pytest.approx(1.0)
+    assert calibration.size_factor(4) == pytest.approx(1.0)
+    assert calibration.size_factor(8) == pytest.approx(0.8)  # halfway between 4 and 16 in log2
+    assert calibration.size_factor(64) == pytest.approx(0.6)
+    assert Calibration().size_factor(8) == 1.0
