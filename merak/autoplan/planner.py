@@ -51,6 +51,7 @@ class PlanReport:
     candidates: list[Candidate]
     profile_seconds: float
     search_seconds: float
+    timing_seconds: float = 0.0  # calibrating on this machine (merak.autoplan.calibrate)
     flops_per_sample: float = 0.0  # forward + backward matrix FLOPs of one sample (recomputation not counted)
     peak_flops: float | None = None  # per device, of the run's dtype
     cost_model: CostModel | None = None
@@ -95,6 +96,7 @@ class PlanReport:
                 "best": {**self.best.to_json(), "mfu": self.mfu(self.best)},
                 "candidates": [{**c.to_json(), "mfu": self.mfu(c)} for c in shown],
                 "num_candidates": len(self.candidates), "profile_seconds": round(self.profile_seconds, 3),
+                "timing_seconds": round(self.timing_seconds, 3),
                 "search_seconds": round(self.search_seconds, 3)}
 
 
@@ -194,18 +196,21 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
         if tp_values and not _supports_sequence_parallel(profiles, tp_values[0]):
             space = dataclasses.replace(space, sequence_parallel=(False,))
     calibration = Calibration()
+    timing_started = time.perf_counter()
     if cluster.cores_per_node is not None and calibrate:  # the processes at hand: time the model here
         sizes = tuple(max(1, min(size, global_batch_size)) for size in CALIBRATION_MICRO_BATCHES)
         calibration = measure(spec, settings, profiles(1, False), device_rates(cluster, "float32"),
                               micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,
                               processes=min(world_size, cluster.devices_per_node))
+    timing_seconds = time.perf_counter() - timing_started
     model = CostModel(profiles, cluster, _dtype_name(settings.trainer), calibration=calibration)
     capacity = cluster.accelerator.memory_gib * 2**30
     candidates = search(model, space, capacity)
     elapsed = time.perf_counter() - started
     report = PlanReport(recipe=spec.name, model=str(model_cfg.get("name", "?")), cluster=cluster,
                         world_size=world_size, global_batch_size=global_batch_size, candidates=candidates,
-                        profile_seconds=profiles.seconds, search_seconds=elapsed - profiles.seconds,
+                        profile_seconds=profiles.seconds, timing_seconds=timing_seconds,
+                        search_seconds=elapsed - profiles.seconds - timing_seconds,
                         flops_per_sample=_flops_per_sample(profiles(1, False)),
                         peak_flops=_peak_flops(cluster, _dtype_name(settings.trainer)), cost_model=model,
                         capacity_bytes=capacity)

@@ -34,5 +34,5 @@ def format_table(report: PlanReport, top: int = 10, extra: list[tuple[str, Candi
     head = (f"{report.recipe}/{report.model} on {report.world_size} x {cluster.accelerator.name} ({cluster.name}, "
             f"{cluster.nodes} node(s) x {cluster.devices_per_node}), global batch {report.global_batch_size}: "
             f"{len(report.candidates)} layouts priced in {report.search_seconds:.1f} s "
-            f"(+{report.profile_seconds:.1f} s profiling the model)")
+            f"(+{report.profile_seconds:.1f} s profiling the model, +{report.timing_seconds:.1f} s timing it here)")
     return "\n".join([head, *lines])
