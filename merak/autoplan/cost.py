@@ -45,10 +45,8 @@ from merak.pipeline.instructions import (
     BackwardWeight,
     Exchange,
     Forward,
-    OptimizerStep,
     PreCheckpointForward,
     RecomputeForward,
-    ReduceGrads,
 )
 from merak.pipeline.schedules import build_schedule
 from merak.pipeline.simulate import simulate
@@ -203,12 +201,11 @@ def _cuts(profile: GraphProfile, pieces: int, unit_seconds: Sequence[float]) -> 
 
 
 class StageCostModel:
-    """Prices instructions of a schedule for the simulator, per stage and chunk."""
+    """Prices the pipeline part of a schedule for the simulator, per stage and chunk (the gradient
+    reduction and the optimizer step after it are added per stage by :meth:`CostModel.predict`)."""
 
-    def __init__(self, pieces: Sequence[VirtualStage], num_stages: int, p2p_link: Link,
-                 dp_seconds: Sequence[float], optimizer_seconds: Sequence[float], recompute: bool) -> None:
-        self.pieces, self.num_stages, self.link = pieces, num_stages, p2p_link
-        self.dp_seconds, self.optimizer_seconds, self.recompute = dp_seconds, optimizer_seconds, recompute
+    def __init__(self, pieces: Sequence[VirtualStage], num_stages: int, p2p_link: Link, recompute: bool) -> None:
+        self.pieces, self.num_stages, self.link, self.recompute = pieces, num_stages, p2p_link, recompute
 
     def _piece(self, stage_id: int, instruction) -> VirtualStage:
         return self.pieces[getattr(instruction, "chunk", 0) * self.num_stages + stage_id]
@@ -227,10 +224,6 @@ class StageCostModel:
             return half + extra if isinstance(instruction, BackwardInput) else half
         if isinstance(instruction, (Exchange, *P2P_TYPES)):
             return p2p_seconds(self._piece(stage_id, instruction).send_bytes, self.link)
-        if isinstance(instruction, ReduceGrads):
-            return self.dp_seconds[stage_id]
-        if isinstance(instruction, OptimizerStep):
-            return self.optimizer_seconds[stage_id]
         return 0.0
 
 
@@ -444,8 +437,7 @@ class CostModel:
         key = (layout.schedule, layout.pp, layout.chunks, layout.num_microbatches, layout.recompute, p2p_link,
                tuple((p.forward, p.backward, p.recompute, p.send_bytes) for p in pieces))
         if key not in self._simulations:
-            zeros = [0.0] * layout.pp
-            model = StageCostModel(pieces, layout.pp, p2p_link, zeros, zeros, layout.recompute)
+            model = StageCostModel(pieces, layout.pp, p2p_link, layout.recompute)
             self._simulations[key] = simulated_pipeline(layout, model)
         return self._simulations[key]
 

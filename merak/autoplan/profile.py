@@ -17,7 +17,6 @@ linearly with the microbatch, which :meth:`GraphProfile.scaled` uses.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -263,7 +262,6 @@ def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_ba
     if dtype != torch.float32:
         examples = {k: v.to(dtype) if v.is_floating_point() else v for k, v in examples.items()}
     options = sharding_options(spec, settings)
-    with contextlib.ExitStack():
-        return profile_graph(model, examples, trace_method=options.trace_method or "fx",
-                             input_names=options.input_names, leaf_modules=options.leaf_modules, tp=tp,
-                             sequence_parallel=sequence_parallel)
+    return profile_graph(model, examples, trace_method=options.trace_method or "fx",
+                         input_names=options.input_names, leaf_modules=options.leaf_modules, tp=tp,
+                         sequence_parallel=sequence_parallel)

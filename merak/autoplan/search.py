@@ -11,7 +11,6 @@ their real schedules.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -178,21 +177,3 @@ def search(model: CostModel, space: SearchSpace, capacity_bytes: float, max_pp: 
         for candidate in ranked[1:]:
             candidate.why_not = explain(candidate, simulated[0])
     return ranked
-
-
-def smallest_fitting_world(model_for: Callable[[int], tuple[CostModel, SearchSpace]], capacity_bytes: float,
-                           start: int, limit: int = 1 << 16) -> int | None:
-    """The smallest world size (doubling from ``start``) at which some layout fits, or None."""
-    world = start * 2
-    while world <= limit:
-        model, space = model_for(world)
-        space.recompute, space.zero_stages = (True,), (2,)
-        if any(c.fits for c in search(model, space, capacity_bytes)):
-            return world
-        world *= 2
-    return None
-
-
-def microbatch_hint(global_batch: int, world: int) -> str:
-    """A global batch that every data-parallel degree of ``world`` divides."""
-    return f"{math.lcm(global_batch, world)}"
