@@ -165,7 +165,8 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     problems.extend(_cross_section_problems(trainer, grid))
     if grid and _schedule_usable(trainer):
         problems.extend(trainer.energy.problems(schedule=trainer.train_schedule, pp=grid.pp,
-                                                num_microbatches=num_microbatches, num_chunks=trainer.schedule.chunks))
+                                                num_microbatches=num_microbatches, num_chunks=trainer.schedule.chunks,
+                                                dp=grid.dp))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
     if model_cfg is not None:
         problems.extend(spec.check_layout(model_cfg, *((grid.dp, grid.tp, grid.pp) if grid else (1, 1, 1))))

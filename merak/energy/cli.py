@@ -6,7 +6,9 @@
 
 ``plan`` writes ``DIR/plan.py`` (the chosen point: the fastest step with the least energy, or
 the least energy within ``--deadline``), ``DIR/frontier/plan_NNN.py`` for every frontier point,
-``DIR/frontier.csv`` (``index,iteration_time,energy,plan``) and ``DIR/frontier.png``. It checks
+``DIR/frontier.csv`` (``index,iteration_time,energy,plan``), ``DIR/frontier.json`` (every point's
+plans and predictions in one file: ``trainer.frequency_frontier`` runs it, moving along it when
+a data-parallel pipeline straggles) and ``DIR/frontier.png``. It checks
 its options, the profile and every solve before it creates ``DIR``: a bad value exits with
 status 2 and an argparse-style message naming the option, and writes nothing.
 """
@@ -14,6 +16,7 @@ status 2 and an argparse-style message naming the option, and writes nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -22,9 +25,10 @@ import time
 from dataclasses import dataclass
 
 from merak.energy.dag import StepGraph, step_graph
+from merak.energy.frontier import write_frontier
 from merak.energy.planner import FrequencyPlanner, PlanPoint
 from merak.energy.plans import PlanError, write_plan
-from merak.energy.profile_csv import ProfileError, check_coverage, read_profile
+from merak.energy.profile_csv import Overheads, ProfileError, check_coverage, read_overheads, read_profile
 from merak.report import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger("merak.energy")
@@ -69,8 +73,23 @@ def check_plan_args(args) -> None:
     _check_number("--p2p-power", args.p2p_power, 0.0, inclusive=True)
     if args.deadline is not None:
         _check_number("--deadline", args.deadline, 0.0, inclusive=False)
+    for option, value in (("--instruction-overhead", args.instruction_overhead),
+                          ("--step-overhead", args.step_overhead)):
+        if value is not None:
+            _check_number(option, value, 0.0, inclusive=True)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"argument --out: {args.out} exists and is not a directory")
+
+
+def profile_overheads(args) -> Overheads:
+    """The host's overheads: the options' values, else those measured with the profile, else none."""
+    measured = read_overheads(args.profile)
+    known = measured or Overheads(0.0, 0.0)
+    overheads = Overheads(known.instruction if args.instruction_overhead is None else args.instruction_overhead,
+                          known.step if args.step_overhead is None else args.step_overhead)
+    logger.info("host overheads: %.2f ms per instruction, %.2f ms per step (%s)", 1e3 * overheads.instruction,
+                1e3 * overheads.step, "measured with the profile" if measured else "none measured")
+    return overheads
 
 
 def schedule_graph(args) -> StepGraph:
@@ -84,17 +103,30 @@ def schedule_graph(args) -> StepGraph:
                          f"{error}") from None
 
 
-def solve(planner: FrequencyPlanner, graph: StepGraph, args) -> Solution:
-    """The frontier and the chosen plan (the fastest, or the least energy within ``--deadline``)."""
+def with_step_overhead(point: PlanPoint, overhead: float, graph: StepGraph, p2p_power: float) -> PlanPoint:
+    """``point`` with the step's tail added: every GPU waits it out at blocked power."""
+    return dataclasses.replace(point, iteration_time=point.iteration_time + overhead,
+                               energy=point.energy + graph.num_stages * p2p_power * overhead)
+
+
+def solve(planner: FrequencyPlanner, graph: StepGraph, args, step_overhead: float = 0.0) -> Solution:
+    """The frontier and the chosen plan (the fastest, or the least energy within ``--deadline``), each
+    point's step time and energy including the step's tail ``step_overhead``."""
     if args.deadline is None:
         chosen = planner.fastest()
     else:
         try:  # before the frontier's many solves: a deadline that cannot be met fails at once
-            chosen = planner.solve(args.deadline)
+            chosen = planner.solve(args.deadline - step_overhead)
         except ValueError as error:  # shorter than the fastest possible step
-            raise UsageError(f"argument --deadline: {error}") from None
+            raise UsageError(f"argument --deadline: {error} (with a step overhead of {step_overhead:.6f} s)") \
+                from None
     points = planner.frontier(args.points)
-    return Solution(points, chosen, planner.point([0] * len(graph.nodes), planner.fastest_time()))
+    all_max = planner.point([0] * len(graph.nodes), planner.fastest_time())
+
+    def whole_step(point: PlanPoint) -> PlanPoint:
+        return with_step_overhead(point, step_overhead, graph, planner.p2p_power)
+
+    return Solution([whole_step(p) for p in points], whole_step(chosen), whole_step(all_max))
 
 
 def _plot(points: list[PlanPoint], chosen: PlanPoint, path: str) -> None:
@@ -121,7 +153,8 @@ def _plot(points: list[PlanPoint], chosen: PlanPoint, path: str) -> None:
 
 
 def write_outputs(out: str, graph: StepGraph, solution: Solution, report: dict) -> None:
-    """Write the plans, ``frontier.csv``, ``plan.json`` and ``frontier.png`` under ``out``, each atomically."""
+    """Write the plans, ``frontier.csv``, ``frontier.json``, ``plan.json`` and ``frontier.png`` under ``out``,
+    each atomically."""
     os.makedirs(os.path.join(out, "frontier"), exist_ok=True)
     rows = ["index,iteration_time,energy,plan"]
     for index, point in enumerate(solution.points):
@@ -129,6 +162,9 @@ def write_outputs(out: str, graph: StepGraph, solution: Solution, report: dict) 
         write_plan(os.path.join(out, name), point.stage_plans(graph))
         rows.append(f"{index},{point.iteration_time!r},{point.energy!r},{name}")
     write_text_atomic(os.path.join(out, "frontier.csv"), "\n".join(rows) + "\n")
+    write_frontier(os.path.join(out, "frontier.json"), graph, solution.points, schedule=report["schedule"],
+                   num_chunks=report["num_chunks"], p2p_power=report["p2p_power"],
+                   num_microbatches=report["num_microbatches"], step_overhead=report["step_overhead_s"])
     write_plan(os.path.join(out, "plan.py"), solution.chosen.stage_plans(graph))
     write_json_atomic(os.path.join(out, "plan.json"), report)
     _plot(solution.points, solution.chosen, os.path.join(out, "frontier.png"))
@@ -149,11 +185,14 @@ def plan_command(args) -> int:
     graph = schedule_graph(args)
     options = read_profile(args.profile)
     check_coverage(options, {(n.stage, n.name) for n in graph.nodes}, args.profile)
-    solution = solve(FrequencyPlanner(graph, options, args.p2p_power), graph, args)
+    overheads = profile_overheads(args)
+    planner = FrequencyPlanner(graph, options, args.p2p_power, instruction_overhead=overheads.instruction)
+    solution = solve(planner, graph, args, overheads.step)
     chosen, all_max = solution.chosen, solution.all_max
     report = {"profile": os.path.abspath(args.profile), "schedule": args.schedule, "num_stages": args.num_stages,
               "num_microbatches": args.num_microbatches, "num_chunks": args.num_chunks, "p2p_power": args.p2p_power,
               "target": "fastest" if args.deadline is None else f"deadline {args.deadline}",
+              "instruction_overhead_s": overheads.instruction, "step_overhead_s": overheads.step,
               "plan": {"iteration_time": chosen.iteration_time, "energy": chosen.energy},
               "all_highest_clock": {"iteration_time": all_max.iteration_time, "energy": all_max.energy},
               "frontier_points": len(solution.points), "solve_seconds": time.perf_counter() - started}
@@ -189,6 +228,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--deadline", type=float, default=None,
                       help="step time in seconds to meet (> 0, e.g. a straggler's); default: the fastest step")
     plan.add_argument("--points", type=int, default=60, help="deadlines solved along the frontier (>= 2)")
+    plan.add_argument("--instruction-overhead", type=float, default=None,
+                      help="seconds the host adds around each instruction (default: measured with the profile, "
+                           "PROFILE.overheads.json, else 0)")
+    plan.add_argument("--step-overhead", type=float, default=None,
+                      help="seconds from the last instruction to the end of a step (default: as above)")
     serve = commands.add_parser("serve", help="a zeus pipeline-frequency server that serves a plan file")
     serve.add_argument("plan", help="plan file (merak-energy plan's plan.py)")
     serve.add_argument("--host", default="127.0.0.1")

@@ -51,11 +51,16 @@ class SimulatedCompute(PipelineHook):
 
 @dataclass
 class StepMeasurement:
-    """Time and energy of one step on one GPU, and of each of its compute instructions in order."""
+    """Time and energy of one step on one GPU, and of each of its compute instructions in order.
+
+    ``compute_span`` is the time from the step's start to the end of its last compute instruction:
+    the step without what follows the pipeline (the gradient reduction, where a fast pipeline
+    waits for a slow one, and the optimizer step)."""
 
     time: float
     energy: float
     instructions: list[tuple[str, float, float]] = field(default_factory=list)  # (name, seconds, joules)
+    compute_span: float = 0.0
 
     def breakdown(self) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
         """``({name: [seconds, ...]}, {name: [joules, ...]})`` in execution order."""
@@ -79,6 +84,7 @@ class InstructionMeter(PipelineHook):
         self._step: tuple[float, float] | None = None
         self._instruction: tuple[float, float] | None = None
         self._current: list[tuple[str, float, float]] = []
+        self._last_compute_end = 0.0
 
     def _read(self) -> tuple[float, float]:
         self.device.synchronize()
@@ -87,6 +93,7 @@ class InstructionMeter(PipelineHook):
     def on_step_begin(self) -> None:
         self._current = []
         self._step = self._read()
+        self._last_compute_end = self._step[0]
 
     def on_instruction_begin(self, event: InstructionEvent) -> None:
         self._instruction = self._read()
@@ -95,11 +102,13 @@ class InstructionMeter(PipelineHook):
         now, joules = self._read()
         start, start_joules = self._instruction
         self._current.append((event.name, now - start, joules - start_joules))
+        self._last_compute_end = now
 
     def on_step_end(self) -> None:
         now, joules = self._read()
         start, start_joules = self._step
-        self.steps.append(StepMeasurement(now - start, joules - start_joules, self._current))
+        self.steps.append(StepMeasurement(now - start, joules - start_joules, self._current,
+                                          self._last_compute_end - start))
 
 
 class FrequencyPlanHook(PipelineHook):

@@ -15,8 +15,14 @@ subject to the step's critical path being at most ``T``. Its steps:
    and the step time, charged ``S * p2p_power`` per second, at most ``T``) with HiGHS. This is
    the exact continuous optimum: a lower bound.
 3. Round every duration down to the slowest option that fits in it (never lengthening a path),
-   then, greedily, give the instruction whose next slower option saves the most energy (a
-   longer step counted) that option, while the step stays within ``T``.
+   then, greedily, give the instruction whose next slower option saves the most energy per
+   second (a longer step counted) that option, while the step stays within ``T``. One pass of
+   the greedy takes, best first, every move that fits in its own float after the moves before
+   it, so a pass does the work of many single moves at the same choices.
+
+Longest paths are computed a level of the graph at a time (:mod:`merak.energy.paths`) and the
+relaxation is re-solved warm from one deadline to the next (:mod:`merak.energy.relaxation`):
+8 stages x 32 microbatches, 60 deadlines, take about 2 s on one core.
 
 The frontier sweeps ``T`` from the all-fastest critical path to the point past which slowing
 down no longer saves energy, and keeps the Pareto-optimal (time, energy) points.
@@ -30,8 +36,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from merak.energy.dag import StepGraph, topological_order
+from merak.energy.dag import StepGraph
+from merak.energy.paths import LevelledGraph
 from merak.energy.profile_csv import Option
+from merak.energy.relaxation import RelaxedProgram
 
 logger = logging.getLogger(__name__)
 
@@ -106,49 +114,54 @@ class FrequencyPlanner:
         graph: the step's instruction graph (:func:`merak.energy.dag.step_graph`).
         options: ``{(stage, instruction): [Option, ...]}`` from a profile.
         p2p_power: watts a GPU draws while blocked on communication or its peers.
+        instruction_overhead: seconds the host adds around every instruction (measured by the profile
+            run): it lengthens every path, not the GPU's busy time.
     """
 
-    def __init__(self, graph: StepGraph, options: dict[tuple[int, str], list[Option]], p2p_power: float) -> None:
+    def __init__(self, graph: StepGraph, options: dict[tuple[int, str], list[Option]], p2p_power: float, *,
+                 instruction_overhead: float = 0.0) -> None:
         if p2p_power < 0:
             raise ValueError(f"p2p_power must be >= 0 W, got {p2p_power}")
+        if not instruction_overhead >= 0:
+            raise ValueError(f"instruction_overhead must be >= 0 s, got {instruction_overhead}")
         self.graph, self.p2p_power = graph, float(p2p_power)
-        self.order = topological_order(graph)
-        self.choices = {key: _pareto(values, self.p2p_power) for key, values in options.items()}
+        self.instruction_overhead = float(instruction_overhead)
+        self.paths = LevelledGraph(graph)
+        # An instruction occupies its stage for its time plus the host's overhead around it (launches,
+        # transfers), during which the GPU draws blocked power: the overhead lengthens every option alike.
+        overhead = self.instruction_overhead
+        self.choices = {key: _pareto([Option(o.frequency, o.time + overhead, o.energy) for o in values],
+                                     self.p2p_power)
+                        for key, values in options.items()}
         self.node_choices = [self.choices[(n.stage, n.name)] for n in graph.nodes]
-        n = len(graph.nodes)
-        self._pred: list[list[int]] = [[] for _ in range(n)]
-        self._succ: list[list[int]] = [[] for _ in range(n)]
-        for before, after in graph.edges:
-            self._pred[after].append(before)
-            self._succ[before].append(after)
-        self._program = None
+        # Every node's options in one table, padded with infinitely slow ones, for the greedy's vector steps.
+        width = max((len(c.times) for c in self.node_choices), default=0) + 1
+        self._times = np.full((len(graph.nodes), width), np.inf)
+        self._costs = np.full((len(graph.nodes), width), np.inf)
+        for node, c in enumerate(self.node_choices):
+            self._times[node, :len(c.times)] = c.times
+            self._costs[node, :len(c.costs)] = c.costs
+        self._num_options = np.array([len(c.times) for c in self.node_choices], dtype=np.int64)
+        self._program: RelaxedProgram | None = None
+        # Solved deadlines: the relaxation may have several optima, and which one a warm start finds
+        # depends on the deadline solved before; asking twice must give the same plan.
+        self._solved: dict[float, PlanPoint] = {}
 
     # -- evaluation ---------------------------------------------------------------------
 
     def critical_path(self, durations) -> float:
         """The step time with these node durations."""
-        finish = np.zeros(len(durations))
-        for node in self.order:
-            start = max((finish[p] for p in self._pred[node]), default=0.0)
-            finish[node] = start + durations[node]
-        return float(finish.max()) if len(finish) else 0.0
-
-    def _floats(self, durations, deadline: float) -> np.ndarray:
-        """How much longer each node could take without the step exceeding ``deadline``."""
-        n = len(durations)
-        earliest, latest = np.zeros(n), np.full(n, deadline)
-        for node in self.order:
-            earliest[node] = max((earliest[p] + durations[p] for p in self._pred[node]), default=0.0)
-        for node in reversed(self.order):
-            latest[node] = min((latest[s] - durations[s] for s in self._succ[node]), default=deadline)
-        return latest - earliest - np.asarray(durations)
+        return self.paths.step_time(np.asarray(durations, dtype=float))
 
     def point(self, picks, deadline: float) -> PlanPoint:
         """The plan that runs node ``i`` at option ``picks[i]``."""
-        times = np.array([c.times[k] for c, k in zip(self.node_choices, picks)])
+        picks = np.asarray(picks, dtype=np.int64)
+        nodes = np.arange(len(picks))
+        times = self._times[nodes, picks]
         energies = np.array([c.energies[k] for c, k in zip(self.node_choices, picks)])
         step = self.critical_path(times)
-        energy = energies.sum() + self.p2p_power * (self.graph.num_stages * step - times.sum())
+        busy = times.sum() - self.instruction_overhead * len(times)
+        energy = energies.sum() + self.p2p_power * (self.graph.num_stages * step - busy)
         return PlanPoint(step, float(energy), tuple(int(c.frequencies[k]) for c, k in zip(self.node_choices, picks)),
                          deadline)
 
@@ -162,61 +175,13 @@ class FrequencyPlanner:
 
     # -- solving --------------------------------------------------------------------------
 
-    def _build_program(self):
-        """The LP's constant parts: variables are node start times, then hull segment fills."""
-        from scipy.sparse import coo_matrix
-
-        n = len(self.graph.nodes)
-        columns, lengths, slopes = [], [], []
-        for node, c in enumerate(self.node_choices):
-            for a, b in zip(c.hull, c.hull[1:]):
-                columns.append(node)
-                lengths.append(c.times[b] - c.times[a])
-                slopes.append((c.costs[b] - c.costs[a]) / (c.times[b] - c.times[a]))
-        num_vars = n + len(columns)
-        rows, cols, vals, rhs = [], [], [], []
-        segments_of: list[list[int]] = [[] for _ in range(n)]
-        for k, node in enumerate(columns):
-            segments_of[node].append(n + k)
-        base = np.array([c.times[c.hull[0]] for c in self.node_choices])
-
-        def finish_before(node: int, column: int) -> None:
-            """One row: start + duration of ``node`` - variable ``column`` <= 0 (the base time moved right)."""
-            row = len(rhs)
-            for var in (node, *segments_of[node]):
-                rows.append(row)
-                cols.append(var)
-                vals.append(1.0)
-            rows.append(row)
-            cols.append(column)
-            vals.append(-1.0)
-            rhs.append(-base[node])
-
-        for before, after in self.graph.edges:  # an edge: ``before`` finishes before ``after`` starts
-            finish_before(before, after)
-        step_var = num_vars  # the step time T, charged S * p2p_power per second
-        for node in (i for i in range(n) if not self._succ[i]):  # a last instruction finishes within T
-            finish_before(node, step_var)
-        row = len(rhs)
-        matrix = coo_matrix((vals, (rows, cols)), shape=(row, num_vars + 1)).tocsr()
-        bounds = [(0, None)] * n + [(0, length) for length in lengths]
-        cost = np.concatenate([np.zeros(n), np.array(slopes), [self.graph.num_stages * self.p2p_power]])
-        self._program = (matrix, np.array(rhs), base, bounds, cost, columns)
-
     def _relaxed(self, deadline: float) -> tuple[np.ndarray, float]:
         """The LP optimum's node durations and step time (at most ``deadline``)."""
-        from scipy.optimize import linprog
-
         if self._program is None:
-            self._build_program()
-        matrix, rhs, base, bounds, cost, columns = self._program
-        result = linprog(cost, A_ub=matrix, b_ub=rhs, bounds=[*bounds, (0, deadline)], method="highs")
-        if result.status != 0:
-            raise RuntimeError(f"the frequency LP failed at deadline {deadline:.6f} s: {result.message}")
-        durations = base.copy()
-        n = len(self.graph.nodes)
-        np.add.at(durations, np.array(columns, dtype=int), result.x[n:-1])
-        return durations, float(result.x[-1])
+            c = self.node_choices
+            self._program = RelaxedProgram(self.graph, [x.times for x in c], [x.costs for x in c],
+                                           [x.hull for x in c], self.graph.num_stages * self.p2p_power)
+        return self._program.solve(deadline)
 
     def solve(self, deadline: float) -> PlanPoint:
         """The least-energy plan whose step takes at most ``deadline`` seconds.
@@ -224,41 +189,56 @@ class FrequencyPlanner:
         Raises:
             ValueError: the deadline is shorter than the all-fastest step.
         """
+        deadline = float(deadline)
+        if deadline in self._solved:
+            return self._solved[deadline]
         fastest = self.fastest_time()
         if deadline < fastest * (1 - 1e-9):
             raise ValueError(f"deadline {deadline:.6f} s is shorter than the fastest possible step ({fastest:.6f} s)")
-        relaxed, _ = self._relaxed(deadline)
-        picks = []
-        for c, duration in zip(self.node_choices, relaxed):
-            fits = np.nonzero(c.times <= duration * (1 + 1e-9) + 1e-12)[0]
-            picks.append(int(fits[-1]) if len(fits) else 0)
-        return self.point(self._reclaim(picks, deadline), deadline)
+        relaxed, _ = self._relaxed(max(deadline, fastest))
+        fits = self._times <= relaxed[:, None] * (1 + 1e-9) + 1e-12
+        picks = np.maximum(fits.sum(axis=1) - 1, 0)  # options are fastest first: the slowest that fits
+        self._solved[deadline] = self.point(self._reclaim(picks, deadline), deadline)
+        return self._solved[deadline]
 
-    def _reclaim(self, picks: list[int], deadline: float) -> list[int]:
-        """Greedy improvement: repeatedly give the instruction whose next slower option saves the most
-        energy per second of its own that option, counting the longer step it may cause (``S * p2p_power`` per second),
-        while the step stays within ``deadline``. Extending one instruction by ``x`` lengthens the
-        step by ``max(0, x - float)``, its float computed against the current step time."""
-        durations = np.array([c.times[k] for c, k in zip(self.node_choices, picks)])
+    def _reclaim(self, picks: np.ndarray, deadline: float) -> np.ndarray:
+        """Greedy improvement: give instructions their next slower option, the most energy saved per
+        second of their own first, counting the longer step a move may cause (``S * p2p_power`` per
+        second), while the step stays within ``deadline``.
+
+        Each pass computes every node's float against the current step time. A move that lengthens
+        the step is taken alone. Otherwise the pass takes the moves in order while each still fits in
+        its node's float less the extra time of the moves taken before it in the pass (a path gains
+        at most that much), and stops at the first that does not."""
+        picks = np.array(picks, dtype=np.int64)
+        nodes = np.arange(len(picks))
         step_power = self.graph.num_stages * self.p2p_power
+        limit = deadline * (1 + 1e-12)
         while True:
-            step = self.critical_path(durations)
-            slack = self._floats(durations, step)
-            best, best_gain = None, 1e-12
-            for node, (c, k) in enumerate(zip(self.node_choices, picks)):
-                if k + 1 >= len(c.times):
-                    continue
-                extra = c.times[k + 1] - c.times[k]
-                longer = max(0.0, extra - slack[node])
-                if step + longer > deadline * (1 + 1e-12):
-                    continue
-                gain = (c.costs[k] - c.costs[k + 1] - step_power * longer) / extra
-                if gain > best_gain:
-                    best, best_gain = node, gain
-            if best is None:
+            durations = self._times[nodes, picks]
+            finish = self.paths.finish_times(durations)
+            step = float(finish.max())
+            slack = self.paths.floats(durations, finish, step)
+            movable = picks + 1 < self._num_options
+            slower = np.where(movable, picks + 1, picks)
+            extra = self._times[nodes, slower] - durations
+            longer = np.maximum(0.0, extra - slack)
+            movable &= step + longer <= limit
+            saved = self._costs[nodes, picks] - self._costs[nodes, slower] - step_power * longer
+            gain = np.where(movable, saved / np.where(extra > 0, extra, 1.0), -np.inf)
+            candidates = np.nonzero(gain > 1e-12)[0]
+            if not len(candidates):
                 return picks
-            picks[best] += 1
-            durations[best] = self.node_choices[best].times[picks[best]]
+            ranked = candidates[np.argsort(-gain[candidates], kind="stable")]
+            if longer[ranked[0]] > 0:
+                picks[ranked[0]] += 1
+                continue
+            taken = 0.0
+            for node in ranked:
+                if longer[node] > 0 or extra[node] + taken > slack[node] * (1 - 1e-12):
+                    break
+                picks[node] += 1
+                taken += extra[node]
 
     def frontier(self, num_points: int = 60) -> list[PlanPoint]:
         """Pareto-optimal plans from the fastest step to the least-energy one, fastest first."""

@@ -6,7 +6,9 @@ every rank locks its GPU to it, runs ``num_warmup_steps`` steps, then measures
 ``num_prof_steps`` steps, and averages each instruction's time and energy. Past half of the
 clock list, once every rank has seen its forward+backward energy rise for 5 clocks in a row
 (the energy minimum is behind), profiling stops early. Rank 0 writes the CSV
-(:mod:`merak.energy.profile_csv`) in the run directory.
+(:mod:`merak.energy.profile_csv`) in the run directory, and beside it what the steps at the
+highest clock took besides their instructions (:class:`~merak.energy.profile_csv.Overheads`),
+which the planner adds to its predictions.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import statistics
 import time
 
 from merak.distributed import groups
-from merak.energy.profile_csv import ProfileRow, profile_file_name, write_profile
+from merak.energy.dag import step_graph
+from merak.energy.paths import LevelledGraph
+from merak.energy.profile_csv import Overheads, ProfileRow, profile_file_name, write_overheads, write_profile
 from merak.report import write_json_atomic
 
 logger = logging.getLogger(__name__)
@@ -37,6 +41,29 @@ def _step_averages(steps) -> dict[str, tuple[float, float]]:
     return {name: (statistics.fmean(times[name]), statistics.fmean(energies[name])) for name in times}
 
 
+def measure_overheads(rows: list[ProfileRow], spans: list[tuple[float, float]], schedule: str, num_stages: int,
+                      num_chunks: int) -> Overheads:
+    """The host's share of the one-microbatch steps at the highest clock.
+
+    ``spans`` holds every rank's mean (step time, compute span) at that clock. The longest compute
+    span less the critical path of the profiled instruction times, spread over the instructions on
+    that path, is the per-instruction overhead; the longest step less the longest span is the
+    step's tail.
+    """
+    highest = max(row.frequency for row in rows)
+    times: dict[tuple[int, str], list[float]] = {}
+    for row in rows:
+        if row.frequency == highest:
+            times.setdefault((row.stage, row.instruction), []).append(row.time)
+    graph = step_graph(schedule, num_stages, 1, num_chunks)
+    paths = LevelledGraph(graph)
+    durations = [statistics.fmean(times[(node.stage, node.name)]) for node in graph.nodes]
+    critical = paths.step_time(durations)
+    span = max(s for _, s in spans)
+    step = max(t for t, _ in spans)
+    return Overheads(instruction=max(0.0, (span - critical) / len(paths.levels)), step=max(0.0, step - span))
+
+
 def run_profile(session, runtime) -> dict | None:
     """Profile ``session``'s stages on ``runtime.device``; returns the profile summary on rank 0."""
     settings, state, trainer = session.settings, session.state, session.settings.trainer
@@ -45,6 +72,7 @@ def run_profile(session, runtime) -> dict | None:
     per_clock = trainer.num_warmup_steps + trainer.num_prof_steps
     coords = state.coordinates
     rows: list[ProfileRow] = []
+    spans: list[tuple[float, float]] = []  # this rank's (step time, compute span) at the highest clock
     started, step, rises, last_energy, profiled = time.perf_counter(), 0, 0, None, 0
     try:
         for position, clock in enumerate(clocks):
@@ -53,7 +81,11 @@ def run_profile(session, runtime) -> dict | None:
                 microbatches = session.loader.load_step(step) if session.loader else None
                 session.engine.train_step(microbatches)
                 step += 1
-            averages = _step_averages(meter.steps[-trainer.num_prof_steps:])
+            measured = meter.steps[-trainer.num_prof_steps:]
+            averages = _step_averages(measured)
+            if position == 0:
+                spans.append((statistics.fmean(s.time for s in measured),
+                              statistics.fmean(s.compute_span for s in measured)))
             rows += [ProfileRow(state.rank, coords.dp, coords.pp, coords.tp, name, clock, seconds, joules)
                      for name, (seconds, joules) in averages.items()]
             profiled += 1
@@ -67,6 +99,7 @@ def run_profile(session, runtime) -> dict | None:
     finally:
         device.reset_clock()
     everyone = groups.gather_from_all(rows)
+    all_spans = [span for part in groups.gather_from_all(spans) for span in part]
     if state.rank != 0:
         return None
     grid = settings.grid
@@ -74,7 +107,10 @@ def run_profile(session, runtime) -> dict | None:
                              partition_method=trainer.partition_method, dp=grid.dp, pp=grid.pp, tp=grid.tp,
                              micro_batch_size=trainer.per_device_train_batch_size)
     path = os.path.join(settings.output_dir, name)
-    write_profile(path, [row for part in everyone for row in part])
+    all_rows = [row for part in everyone for row in part]
+    write_profile(path, all_rows)
+    overheads = measure_overheads(all_rows, all_spans, trainer.train_schedule, grid.pp, trainer.schedule.chunks)
+    write_overheads(path, overheads)
     summary = {"profile": path, "device": device.name, "clocks_profiled": profiled, "clocks_supported": len(clocks),
                "highest_clock": clocks[0], "lowest_clock_profiled": clocks[profiled - 1],
                "steps": step, "rows": sum(len(part) for part in everyone),

@@ -10,6 +10,7 @@ row per rank, instruction and clock, in a file named
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 from collections import defaultdict
@@ -54,6 +55,53 @@ class Option:
 def profile_file_name(*, model: str, partition_method: str, dp: int, pp: int, tp: int, micro_batch_size: int) -> str:
     """The profile's file name, as Merak-Zeus names it."""
     return f"merak+{model}+{partition_method}+dp{dp}+pp{pp}+tp{tp}+mbs{micro_batch_size}.csv"
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What a step takes besides its compute instructions, measured by the profile run at the highest clock.
+
+    Attributes:
+        instruction: seconds the host adds around each instruction on a path (transfers, launches,
+            listeners): the measured critical path less the profiled instructions', per instruction on it.
+        step: seconds from the end of the last compute instruction to the end of the step (gradient
+            reduction and optimizer step).
+    """
+
+    instruction: float
+    step: float
+
+
+def overheads_path(profile_path: str) -> str:
+    """Where the overheads of the profile at ``profile_path`` are kept (beside it)."""
+    return os.path.splitext(profile_path)[0] + ".overheads.json"
+
+
+def write_overheads(profile_path: str, overheads: Overheads) -> None:
+    """Write ``overheads`` beside the profile (atomically)."""
+    write_text_atomic(overheads_path(profile_path),
+                      json.dumps({"instruction_overhead_s": overheads.instruction,
+                                  "step_overhead_s": overheads.step}, indent=1) + "\n")
+
+
+def read_overheads(profile_path: str) -> Overheads | None:
+    """The overheads measured with the profile at ``profile_path``; None when there is no such file.
+
+    Raises:
+        ProfileError: the file exists but does not hold two numbers >= 0.
+    """
+    path = overheads_path(profile_path)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        values = float(data["instruction_overhead_s"]), float(data["step_overhead_s"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ProfileError(f"{path} is not an overheads file ({error})") from None
+    if not all(math.isfinite(v) and v >= 0 for v in values):
+        raise ProfileError(f"{path}: overheads must be numbers >= 0, got {values}")
+    return Overheads(*values)
 
 
 def write_profile(path: str, rows: list[ProfileRow]) -> None:

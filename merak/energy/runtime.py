@@ -23,8 +23,9 @@ from merak.pipeline.hooks import PipelineHook
 logger = logging.getLogger(__name__)
 
 
-def make_device(trainer, device: torch.device) -> GPUDevice:
-    """The GPU backend ``trainer.energy_device`` names (auto: NVML on CUDA machines, else simulated)."""
+def make_device(trainer, device: torch.device, pipeline: int = 0) -> GPUDevice:
+    """The GPU backend ``trainer.energy_device`` names (auto: NVML on CUDA machines, else simulated); a
+    simulated GPU of pipeline ``trainer.simulated_straggler_pipeline`` is capped at its straggler clock."""
     choice = trainer.energy_device
     if choice == "auto":
         choice = "nvml" if device.type == "cuda" else "simulated"
@@ -35,7 +36,8 @@ def make_device(trainer, device: torch.device) -> GPUDevice:
 
         index = device.index if device.index is not None else 0
         return NVMLDevice(index, cuda_index=index)
-    return SimulatedGPU(trainer.simulated_gpu)
+    straggler = trainer.simulated_straggler_pipeline is not None and trainer.simulated_straggler_pipeline == pipeline
+    return SimulatedGPU(trainer.simulated_gpu, clock_cap=trainer.simulated_straggler_clock if straggler else None)
 
 
 class EnergyRuntime:
@@ -49,15 +51,18 @@ class EnergyRuntime:
 
     def __init__(self, trainer, state, device: GPUDevice | None = None) -> None:
         self.trainer, self.state = trainer, state
-        self.device = device if device is not None else make_device(trainer, state.device)
+        self.device = device if device is not None else make_device(trainer, state.device, state.coordinates.dp)
         self.meter = InstructionMeter(self.device)
         self.zeus = None
+        self.frontier = self.straggler = None
         controls: list[PipelineHook] = []
         if trainer.frequency_plan:
             from merak.energy.plans import read_plan
 
             stage = state.coordinates.pp
             controls.append(FrequencyPlanHook(self.device, read_plan(trainer.frequency_plan)[stage], stage))
+        elif trainer.frequency_frontier:
+            controls.append(self._straggler_aware_plans(trainer, state))
         elif trainer.pfo_server_url:
             from merak.energy.zeus_client import ZeusClient
 
@@ -68,25 +73,70 @@ class EnergyRuntime:
         reporters = [self.zeus.reporter] if self.zeus is not None else []
         self.hooks: list[PipelineHook] = [*controls, *simulated, self.meter, *reporters]
 
+    def _straggler_aware_plans(self, trainer, state) -> PipelineHook:
+        from merak.energy.frontier import read_frontier
+        from merak.energy.straggler import StragglerAwarePlans
+
+        self.frontier = read_frontier(trainer.frequency_frontier)
+        deadline = trainer.frontier_deadline
+        base = self.frontier.index_within(deadline) if deadline is not None else 0
+        coords, dp = state.coordinates, state.grid.dp
+        self.straggler = StragglerAwarePlans(
+            self.device, self.frontier, self.meter, stage=coords.pp, pipeline=coords.dp, pipelines=dp, base=base,
+            window=trainer.straggler_window if dp > 1 else 0, hysteresis=trainer.straggler_hysteresis,
+            margin=trainer.straggler_margin)
+        return self.straggler
+
     def summary(self, skip_steps: int = 1) -> dict | None:
-        """Mean step time and energy per rank (after ``skip_steps`` warm-up steps) and the job's
-        iteration energy (all ranks' sum). Collective; rank 0 gets the dict, others None."""
-        steps = self.meter.steps[skip_steps:] or self.meter.steps
-        local = {"rank": self.state.rank, "stage": self.state.coordinates.pp, "device": self.device.name,
+        """Mean step time and energy per rank (after ``skip_steps`` warm-up steps, and since the last
+        change of frontier point) and the job's iteration energy (all ranks' sum); with a frontier,
+        each pipeline's measurement beside the prediction of the point it ran. Collective; rank 0
+        gets the dict, others None."""
+        first = max(skip_steps, self.straggler.since_step if self.straggler is not None else 0)
+        steps = self.meter.steps[first:] or self.meter.steps[-1:]
+        coords = self.state.coordinates
+        local = {"rank": self.state.rank, "stage": coords.pp, "pipeline": coords.dp, "device": self.device.name,
                  "steps": len(steps),
                  "step_time_s": statistics.fmean(s.time for s in steps) if steps else None,
                  "step_energy_j": statistics.fmean(s.energy for s in steps) if steps else None,
+                 "compute_span_s": statistics.fmean(s.compute_span for s in steps) if steps else None,
                  "overruns": getattr(self.device, "overruns", 0)}
         everyone = groups.gather_from_all(local)
         if self.state.rank != 0:
             return None
         measured = [r for r in everyone if r["steps"]]
-        return {"device": self.device.name, "measured_steps": local["steps"],
-                "iteration_time_s": max((r["step_time_s"] for r in measured), default=None),
-                "iteration_energy_j": sum(r["step_energy_j"] for r in measured) if measured else None,
-                "plan": self.trainer.frequency_plan, "pfo_server_url": self.trainer.pfo_server_url,
-                "zeus_job_id": self.zeus.job_id if self.zeus is not None else None,
-                "ranks": sorted(everyone, key=lambda r: r["rank"])}
+        report = {"device": self.device.name, "measured_steps": local["steps"],
+                  "iteration_time_s": max((r["step_time_s"] for r in measured), default=None),
+                  "iteration_energy_j": sum(r["step_energy_j"] for r in measured) if measured else None,
+                  "plan": self.trainer.frequency_plan, "pfo_server_url": self.trainer.pfo_server_url,
+                  "zeus_job_id": self.zeus.job_id if self.zeus is not None else None,
+                  "ranks": sorted(everyone, key=lambda r: r["rank"])}
+        if self.straggler is not None and measured:
+            report.update(self._frontier_report(measured, report["iteration_time_s"]))
+        return report
+
+    def _frontier_report(self, measured: list[dict], step_time: float) -> dict:
+        """Per pipeline: the point it ran, the measured time and energy, and the point's predictions,
+        both for its own step and stretched to the job's step (waiting for a straggler)."""
+        tp = self.state.grid.tp  # every tensor-parallel rank of a stage is a GPU running the stage's plan
+        pipelines = []
+        for pipeline, point in enumerate(self.straggler.switcher.current):
+            ranks = [r for r in measured if r["pipeline"] == pipeline]
+            time_s = max(r["step_time_s"] for r in ranks)
+            energy_j = sum(r["step_energy_j"] for r in ranks)
+            predicted_time = self.frontier.points[point].iteration_time
+            predicted_energy = tp * self.frontier.points[point].energy
+            stretched_energy = tp * self.frontier.energy_at(point, step_time)
+            pipelines.append({
+                "pipeline": pipeline, "point": point, "step_time_s": time_s, "step_energy_j": energy_j,
+                "compute_span_s": max(r["compute_span_s"] for r in ranks),
+                "predicted_step_time_s": predicted_time, "predicted_step_energy_j": predicted_energy,
+                "predicted_energy_at_job_step_j": stretched_energy,
+                "time_error": time_s / predicted_time - 1, "energy_error": energy_j / predicted_energy - 1,
+                "energy_error_at_job_step": energy_j / stretched_energy - 1})
+        return {"frontier": self.trainer.frequency_frontier, "base_point": self.straggler.switcher.base,
+                "straggler_target_s": self.straggler.switcher.target,
+                "switches": [vars(s) for s in self.straggler.switches], "pipelines": pipelines}
 
     def close(self) -> None:
         """Stop zeus's clock controller (if any) and return the clock to the driver."""

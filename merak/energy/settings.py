@@ -34,20 +34,39 @@ class EnergySettings:
                                       check=positive_finite, requirement="must be a positive number")
     frequency_plan: str | None = setting(None, "a plan file (merak-energy plan's plan.py) to run locally, "
                                                "without a server")
+    frequency_frontier: str | None = setting(None, "a frontier file (merak-energy plan's frontier.json): run its "
+                                                   "fastest plan (or frontier_deadline's) and, with dp > 1, slow "
+                                                   "the pipelines that wait for a straggler")
+    frontier_deadline: float | None = setting(None, "with frequency_frontier: start at the least-energy plan "
+                                                    "predicted to take at most this many seconds per step",
+                                              check=positive_finite, requirement="must be a positive number")
+    straggler_window: int = setting(4, "with frequency_frontier: steps whose mean time each pipeline measures "
+                                       "before the slowest sets the target (0: never switch plans)",
+                                    check=non_negative, requirement="must be an integer >= 0")
+    straggler_hysteresis: float = setting(0.02, "switch plans only when the straggler's time moved by more than "
+                                                "this fraction since the last switch",
+                                          check=non_negative, requirement="must be a number >= 0")
+    straggler_margin: float = setting(0.01, "a slowed pipeline aims this fraction below the straggler's time",
+                                      check=non_negative, requirement="must be a number >= 0")
+    simulated_straggler_pipeline: int | None = setting(None, "testing: the data-parallel rank whose simulated "
+                                                             "GPUs run no faster than simulated_straggler_clock",
+                                                       check=non_negative, requirement="must be an integer >= 0")
+    simulated_straggler_clock: int | None = setting(None, "testing: the straggler's clock cap in MHz",
+                                                    check=positive, requirement="must be a positive integer")
 
     @property
     def enabled(self) -> bool:
         """Whether the run uses a GPU device for energy."""
         return energy_enabled(self)
 
-    def problems(self, *, schedule: str, pp: int, num_microbatches: int, num_chunks: int) -> list[str]:
+    def problems(self, *, schedule: str, pp: int, num_microbatches: int, num_chunks: int, dp: int = 1) -> list[str]:
         """Everything wrong with these values for the run's schedule and layout."""
-        return energy_problems(self, schedule, pp, num_microbatches, num_chunks)
+        return energy_problems(self, schedule, pp, num_microbatches, num_chunks, dp)
 
 
 def energy_enabled(trainer) -> bool:
     """Whether the run uses a GPU device for energy: profiling, a plan, zeus, or an explicit device."""
-    return bool(trainer.profile or trainer.frequency_plan or trainer.pfo_server_url
+    return bool(trainer.profile or trainer.frequency_plan or trainer.frequency_frontier or trainer.pfo_server_url
                 or trainer.energy_device in ("nvml", "simulated"))
 
 
@@ -62,7 +81,8 @@ def _server_problem(url: str) -> str | None:
     return None
 
 
-def energy_problems(trainer, schedule: str, pp: int, num_microbatches: int, num_chunks: int) -> list[str]:
+def energy_problems(trainer, schedule: str, pp: int, num_microbatches: int, num_chunks: int,
+                    dp: int = 1) -> list[str]:
     """Everything wrong with the energy settings, as messages naming the fields."""
     from merak.energy.simulated import SPECS
 
@@ -77,10 +97,11 @@ def energy_problems(trainer, schedule: str, pp: int, num_microbatches: int, num_
         problems.append(f"trainer.num_warmup_steps={trainer.num_warmup_steps!r} must be an integer >= 0")
     if not (isinstance(trainer.num_prof_steps, int) and trainer.num_prof_steps >= 1):
         problems.append(f"trainer.num_prof_steps={trainer.num_prof_steps!r} must be a positive integer")
-    chosen = [name for name in ("profile", "frequency_plan", "pfo_server_url") if getattr(trainer, name)]
+    chosen = [name for name in ("profile", "frequency_plan", "frequency_frontier", "pfo_server_url")
+              if getattr(trainer, name)]
     if len(chosen) > 1:
-        problems.append(f"trainer.{' and trainer.'.join(chosen)} are exclusive: profile, run a plan file, or "
-                        "take plans from a zeus server")
+        problems.append(f"trainer.{' and trainer.'.join(chosen)} are exclusive: profile, run a plan file, run "
+                        "a frontier, or take plans from a zeus server")
     if energy_enabled(trainer) and trainer.energy_device == "none":
         problems.append(f"trainer.{chosen[0] if chosen else 'energy_device'} needs a GPU device: set "
                         "trainer.energy_device to auto, nvml or simulated")
@@ -97,6 +118,17 @@ def energy_problems(trainer, schedule: str, pp: int, num_microbatches: int, num_
                        source=f"trainer.frequency_plan={trainer.frequency_plan}")
         except (PlanError, ValueError) as error:
             problems.append(str(error))
+    if trainer.frequency_frontier:
+        from merak.energy.frontier import FrontierError, read_frontier
+
+        try:
+            read_frontier(trainer.frequency_frontier).check(schedule, pp, num_microbatches, num_chunks,
+                                                            source=f"trainer.frequency_frontier={trainer.frequency_frontier}")
+        except FrontierError as error:
+            problems.append(str(error))
+    elif trainer.frontier_deadline is not None:
+        problems.append("trainer.frontier_deadline needs trainer.frequency_frontier")
+    problems += _straggler_problems(trainer, dp)
     if trainer.pfo_server_url:
         if importlib.util.find_spec("zeus") is None:
             problems.append("trainer.pfo_server_url needs zeus: pip install 'merak[energy]'")
@@ -104,4 +136,26 @@ def energy_problems(trainer, schedule: str, pp: int, num_microbatches: int, num_
             problem = _server_problem(trainer.pfo_server_url)
             if problem:
                 problems.append(problem)
+    return problems
+
+
+def _straggler_problems(trainer, dp: int) -> list[str]:
+    """The simulated straggler's settings: both or neither, on a simulated GPU, a real pipeline and clock."""
+    from merak.energy.simulated import SPECS
+
+    pipeline, clock = trainer.simulated_straggler_pipeline, trainer.simulated_straggler_clock
+    if pipeline is None and clock is None:
+        return []
+    if pipeline is None or clock is None:
+        return ["trainer.simulated_straggler_pipeline and trainer.simulated_straggler_clock go together: set both"]
+    problems = []
+    if trainer.energy_device not in ("auto", "simulated"):
+        problems.append(f"trainer.simulated_straggler_pipeline needs a simulated GPU, not "
+                        f"energy_device={trainer.energy_device!r}")
+    if not 0 <= pipeline < dp:
+        problems.append(f"trainer.simulated_straggler_pipeline={pipeline} is not a data-parallel rank of dp={dp}")
+    spec = SPECS.get(str(trainer.simulated_gpu).upper())
+    if spec is not None and clock not in spec.clocks():
+        problems.append(f"trainer.simulated_straggler_clock={clock} is not a clock of the simulated {spec.name} "
+                        f"({spec.min_clock}-{spec.max_clock} MHz in {spec.clock_step} MHz steps)")
     return problems

@@ -94,13 +94,22 @@ class SimulatedGPU(GPUDevice):
         spec: a :class:`GPUSpec` or the name of one in ``SPECS``.
         clock_source: ``time.perf_counter``-like function (tests pass a fake one).
         sleep: ``time.sleep``-like function.
+        clock_cap: the highest clock it really runs at, whatever it is set to (a throttled or slower
+            GPU: a straggler for tests); one of the supported clocks.
     """
 
-    def __init__(self, spec: GPUSpec | str = "A100", *, clock_source=time.perf_counter, sleep=time.sleep) -> None:
+    def __init__(self, spec: GPUSpec | str = "A100", *, clock_source=time.perf_counter, sleep=time.sleep,
+                 clock_cap: int | None = None) -> None:
         self.spec = gpu_spec(spec) if isinstance(spec, str) else spec
         self.name = f"simulated {self.spec.name}"
         self._clocks = self.spec.clocks()
-        self._locked = multiprocessing.Value("i", self.spec.max_clock, lock=False)
+        if clock_cap is not None and clock_cap not in self._clocks:
+            raise ValueError(f"{self.name} has no clock {clock_cap} MHz to cap at ({self.spec.min_clock}-"
+                             f"{self.spec.max_clock} MHz in {self.spec.clock_step} MHz steps)")
+        self.clock_cap = clock_cap if clock_cap is not None else self.spec.max_clock
+        if clock_cap is not None:
+            self.name += f" capped at {clock_cap} MHz"
+        self._locked = multiprocessing.Value("i", self.clock_cap, lock=False)
         self._now, self._sleep = clock_source, sleep
         self._joules = 0.0
         self._last = self._now()
@@ -114,14 +123,14 @@ class SimulatedGPU(GPUDevice):
         if mhz not in self._clocks:
             raise ValueError(f"{self.name} supports {self.spec.min_clock}-{self.spec.max_clock} MHz in "
                              f"{self.spec.clock_step} MHz steps, not {mhz}")
-        self._locked.value = int(mhz)
+        self._locked.value = min(int(mhz), self.clock_cap)
 
     def reset_clock(self) -> None:
-        self._locked.value = self.spec.max_clock
+        self._locked.value = self.clock_cap
 
     @property
     def clock(self) -> int:
-        """The locked graphics clock (MHz)."""
+        """The graphics clock it runs at (MHz): the locked one, at most the cap."""
         return self._locked.value
 
     def energy(self) -> float:

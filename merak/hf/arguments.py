@@ -208,6 +208,19 @@ class MerakArguments(TrainingArguments):
     frequency_plan: str | None = _merak(
         "frequency_plan", "A frequency plan (merak-energy plan output): each instruction runs at its planned clock."
     )
+    frequency_frontier: str | None = _merak(
+        "frequency_frontier", "A frontier (merak-energy plan's frontier.json): run its fastest plan, and slow the "
+        "data-parallel pipelines that would wait for a straggler."
+    )
+    frontier_deadline: float | None = _merak("frontier_deadline", "Start at the frontier's least-energy plan "
+                                             "predicted within this step time (seconds).")
+    straggler_window: int = _merak("straggler_window", "Steps measured between straggler decisions (0: never).")
+    straggler_hysteresis: float = _merak("straggler_hysteresis", "Relative move of the straggler's time that "
+                                         "triggers new plans.")
+    straggler_margin: float = _merak("straggler_margin", "How far below the straggler's time a slowed pipeline aims.")
+    simulated_straggler_pipeline: int | None = _merak("simulated_straggler_pipeline", "Testing: the data-parallel "
+                                                      "rank whose simulated GPUs are capped.")
+    simulated_straggler_clock: int | None = _merak("simulated_straggler_clock", "Testing: their clock cap (MHz).")
     max_consecutive_skipped_steps: int = _merak(
         "max_consecutive_skipped_steps",
         "Steps in a row whose loss or gradient norm is not finite (each skipped on every rank) before training "

@@ -95,7 +95,8 @@ def test_frequency_plan_hook_locks_each_planned_clock_and_names_a_mismatch():
 def test_energy_runtime_sizes_simulated_work_from_events_alone():
     time = FakeTime()
     gpu = _gpu(time)
-    trainer = SimpleNamespace(frequency_plan=None, pfo_server_url=None, simulated_tflops=1e-9)  # 1000 FLOP/s
+    trainer = SimpleNamespace(frequency_plan=None, frequency_frontier=None, pfo_server_url=None,
+                              simulated_tflops=1e-9)  # 1000 FLOP/s
     state = SimpleNamespace(rank=0, coordinates=SimpleNamespace(pp=0))
     runtime = EnergyRuntime(trainer, state, device=gpu)
     hooks = HookList(runtime.hooks)
