@@ -116,17 +116,22 @@ def read_frontier(path: str) -> Frontier:
         raise FrontierError(f"frontier file {path!r} is not a merak frontier of format {FORMAT}")
     try:
         header = (str(data["schedule"]), int(data["num_stages"]), int(data["num_microbatches"]),
-                  int(data["num_chunks"]), _number(data["p2p_power"], "p2p_power", path))
-        raw = data["points"]
+                  int(data["num_chunks"]))
+        p2p_power, raw = data["p2p_power"], data["points"]
     except (KeyError, TypeError, ValueError) as error:
         raise FrontierError(f"frontier file {path!r} lacks or mangles {error}") from None
+    p2p_power = _number(p2p_power, "p2p_power", path)
     if not isinstance(raw, list) or not raw:
         raise FrontierError(f"frontier file {path!r} has no points")
-    points = [FrontierPoint(_number(p.get("iteration_time"), f"point {i}'s iteration_time", path),
-                            _number(p.get("energy"), f"point {i}'s energy", path),
-                            _plans(p.get("plans"), f"point {i}'s plans", path))
-              if isinstance(p, dict) else _number(None, f"point {i}", path) for i, p in enumerate(raw)]
+    points = []
+    for i, p in enumerate(raw):
+        if not isinstance(p, dict):
+            raise FrontierError(f"frontier file {path!r}: point {i} is {p!r}, not an object")
+        points.append(FrontierPoint(_number(p.get("iteration_time"), f"point {i}'s iteration_time", path),
+                                    _number(p.get("energy"), f"point {i}'s energy", path),
+                                    _plans(p.get("plans"), f"point {i}'s plans", path)))
     for i in range(1, len(points)):
-        if not points[i].iteration_time > points[i - 1].iteration_time:
-            raise FrontierError(f"frontier file {path!r}: points must be ordered fastest first")
-    return Frontier(*header, points=points)
+        if not (points[i].iteration_time > points[i - 1].iteration_time and points[i].energy < points[i - 1].energy):
+            raise FrontierError(f"frontier file {path!r}: points must be ordered fastest first, each slower one "
+                                f"using less energy (point {i} does not)")
+    return Frontier(*header, p2p_power=p2p_power, points=points)

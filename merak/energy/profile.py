@@ -6,8 +6,8 @@ every rank locks its GPU to it, runs ``num_warmup_steps`` steps, then measures
 ``num_prof_steps`` steps, and averages each instruction's time and energy. Past half of the
 clock list, once every rank has seen its forward+backward energy rise for 5 clocks in a row
 (the energy minimum is behind), profiling stops early. Rank 0 writes the CSV
-(:mod:`merak.energy.profile_csv`) in the run directory, and beside it what the steps at the
-highest clock took besides their instructions (:class:`~merak.energy.profile_csv.Overheads`),
+(:mod:`merak.energy.profile_csv`) in the run directory, and beside it what the steps took
+besides their instructions (:class:`~merak.energy.profile_csv.Overheads`),
 which the planner adds to its predictions.
 """
 
@@ -41,27 +41,29 @@ def _step_averages(steps) -> dict[str, tuple[float, float]]:
     return {name: (statistics.fmean(times[name]), statistics.fmean(energies[name])) for name in times}
 
 
-def measure_overheads(rows: list[ProfileRow], spans: list[tuple[float, float]], schedule: str, num_stages: int,
-                      num_chunks: int) -> Overheads:
-    """The host's share of the one-microbatch steps at the highest clock.
+def measure_overheads(rows: list[ProfileRow], spans: list[tuple[int, float, float]], schedule: str,
+                      num_stages: int, num_chunks: int) -> Overheads:
+    """The host's share of the profiled one-microbatch steps.
 
-    ``spans`` holds every rank's mean (step time, compute span) at that clock. The longest compute
-    span less the critical path of the profiled instruction times, spread over the instructions on
-    that path, is the per-instruction overhead; the longest step less the longest span is the
-    step's tail.
+    ``spans`` holds every rank's mean ``(clock, step time, compute span)`` at each profiled clock.
+    At each clock, the longest compute span less the critical path of the profiled instruction
+    times, spread over the instructions on that path, is the per-instruction overhead, and the
+    longest step less the longest span is the step's tail. The host's work does not depend on
+    the GPU's clock: the median over the clocks discards a cold first step.
     """
-    highest = max(row.frequency for row in rows)
-    times: dict[tuple[int, str], list[float]] = {}
+    times: dict[tuple[int, int, str], list[float]] = {}
     for row in rows:
-        if row.frequency == highest:
-            times.setdefault((row.stage, row.instruction), []).append(row.time)
+        times.setdefault((row.frequency, row.stage, row.instruction), []).append(row.time)
     graph = step_graph(schedule, num_stages, 1, num_chunks)
     paths = LevelledGraph(graph)
-    durations = [statistics.fmean(times[(node.stage, node.name)]) for node in graph.nodes]
-    critical = paths.step_time(durations)
-    span = max(s for _, s in spans)
-    step = max(t for t, _ in spans)
-    return Overheads(instruction=max(0.0, (span - critical) / len(paths.levels)), step=max(0.0, step - span))
+    per_instruction, per_step = [], []
+    for clock in sorted({clock for clock, _, _ in spans}):
+        at_clock = [(step, span) for c, step, span in spans if c == clock]
+        durations = [statistics.fmean(times[(clock, node.stage, node.name)]) for node in graph.nodes]
+        span = max(s for _, s in at_clock)
+        per_instruction.append(max(0.0, (span - paths.step_time(durations)) / len(paths.levels)))
+        per_step.append(max(0.0, max(t for t, _ in at_clock) - span))
+    return Overheads(instruction=statistics.median(per_instruction), step=statistics.median(per_step))
 
 
 def run_profile(session, runtime) -> dict | None:
@@ -72,7 +74,7 @@ def run_profile(session, runtime) -> dict | None:
     per_clock = trainer.num_warmup_steps + trainer.num_prof_steps
     coords = state.coordinates
     rows: list[ProfileRow] = []
-    spans: list[tuple[float, float]] = []  # this rank's (step time, compute span) at the highest clock
+    spans: list[tuple[int, float, float]] = []  # this rank's (clock, step time, compute span) per clock
     started, step, rises, last_energy, profiled = time.perf_counter(), 0, 0, None, 0
     try:
         for position, clock in enumerate(clocks):
@@ -83,9 +85,8 @@ def run_profile(session, runtime) -> dict | None:
                 step += 1
             measured = meter.steps[-trainer.num_prof_steps:]
             averages = _step_averages(measured)
-            if position == 0:
-                spans.append((statistics.fmean(s.time for s in measured),
-                              statistics.fmean(s.compute_span for s in measured)))
+            spans.append((clock, statistics.fmean(s.time for s in measured),
+                          statistics.fmean(s.compute_span for s in measured)))
             rows += [ProfileRow(state.rank, coords.dp, coords.pp, coords.tp, name, clock, seconds, joules)
                      for name, (seconds, joules) in averages.items()]
             profiled += 1

@@ -59,7 +59,7 @@ def profile_file_name(*, model: str, partition_method: str, dp: int, pp: int, tp
 
 @dataclass(frozen=True)
 class Overheads:
-    """What a step takes besides its compute instructions, measured by the profile run at the highest clock.
+    """What a step takes besides its compute instructions, measured by the profile run.
 
     Attributes:
         instruction: seconds the host adds around each instruction on a path (transfers, launches,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from merak.distributed import groups
 from merak.energy.frontier import Frontier
-from merak.energy.hooks import FrequencyPlanHook, InstructionMeter
+from merak.energy.hooks import FrequencyPlanHook, InstructionMeter, PlanMismatchError
 from merak.pipeline.hooks import InstructionEvent, PipelineHook
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,12 @@ class StragglerAwarePlans(PipelineHook):
         self.stage, self.pipeline, self.window = stage, pipeline, window
         self.switcher = PlanSwitcher(frontier, pipelines, base, hysteresis, margin)
         self.control = FrequencyPlanHook(device, frontier.points[base].plans[stage], stage)
+        supported = set(device.supported_clocks())
+        for index, point in enumerate(frontier.points):  # a switch must not find out in the middle of training
+            unsupported = sorted({mhz for _, mhz in point.plans[stage] if mhz not in supported})
+            if unsupported:
+                raise PlanMismatchError(f"frontier point {index} runs stage {stage} at {unsupported} MHz, which "
+                                        f"{device.name} does not support")
         self.switches: list[PlanSwitch] = []
         self.since_step = 0  # the first step measured under the current points
 
