@@ -2,7 +2,8 @@
 
     merak-energy plan PROFILE.csv --num-stages S --num-microbatches M --schedule 1f1b \\
         --p2p-power 80 --out DIR [--deadline SECONDS] [--points 60]
-    merak-energy serve PLAN.py [--host 127.0.0.1] [--port 7787] [--dump-dir DIR]
+    merak-energy serve PLAN.py|FRONTIER.json [--deadline SECONDS] [--host 127.0.0.1] [--port 7787]
+        [--dump-dir DIR]
 
 ``plan`` writes ``DIR/plan.py`` (the chosen point: the fastest step with the least energy, or
 the least energy within ``--deadline``), ``DIR/frontier/plan_NNN.py`` for every frontier point,
@@ -25,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from merak.energy.dag import StepGraph, step_graph
-from merak.energy.frontier import write_frontier
+from merak.energy.frontier import FrontierError, write_frontier
 from merak.energy.planner import FrequencyPlanner, PlanPoint
 from merak.energy.plans import PlanError, write_plan
 from merak.energy.profile_csv import Overheads, ProfileError, check_coverage, read_overheads, read_profile
@@ -208,7 +209,8 @@ def plan_command(args) -> int:
 def serve_command(args) -> int:
     from merak.energy.zeus_server import serve
 
-    serve(args.plan, host=args.host, port=args.port, dump_dir=args.dump_dir, log_level=args.log_level)
+    serve(args.plan, host=args.host, port=args.port, dump_dir=args.dump_dir, log_level=args.log_level,
+          deadline=args.deadline)
     return 0
 
 
@@ -234,7 +236,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--step-overhead", type=float, default=None,
                       help="seconds from the last instruction to the end of a step (default: as above)")
     serve = commands.add_parser("serve", help="a zeus pipeline-frequency server that serves a plan file")
-    serve.add_argument("plan", help="plan file (merak-energy plan's plan.py)")
+    serve.add_argument("plan", help="plan file (merak-energy plan's plan.py), or frontier.json to serve its "
+                                    "fastest point (or --deadline's)")
+    serve.add_argument("--deadline", type=float, default=None,
+                       help="with frontier.json: serve the least-energy point within this step time (seconds)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=7787)
     serve.add_argument("--dump-dir", default="./zeus-dump", help="where zeus writes reported profiling results")
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return plan_command(args) if args.command == "plan" else serve_command(args)
     except UsageError as error:
         commands[args.command].error(str(error))  # usage and "error: argument ...", then exit status 2
-    except (ProfileError, PlanError, ValueError, ImportError) as error:
+    except (ProfileError, PlanError, FrontierError, ValueError, ImportError) as error:
         logger.error("%s", error)
         return 2
 

@@ -1,7 +1,9 @@
 """Profile mode: time and energy of every compute instruction at every supported clock.
 
 With one microbatch per step, each step runs every stage's forward and backward (and the
-recompute instructions of the Merak schedules) once. For each supported clock, highest first,
+recompute instructions of the Merak schedules) once; schedules that need more microbatches
+(interleaved_1f1b, shifted_critical_path) run each several times, and each instruction's time
+and energy is the mean over its runs. For each supported clock, highest first,
 every rank locks its GPU to it, runs ``num_warmup_steps`` steps, then measures
 ``num_prof_steps`` steps, and averages each instruction's time and energy. Past half of the
 clock list, once every rank has seen its forward+backward energy rise for 5 clocks in a row
@@ -42,8 +44,8 @@ def _step_averages(steps) -> dict[str, tuple[float, float]]:
 
 
 def measure_overheads(rows: list[ProfileRow], spans: list[tuple[int, float, float]], schedule: str,
-                      num_stages: int, num_chunks: int) -> Overheads:
-    """The host's share of the profiled one-microbatch steps.
+                      num_stages: int, num_chunks: int, num_microbatches: int = 1) -> Overheads:
+    """The host's share of the profiled steps.
 
     ``spans`` holds every rank's mean ``(clock, step time, compute span)`` at each profiled clock.
     At each clock, the longest compute span less the critical path of the profiled instruction
@@ -54,7 +56,7 @@ def measure_overheads(rows: list[ProfileRow], spans: list[tuple[int, float, floa
     times: dict[tuple[int, int, str], list[float]] = {}
     for row in rows:
         times.setdefault((row.frequency, row.stage, row.instruction), []).append(row.time)
-    graph = step_graph(schedule, num_stages, 1, num_chunks)
+    graph = step_graph(schedule, num_stages, num_microbatches, num_chunks)
     paths = LevelledGraph(graph)
     per_instruction, per_step = [], []
     for clock in sorted({clock for clock, _, _ in spans}):
@@ -110,7 +112,8 @@ def run_profile(session, runtime) -> dict | None:
     path = os.path.join(settings.output_dir, name)
     all_rows = [row for part in everyone for row in part]
     write_profile(path, all_rows)
-    overheads = measure_overheads(all_rows, all_spans, trainer.train_schedule, grid.pp, trainer.schedule.chunks)
+    overheads = measure_overheads(all_rows, all_spans, trainer.train_schedule, grid.pp, trainer.schedule.chunks,
+                                  session.engine.num_microbatches)
     write_overheads(path, overheads)
     summary = {"profile": path, "device": device.name, "clocks_profiled": profiled, "clocks_supported": len(clocks),
                "highest_clock": clocks[0], "lowest_clock_profiled": clocks[profiled - 1],

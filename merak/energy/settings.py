@@ -19,8 +19,8 @@ class EnergySettings:
     """Profiling, frequency plans and the GPU device that measures energy (the first four are
     Merak-Zeus's names)."""
 
-    profile: bool = setting(False, "profile every instruction at every clock (needs gradient_accumulation_steps=1); "
-                                   "writes merak+...csv")
+    profile: bool = setting(False, "profile every instruction at every clock (fastest with the fewest microbatches "
+                                   "the schedule allows: gradient_accumulation_steps=1); writes merak+...csv")
     num_warmup_steps: int = setting(2, "profile: unmeasured steps per clock; with pfo_server_url: steps before "
                                        "the measured ones", check=non_negative, requirement="must be an integer >= 0")
     num_prof_steps: int = setting(4, "profile: measured steps per clock; with pfo_server_url: steps reported to "
@@ -105,9 +105,6 @@ def energy_problems(trainer, schedule: str, pp: int, num_microbatches: int, num_
     if energy_enabled(trainer) and trainer.energy_device == "none":
         problems.append(f"trainer.{chosen[0] if chosen else 'energy_device'} needs a GPU device: set "
                         "trainer.energy_device to auto, nvml or simulated")
-    if trainer.profile and num_microbatches != 1:
-        problems.append(f"trainer.profile=true profiles one microbatch per step; set gradient_accumulation_steps=1 "
-                        f"(and global_batch_size=null), not {num_microbatches} microbatches")
     if trainer.frequency_plan:
         from merak.energy.dag import step_graph
         from merak.energy.plans import PlanError, check_plan, read_plan

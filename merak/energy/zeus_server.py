@@ -6,7 +6,9 @@ copies each stage's plan to all its data- and tensor-parallel ranks) there, conf
 settings through its ``ZEUS_PFO_*`` environment variables, and runs zeus's FastAPI app with
 uvicorn. Unlike zeus's ``PointSolution``, the plan is parsed with ``ast.literal_eval``.
 Profiling results that ranks report to ``/result`` are written by zeus to
-``{dump_dir}/{job_id}/{n}.prof.json``.
+``{dump_dir}/{job_id}/{n}.prof.json``. A frontier file (``frontier.json``) serves one of its points
+to every pipeline: zeus's client fetches one schedule per job, so moving a running job along the
+frontier (straggler-aware plans) happens in the workers, with ``trainer.frequency_frontier``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import json
 import logging
 import os
 
-from merak.energy.plans import PlanError, read_plan
+from merak.energy.frontier import read_frontier
+from merak.energy.plans import PlanError, read_plan, write_plan
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +59,35 @@ def _scheduler_class():
     return make_3d_parallel(MerakPlan, name=SCHEDULER_NAME)
 
 
-def build_app(plan_path: str, *, dump_dir: str = "./zeus-dump", log_level: str = "INFO"):
-    """zeus's FastAPI app with :class:`MerakPlan` serving ``plan_path``.
+def frontier_plan(frontier_path: str, dump_dir: str, deadline: float | None = None) -> str:
+    """Write the plan of a frontier's point (the fastest, or the least energy within ``deadline``) as
+    a plan file in ``dump_dir``; returns its path.
+
+    Raises:
+        FrontierError: the frontier file cannot be read.
+    """
+    frontier = read_frontier(frontier_path)
+    index = 0 if deadline is None else frontier.index_within(deadline)
+    path = os.path.join(dump_dir, "served_plan.py")
+    os.makedirs(dump_dir, exist_ok=True)
+    write_plan(path, frontier.points[index].plans)
+    logger.info("serving point %d of %s (%.4f s, %.1f J predicted per step)", index, frontier_path,
+                frontier.points[index].iteration_time, frontier.points[index].energy)
+    return path
+
+
+def build_app(plan_path: str, *, dump_dir: str = "./zeus-dump", log_level: str = "INFO",
+              deadline: float | None = None):
+    """zeus's FastAPI app with :class:`MerakPlan` serving ``plan_path``: a plan file, or a frontier
+    file (``frontier.json``) whose fastest point, or least-energy point within ``deadline``, it serves.
 
     Raises:
         PlanError: the plan file cannot be read.
+        FrontierError: the frontier file cannot be read.
         ImportError: zeus is not installed (``pip install 'merak[energy]'``).
     """
+    if plan_path.endswith(".json"):
+        plan_path = frontier_plan(plan_path, dump_dir, deadline)
     read_plan(plan_path)  # fail here, not when the first job registers
     from zeus.optimizer.pipeline_frequency.server import scheduler as zeus_scheduler
 
@@ -76,10 +101,10 @@ def build_app(plan_path: str, *, dump_dir: str = "./zeus-dump", log_level: str =
 
 
 def serve(plan_path: str, *, host: str = "127.0.0.1", port: int = 7787, dump_dir: str = "./zeus-dump",
-          log_level: str = "INFO") -> None:
+          log_level: str = "INFO", deadline: float | None = None) -> None:
     """Run the server until interrupted."""
     import uvicorn
 
-    app = build_app(plan_path, dump_dir=dump_dir, log_level=log_level)
+    app = build_app(plan_path, dump_dir=dump_dir, log_level=log_level, deadline=deadline)
     logger.info("serving %s at http://%s:%d (results in %s)", plan_path, host, port, dump_dir)
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower())

@@ -13,6 +13,8 @@ from merak.energy.dag import step_graph
 from merak.energy.frontier import Frontier, FrontierError, FrontierPoint, read_frontier, write_frontier
 from merak.energy.hooks import InstructionMeter, PlanMismatchError, SimulatedCompute
 from merak.energy.planner import FrequencyPlanner
+from merak.energy.plans import read_plan
+from merak.energy.zeus_server import frontier_plan
 from merak.energy.profile_csv import Option, Overheads, ProfileRow, read_profile, write_overheads, write_profile
 from merak.energy.simulated import SPECS, SimulatedGPU
 from merak.energy.straggler import PlanSwitch, PlanSwitcher, StragglerAwarePlans
@@ -72,6 +74,14 @@ def test_frontier_round_trip_choice_and_check(planned):
     with pytest.raises(FrontierError, match=r"stage 0 lists 8 instructions but the schedule runs 16 .*planned for "
                                             r"1f1b, 2 stages, 4 microbatches"):
         frontier.check("1f1b", 2, 8, 1)
+
+
+def test_a_server_serves_a_frontier_point_as_a_plan_file(planned, tmp_path):
+    graph, points, path = planned
+    served = frontier_plan(path, str(tmp_path / "dump"))
+    assert read_plan(served) == points[0].stage_plans(graph)
+    served = frontier_plan(path, str(tmp_path / "dump"), deadline=points[2].iteration_time)
+    assert read_plan(served) == points[2].stage_plans(graph)
 
 
 def test_read_frontier_names_what_is_wrong(planned, tmp_path):
