@@ -63,8 +63,10 @@ def _plan(profile: Path, out: Path, schedule: str, stages: int, chunks: int) -> 
 
 
 def _schedule_args(schedule: str) -> list[str]:
-    chunks = ["trainer.pipeline_chunks=2"] if schedule == "interleaved_1f1b" else []
-    return [f"trainer.train_schedule={schedule}", *chunks]
+    extra = {"interleaved_1f1b": ["trainer.pipeline_chunks=2"],
+             "shifted_critical_path": ["trainer.activation_checkpointing=true",
+                                       "trainer.activation_checkpoint_ratio=0.5"]}
+    return [f"trainer.train_schedule={schedule}", *extra.get(schedule, [])]
 
 
 def measure_schedule(schedule: str, out: Path) -> list[dict]:
@@ -81,16 +83,20 @@ def measure_schedule(schedule: str, out: Path) -> list[dict]:
         run = _train(["parallel=pp2", *_schedule_args(schedule), f"trainer.gradient_accumulation_steps={MICROBATCHES}",
                       "trainer.max_steps=6", f"trainer.frequency_frontier={base / 'plan' / 'frontier.json'}", *extra],
                      base / name)
-        pipeline = run["energy"]["pipelines"][0]
-        overruns = sum(r["overruns"] for r in run["energy"]["ranks"])
-        rows.append({"schedule": schedule, "point": name, "index": pipeline["point"], "points": len(points),
-                     "measured_time_s": pipeline["step_time_s"], "predicted_time_s": pipeline["predicted_step_time_s"],
-                     "time_error": pipeline["time_error"], "measured_energy_j": pipeline["step_energy_j"],
-                     "predicted_energy_j": pipeline["predicted_step_energy_j"],
-                     "energy_error": pipeline["energy_error"], "overruns": overruns})
-        logger.info("%s %s: time %+.2f %%, energy %+.2f %%", schedule, name, 100 * pipeline["time_error"],
-                    100 * pipeline["energy_error"])
+        rows.append(point_row(schedule, name, run, len(points)))
+        logger.info("%s %s: time %+.2f %%, energy %+.2f %%", schedule, name, 100 * rows[-1]["time_error"],
+                    100 * rows[-1]["energy_error"])
     return rows
+
+
+def point_row(schedule: str, name: str, run: dict, num_points: int) -> dict:
+    """One table row from a frontier run's summary."""
+    pipeline = run["energy"]["pipelines"][0]
+    return {"schedule": schedule, "point": name, "index": pipeline["point"], "points": num_points,
+            "measured_time_s": pipeline["step_time_s"], "predicted_time_s": pipeline["predicted_step_time_s"],
+            "time_error": pipeline["time_error"], "measured_energy_j": pipeline["step_energy_j"],
+            "predicted_energy_j": pipeline["predicted_step_energy_j"], "energy_error": pipeline["energy_error"],
+            "overruns": sum(r["overruns"] for r in run["energy"]["ranks"])}
 
 
 def measure_straggler(out: Path, repeats: int) -> dict:

@@ -25,7 +25,8 @@ COMPUTE_TYPES = (*ins.FORWARD_TYPES, ins.RecomputeForward, ins.Backward, ins.Bac
 
 @dataclass(frozen=True)
 class Node:
-    """A compute instruction: its stage, position among the stage's compute instructions, and name."""
+    """A compute instruction: its stage, position among the stage's compute instructions, and name
+    (:func:`merak.pipeline.instructions.plan_name`: ``forward``, ``backward@1``, ...)."""
 
     stage: int
     index: int
@@ -82,8 +83,7 @@ def step_graph(schedule: str, num_stages: int, num_microbatches: int, num_chunks
             if isinstance(instruction, COMPUTE_TYPES):
                 node = len(nodes)
                 ids[(stage, node)] = node
-                nodes.append(Node(stage, sum(n.stage == stage for n in nodes), ins.INSTRUCTION_NAMES[type(instruction)],
-                                  instruction))
+                nodes.append(Node(stage, sum(n.stage == stage for n in nodes), ins.plan_name(instruction), instruction))
                 waits += [(node, channel) for channel in pending]
                 pending, last = [], node
                 continue

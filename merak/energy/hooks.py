@@ -101,7 +101,7 @@ class InstructionMeter(PipelineHook):
     def on_instruction_end(self, event: InstructionEvent) -> None:
         now, joules = self._read()
         start, start_joules = self._instruction
-        self._current.append((event.name, now - start, joules - start_joules))
+        self._current.append((event.plan_name, now - start, joules - start_joules))
         self._last_compute_end = now
 
     def on_step_end(self) -> None:
@@ -142,8 +142,8 @@ class FrequencyPlanHook(PipelineHook):
                                     f"{len(self.plan)} (the plan was made for fewer microbatches or another "
                                     "schedule)")
         expected, mhz = self.plan[self._next]
-        if expected != event.name:
-            raise PlanMismatchError(f"stage {self.stage}'s compute instruction #{self._next} is {event.name!r} "
+        if expected != event.plan_name:
+            raise PlanMismatchError(f"stage {self.stage}'s compute instruction #{self._next} is {event.plan_name!r} "
                                     f"(microbatch {event.microbatch}, chunk {event.chunk}) but its plan says "
                                     f"{expected!r} (the plan was made for another schedule)")
         # Work queued before this instruction must finish at the clock it was planned for.

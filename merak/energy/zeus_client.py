@@ -33,7 +33,8 @@ class ZeusCallbackHook(PipelineHook):
     """A zeus ``Callback`` as a merak pipeline listener.
 
     zeus's callbacks take an instruction's name ("forward", "backward", ...), merak's listeners
-    an :class:`~merak.pipeline.hooks.InstructionEvent`; this passes each event's name on.
+    an :class:`~merak.pipeline.hooks.InstructionEvent`; this passes each event's plan name
+    (``forward``, ``backward``, and ``forward@1`` ... for an interleaved stage's later chunks) on.
 
     Args:
         callback: any object with zeus's ``Callback`` methods (``on_step_begin``, ``on_step_end``,
@@ -50,10 +51,10 @@ class ZeusCallbackHook(PipelineHook):
         self.callback.on_step_end()
 
     def on_instruction_begin(self, event: InstructionEvent) -> None:
-        self.callback.on_instruction_begin(event.name)
+        self.callback.on_instruction_begin(event.plan_name)
 
     def on_instruction_end(self, event: InstructionEvent) -> None:
-        self.callback.on_instruction_end(event.name)
+        self.callback.on_instruction_end(event.plan_name)
 
 
 class _Reporter(PipelineHook):

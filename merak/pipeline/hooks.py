@@ -49,6 +49,11 @@ class InstructionEvent:
     flops: int | None
     instruction: ins.Instruction
 
+    @property
+    def plan_name(self) -> str:
+        """The name energy profiles and plans use (:func:`merak.pipeline.instructions.plan_name`)."""
+        return ins.plan_name(self.instruction)
+
     @classmethod
     def of(cls, instruction: ins.Instruction, *, stage: int, step: int,
            chunk_forward_flops: int | None) -> InstructionEvent:

@@ -165,6 +165,14 @@ INSTRUCTION_NAMES = {
 }
 
 
+def plan_name(instruction: Instruction) -> str:
+    """The name energy profiles and frequency plans give a compute instruction: its
+    ``INSTRUCTION_NAMES`` name, with ``@chunk`` after it for an interleaved stage's later chunks
+    (they hold other layers, so they are profiled and clocked apart)."""
+    name = INSTRUCTION_NAMES[type(instruction)]
+    return f"{name}@{instruction.chunk}" if instruction.chunk else name
+
+
 def peer_offset(op: P2POp) -> int:
     """Return +1 when ``op`` talks to the next virtual stage, -1 for the previous one."""
     if isinstance(op, (SendActivation, RecvGrad)):

@@ -15,6 +15,7 @@ import torch
 import merak
 from merak.data.batching import BatchPlan, stack_samples
 from merak.distributed.launch import spawn_workers
+from merak.energy import cli as energy_cli
 
 pytestmark = pytest.mark.dist
 
@@ -191,6 +192,17 @@ def _energy_and_generation(output_dir: str) -> None:
                                   num_warmup_steps=1, num_prof_steps=1,
                                   **{**common, "gradient_accumulation_steps": 1}))  # one microbatch per step
     summary = profiler.profile()
+    # The energy planner on the trainer's profile, then the frontier's fastest point from the trainer.
+    frontier_dir = os.path.join(output_dir, "plan")
+    if torch.distributed.get_rank() == 0:  # the profile summary is rank 0's
+        assert energy_cli.main(["plan", summary["profile"], "--num-stages", "2", "--num-microbatches",
+                                str(MICROBATCHES), "--p2p-power", "80", "--out", frontier_dir, "--points", "8"]) == 0
+    torch.distributed.barrier()
+    planned = merak.MerakTrainer(
+        model=build_model(), train_data=samples(32, 1),
+        args=merak.MerakArguments(output_dir=os.path.join(output_dir, "planned"), max_steps=3,
+                                  frequency_frontier=os.path.join(frontier_dir, "frontier.json"), **common))
+    planned.train()
     writer = merak.MerakTrainer(
         model=build_model(), train_data=samples(32, 1), eval_data=samples(4, 2),
         args=merak.MerakArguments(output_dir=os.path.join(output_dir, "generate"), max_steps=1,
@@ -198,14 +210,19 @@ def _energy_and_generation(output_dir: str) -> None:
     writer.train()
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(output_dir, "result.json"), "w", encoding="utf-8") as handle:
-            json.dump({"profile": summary}, handle)
+            json.dump({"profile": summary, "planned": planned.summary["energy"]}, handle)
 
 
 def test_energy_profile_and_text_generation_from_the_trainer(tmp_path):
     output_dir = str(tmp_path / "run")
     spawn_workers(_energy_and_generation, world_size=2, args=(output_dir,))
     with open(os.path.join(output_dir, "result.json"), encoding="utf-8") as handle:
-        summary = json.load(handle)["profile"]
+        result = json.load(handle)
+    summary = result["profile"]
+    # The trainer ran the frontier's fastest point and reports its prediction beside the measurement.
+    (pipeline,) = result["planned"]["pipelines"]
+    assert pipeline["point"] == 0 and pipeline["predicted_step_time_s"] > 0
+    assert pipeline["step_energy_j"] == pytest.approx(pipeline["predicted_step_energy_j"], rel=0.5)
     # Every instruction of both stages at each profiled clock of the simulated GPU.
     assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 2} and summary["clocks_profiled"] >= 2
     import csv

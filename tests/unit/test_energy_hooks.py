@@ -105,7 +105,7 @@ def test_energy_runtime_sizes_simulated_work_from_events_alone():
     hooks.on_instruction_end(_event(ins.RecomputeForward(0, chunk=1)))
     hooks.on_step_end()
     assert not hasattr(runtime, "bind")
-    assert [name for name, _, _ in runtime.meter.steps[0].instructions] == ["recompute"]
+    assert [name for name, _, _ in runtime.meter.steps[0].instructions] == ["recompute@1"]  # chunk 1: named apart
     assert time.now == pytest.approx(101.0)
 
 

@@ -14,10 +14,10 @@ from merak.energy.frontier import Frontier, FrontierError, FrontierPoint, read_f
 from merak.energy.hooks import InstructionMeter, PlanMismatchError, SimulatedCompute
 from merak.energy.planner import FrequencyPlanner
 from merak.energy.plans import read_plan
-from merak.energy.zeus_server import frontier_plan
 from merak.energy.profile_csv import Option, Overheads, ProfileRow, read_profile, write_overheads, write_profile
 from merak.energy.simulated import SPECS, SimulatedGPU
 from merak.energy.straggler import PlanSwitch, PlanSwitcher, StragglerAwarePlans
+from merak.energy.zeus_server import frontier_plan
 from merak.pipeline import instructions as ins
 from merak.pipeline.hooks import HookList, InstructionEvent
 
