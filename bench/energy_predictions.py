@@ -37,6 +37,7 @@ SCHEDULES = ["1f1b", "ds_default", "gpipe", "pre_recompute_1f1b", "last_no_recom
              "interleaved_1f1b", "zb_h1"]
 PROFILE_MICROBATCHES = {"interleaved_1f1b": 2, "shifted_critical_path": 4}
 MICROBATCHES = 8
+SPEED: list[float] = []  # the --simulated-tflops value, when one is given (main sets it)
 
 logger = logging.getLogger("energy_predictions")
 
@@ -51,7 +52,8 @@ def _run(command: list[str], log: Path) -> None:
 
 def _train(args: list[str], run_dir: Path) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
-    _run([sys.executable, str(TRAIN), *TOY, *args, f"hydra.run.dir={run_dir}"], run_dir / "stdout.log")
+    speed = [f"trainer.simulated_tflops={SPEED[0]}"] if SPEED else []
+    _run([sys.executable, str(TRAIN), *TOY, *speed, *args, f"hydra.run.dir={run_dir}"], run_dir / "stdout.log")
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -162,9 +164,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-schedules", action="store_true")
     parser.add_argument("--skip-straggler", action="store_true")
+    parser.add_argument("--simulated-tflops", type=float, default=None,
+                        help="the simulated GPU's speed (default: the recipe's, 0.004)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MERAK_CACHE_DIR", str(args.out / "cache"))
+    if args.simulated_tflops is not None:
+        SPEED.append(args.simulated_tflops)
     rows = [] if args.skip_schedules else [row for s in args.schedules for row in measure_schedule(s, args.out)]
     straggler = None if args.skip_straggler else measure_straggler(args.out, args.repeats)
     (args.out / "energy_predictions.json").write_text(json.dumps({"schedules": rows, "straggler": straggler},
