@@ -4,5 +4,7 @@
   :mod:`~merak.energy.simulated` implement it.
 - :mod:`merak.energy.profile_csv`: the instruction profile file (Merak-Zeus's format).
 - :mod:`merak.energy.dag` and :mod:`merak.energy.planner`: the time-energy frontier of a
-  schedule's step, and per-instruction clock plans.
+  schedule's step, and per-instruction clock plans; :mod:`merak.energy.frontier` its file.
+- :mod:`merak.energy.straggler`: data-parallel pipelines moving along the frontier to a
+  straggler's time.
 """
