@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from test_energy_hooks import FakeTime
 
 from merak.energy import cli
 from merak.energy.dag import step_graph
@@ -23,19 +24,6 @@ from merak.pipeline.hooks import HookList, InstructionEvent
 
 A100 = SPECS["A100"]
 P2P = 80.0
-
-
-class FakeTime:
-    """A clock that moves only when slept on."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def clock(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def _options(S: int) -> dict[tuple[int, str], list[Option]]:
