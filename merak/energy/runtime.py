@@ -54,7 +54,7 @@ class EnergyRuntime:
         self.device = device if device is not None else make_device(trainer, state.device, state.coordinates.dp)
         self.meter = InstructionMeter(self.device)
         self.zeus = None
-        self.frontier = self.straggler = None
+        self.straggler = None
         controls: list[PipelineHook] = []
         if trainer.frequency_plan:
             from merak.energy.plans import read_plan
@@ -77,12 +77,12 @@ class EnergyRuntime:
         from merak.energy.frontier import read_frontier
         from merak.energy.straggler import StragglerAwarePlans
 
-        self.frontier = read_frontier(trainer.frequency_frontier)
+        frontier = read_frontier(trainer.frequency_frontier)
         deadline = trainer.frontier_deadline
-        base = self.frontier.index_within(deadline) if deadline is not None else 0
+        base = frontier.index_within(deadline) if deadline is not None else 0
         coords, dp = state.coordinates, state.grid.dp
         self.straggler = StragglerAwarePlans(
-            self.device, self.frontier, self.meter, stage=coords.pp, pipeline=coords.dp, pipelines=dp, base=base,
+            self.device, frontier, self.meter, stage=coords.pp, pipeline=coords.dp, pipelines=dp, base=base,
             window=trainer.straggler_window if dp > 1 else 0, hysteresis=trainer.straggler_hysteresis,
             margin=trainer.straggler_margin)
         return self.straggler
@@ -118,15 +118,16 @@ class EnergyRuntime:
     def _frontier_report(self, measured: list[dict], step_time: float) -> dict:
         """Per pipeline: the point it ran, the measured time and energy, and the point's predictions,
         both for its own step and stretched to the job's step (waiting for a straggler)."""
-        tp = self.state.grid.tp  # every tensor-parallel rank of a stage is a GPU running the stage's plan
+        # Every tensor-parallel rank of a stage is a GPU running the stage's plan.
+        frontier, tp = self.straggler.frontier, self.state.grid.tp
         pipelines = []
         for pipeline, point in enumerate(self.straggler.switcher.current):
             ranks = [r for r in measured if r["pipeline"] == pipeline]
             time_s = max(r["step_time_s"] for r in ranks)
             energy_j = sum(r["step_energy_j"] for r in ranks)
-            predicted_time = self.frontier.points[point].iteration_time
-            predicted_energy = tp * self.frontier.points[point].energy
-            stretched_energy = tp * self.frontier.energy_at(point, step_time)
+            predicted_time = frontier.points[point].iteration_time
+            predicted_energy = tp * frontier.points[point].energy
+            stretched_energy = tp * frontier.energy_at(point, step_time)
             pipelines.append({
                 "pipeline": pipeline, "point": point, "step_time_s": time_s, "step_energy_j": energy_j,
                 "compute_span_s": max(r["compute_span_s"] for r in ranks),

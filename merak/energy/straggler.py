@@ -74,10 +74,9 @@ class PlanSwitcher:
         base_time = self.frontier.points[self.base].iteration_time
         switches = []
         for pipeline, own_time in enumerate(own):
+            # The straggler (or one as slow) has no slack: its limit is at most the base point's time.
             excess = own_time - base_time
             choice = max(self.base, self.frontier.index_within(target * (1 - self.margin) - excess))
-            if own_time >= target * (1 - self.margin):  # the straggler itself (or as slow): no slack to use
-                choice = self.base
             if choice != self.current[pipeline]:
                 switches.append((pipeline, self.current[pipeline], choice))
                 self.current[pipeline] = choice
@@ -112,7 +111,7 @@ class StragglerAwarePlans(PipelineHook):
                 raise PlanMismatchError(f"frontier point {index} runs stage {stage} at {unsupported} MHz, which "
                                         f"{device.name} does not support")
         self.switches: list[PlanSwitch] = []
-        self.since_step = 0  # the first step measured under the current points
+        self.since_step = 0  # the first step run under the current points (the summary measures from it)
 
     @property
     def point(self) -> int:
@@ -120,10 +119,11 @@ class StragglerAwarePlans(PipelineHook):
         return self.switcher.current[self.pipeline]
 
     def _measured(self) -> float | None:
-        """This rank's mean compute span over the last window (None before a full window, after a warm-up step)."""
+        """This rank's mean compute span over the last window, at the start of steps 1 + k * window (k >= 1;
+        step 0 warms up). Decisions are a window apart, so every window after a switch runs the new points."""
         steps = self.meter.steps
         done = len(steps)
-        if self.window == 0 or done <= 1 or (done - 1) % self.window or done - self.since_step < self.window:
+        if self.window == 0 or done <= 1 or (done - 1) % self.window:
             return None
         return statistics.fmean(s.compute_span for s in steps[-self.window:])
 
@@ -135,13 +135,14 @@ class StragglerAwarePlans(PipelineHook):
             measured = [max(s for p, s in reports if p == d) for d in range(pipelines)]
             step = len(self.meter.steps)
             switches = self.switcher.update(measured)
-            if switches:  # measure a whole window under the new points before deciding again
+            if switches:
                 self.since_step = step
             for pipeline, before, after in switches:
                 self.switches.append(PlanSwitch(step, pipeline, before, after, self.switcher.target))
-                if pipeline == self.pipeline:
-                    self.control.plan = list(self.frontier.points[after].plans[self.stage])
-                if self.stage == 0 and pipeline == self.pipeline:
+                if pipeline != self.pipeline:
+                    continue
+                self.control.plan = list(self.frontier.points[after].plans[self.stage])
+                if self.stage == 0:
                     logger.info("step %d: pipeline %d moves from frontier point %d to %d (straggler at %.4f s)",
                                 step, pipeline, before, after, self.switcher.target)
         self.control.on_step_begin()
