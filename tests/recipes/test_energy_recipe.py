@@ -133,8 +133,10 @@ def test_straggler_aware_plans_slow_the_fast_pipeline(tmp_path, cache_dir, toy_p
     after, after_pipelines = _pipelines(adapted)
 
     assert before["switches"] == [] and [p["point"] for p in before_pipelines] == [0, 0]
-    # One decision: pipeline 0 moves to a slower point, the straggler stays on the fastest.
-    assert len(after["switches"]) == 1 and after["switches"][0]["pipeline"] == 0
+    # Pipeline 0 moves to a slower point (a later window may correct it when the straggler's time
+    # moved by more than the hysteresis); the straggler stays on the fastest.
+    assert after["switches"] and all(s["pipeline"] == 0 for s in after["switches"])
+    assert after["switches"][0]["step"] == 4  # the first decision, after steps 1-3
     slowed = after_pipelines[0]["point"]
     assert slowed > 0 and after_pipelines[1]["point"] == 0
     assert frontier.points[slowed].iteration_time <= after["straggler_target_s"]
