@@ -1,25 +1,30 @@
 """Does the automatic layout planner predict and pick well? Its layouts measured on real recipe runs.
 
-For each recipe:model pair and world size, ``merak.autoplan.plan_recipe`` plans
-the recipe at a fixed global batch (``--global-batch``, the same for every
-layout). The layouts measured are the best-predicted fitting candidate of every
-(dp, tp, pp) grid, plus the planner's first choice if it is not one of them.
-Each layout trains the recipe twice, each time in a fresh
-``recipes/<recipe>/train.py`` subprocess (one thread per process):
+For each recipe:model pair and world size the recipe is planned at a fixed
+global batch (``--global-batch``, the same for every layout) as
+``parallel=auto`` plans it: ``plan_for_settings`` ranks every layout (cluster
+``this``, calibrated in this process), then ``run_trials`` trains the leading
+layouts (``--trials``, ``--trial-steps``) and the fastest is the first choice.
+The layouts measured are the first choice, the best prediction and the
+best-predicted fitting candidate of every (dp, tp, pp) grid. Each trains the
+recipe twice more, each time in a fresh ``recipes/<recipe>/train.py``
+subprocess (one thread per process):
 
-* a timing run of ``--steps`` steps: ``median_step_time_s`` of its summary.json
-  (over every step, the first included: pass enough steps);
+* a timing run of ``--steps`` steps: the median step time past the warm-up
+  (the first ``TRIAL_WARMUP`` steps), as a trial times it;
 * a memory run of 2 steps with ``trainer.measure_activation_memory=true`` (which
   slows the step, hence its own run): per pipeline stage, parameters +
   gradients + master weights + optimizer state + peak activations (bytes, the
   maximum over the stage's ranks), the quantity the planner predicts.
 
 Each layout's row compares the predicted step time and stage memory with the
-measured ones (error = (predicted - measured) / measured); each recipe/world
-says whether the planner's first choice was the measured fastest (else how much
-slower it was) and the rank correlation of predicted and measured step times.
-A run that fails or times out is recorded with the tail of its output and the
-benchmark goes on. The results JSON is rewritten after every recipe/world.
+measured ones (error = (predicted - measured) / measured), the prediction also
+times the trials' scale (their measured over predicted steps, the geometric
+mean); each recipe/world says whether the first choice was the measured fastest
+(else how much slower it was), the same of the best prediction alone, and the
+rank correlation of predicted and measured step times. A run that fails or
+times out is recorded with the tail of its output and the benchmark goes on.
+The results JSON is rewritten after every recipe/world.
 
     .venv/bin/python bench/auto_plan.py
     .venv/bin/python bench/auto_plan.py --recipes gpt:toy --worlds 4 --limit 2 --steps 3 --out /tmp/auto_plan.json
@@ -33,6 +38,7 @@ import logging
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # first: sets OMP_NUM_THREADS before torch starts threads
 
-from merak.autoplan import plan_recipe
+from merak.autoplan.cluster import load_cluster
+from merak.autoplan.planner import compose_recipe, plan_for_settings, single_process_settings
+from merak.autoplan.trials import TRIAL_STEPS, TRIAL_WARMUP, TRIALS, run_trials
+from merak.runner import run
 
 logger = logging.getLogger("bench.auto_plan")
 tables = logging.getLogger("bench.auto_plan.tables")  # the Markdown tables, alone on stdout
@@ -63,9 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--recipes", nargs="+", default=["gpt:toy", "gpt:demo", "bert:toy"], metavar="RECIPE:MODEL",
                         help="recipe:model pairs (recipes/<recipe>/train.py model=<model>)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8], help="world sizes (processes)")
-    parser.add_argument("--steps", type=int, default=8, help="steps of each timing run (the median is over all)")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="steps of each timing run (the median is over those past the warm-up)")
     parser.add_argument("--global-batch", type=int, default=16, help="trainer.global_batch_size of every layout")
     parser.add_argument("--cluster", default="this", help="plan_recipe's cluster")
+    parser.add_argument("--trials", type=int, default=TRIALS,
+                        help="layouts the planner tries before choosing (parallel.trials; 0: the best prediction)")
+    parser.add_argument("--trial-steps", type=int, default=TRIAL_STEPS, help="steps of each trial")
     parser.add_argument("--limit", type=int, default=None,
                         help="at most this many layouts per recipe/world (the first choice always among them)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per training run")
@@ -97,16 +110,17 @@ def setup_output() -> None:
 # -- the layouts -----------------------------------------------------------------------------------------------
 
 
-def layouts_to_measure(report, limit: int | None) -> list:
-    """The first choice, then every grid's best candidate by predicted step time, each layout once."""
-    chosen, keys = [], set()
+def layouts_to_measure(report, chosen, limit: int | None) -> list:
+    """The first choice (the trials' choice), then every grid's best candidate by predicted step time, each
+    layout once."""
+    picked, keys = [], set()
     grid_bests = sorted(report.best_per_grid().values(), key=lambda c: c.predicted_step_s)
-    for candidate in [report.best, *grid_bests]:
+    for candidate in [chosen, report.best, *grid_bests]:
         key = candidate.layout.key()
         if key not in keys:
             keys.add(key)
-            chosen.append(candidate)
-    return chosen[:limit] if limit else chosen
+            picked.append(candidate)
+    return picked[:limit] if limit else picked
 
 
 def describe_candidate(candidate) -> dict:
@@ -185,14 +199,18 @@ def override_value(overrides: list[str], key: str) -> str:
 
 
 def timing_run(recipe: str, model: str, candidate, args: argparse.Namespace) -> dict:
-    """The layout's median step time over ``--steps`` steps (``median_step_s``), or the error."""
+    """The layout's step times (``step_times_s``) and their median past the first ``TRIAL_WARMUP`` steps
+    (``median_step_s``, as a trial times it), or the error."""
     with tempfile.TemporaryDirectory(prefix="auto_plan_") as run_dir:
         overrides = run_overrides(candidate.layout, model, args.global_batch, args.steps, run_dir, memory=False)
         record = run_recipe(recipe, overrides, args.timeout)
-    summary = record.pop("summary", None)
-    if summary is not None:
-        record["median_step_s"] = summary["median_step_time_s"]
-        record["num_microbatches"] = summary.get("num_microbatches")
+        summary = record.pop("summary", None)
+        if summary is not None:
+            times = [json.loads(line)["step_time_s"] for line in
+                     (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+            record["step_times_s"] = times
+            record["median_step_s"] = statistics.median(times[TRIAL_WARMUP:] or times)
+            record["num_microbatches"] = summary.get("num_microbatches")
     return record
 
 
@@ -303,37 +321,54 @@ def first_choice_check(rows: list[dict], best_key: str) -> dict:
 
 
 def plan(recipe: str, model: str, world: int, args: argparse.Namespace):
-    """The planner's report for the recipe at this world size and global batch."""
+    """The planner's report for the recipe at this world size and global batch, and its trials (as
+    ``parallel=auto`` runs them: the leading layouts trained in this process's workers)."""
     started = time.perf_counter()
-    report = plan_recipe(recipe, [f"model={model}", f"trainer.global_batch_size={args.global_batch}"],
-                         world_size=world, cluster=args.cluster)
-    logger.info("%s:%s world %d: planned in %.1f s, %d candidates (%d fit), %d grids, first choice %s",
-                recipe, model, world, time.perf_counter() - started, len(report.candidates),
-                sum(bool(c.fits) for c in report.candidates), len(report.best_per_grid()), report.best.layout.key())
-    return report
+    spec, cfg = compose_recipe(recipe, [f"model={model}", f"trainer.global_batch_size={args.global_batch}"])
+    cluster = load_cluster(args.cluster, processes=world)
+    report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=world, cluster=cluster,
+                               global_batch_size=args.global_batch)
+    planned = time.perf_counter()
+    outcome = run_trials(report.candidates, cfg, lambda trial: run(spec, trial), count=args.trials,
+                         steps=args.trial_steps)
+    logger.info("%s:%s world %d: planned in %.1f s, %d candidates (%d fit), %d grids, best predicted %s; "
+                "%d trials in %.1f s chose %s", recipe, model, world, planned - started, len(report.candidates),
+                sum(bool(c.fits) for c in report.candidates), len(report.best_per_grid()), report.best.layout.key(),
+                len(outcome.trials), time.perf_counter() - planned, outcome.chosen.layout.key())
+    return report, outcome
 
 
 def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace) -> dict:
     """Plan one recipe/world, run its layouts, compare."""
     try:
-        report = plan(recipe, model, world, args)
+        report, outcome = plan(recipe, model, world, args)
     except Exception as error:  # a planner failure is a result: the other recipes/worlds go on
         logger.exception("%s:%s world %d: planning failed", recipe, model, world)
         return {"recipe": recipe, "model": model, "world": world, "error": f"planning failed: {error!r}",
                 "rows": []}
-    layouts = layouts_to_measure(report, args.limit)
+    layouts = layouts_to_measure(report, outcome.chosen, args.limit)
+    scale = outcome.step_scale
+    trialled = {t.candidate.layout.key(): t.measured_step_s for t in outcome.trials}
     rows = []
     for index, candidate in enumerate(layouts, 1):
         logger.info("%s:%s world %d: layout %d/%d %s", recipe, model, world, index, len(layouts),
                     candidate.layout.key())
         timing = timing_run(recipe, model, candidate, args)
         memory = memory_run(recipe, model, candidate, args)
-        rows.append(compare(recipe, model, world, candidate, timing, memory))
+        row = compare(recipe, model, world, candidate, timing, memory)
+        row["trial_step_s"] = trialled.get(row["key"])
+        row["scaled_step_error_pct"] = (None if scale is None
+                                        else error_pct(scale * row["predicted_step_s"], row["measured_step_s"]))
+        rows.append(row)
         log_row(rows[-1])
-    best_key = report.best.layout.key()
+    predicted_best = first_choice_check(rows, report.best.layout.key())
     return {"recipe": recipe, "model": model, "world": world, "error": None,
             "candidates": len(report.candidates), "fitting": sum(bool(c.fits) for c in report.candidates),
-            "grids": len(report.best_per_grid()), "rows": rows, **first_choice_check(rows, best_key)}
+            "grids": len(report.best_per_grid()), "trials": outcome.to_json(), "step_scale": scale,
+            "best_predicted": report.best.layout.key(),
+            "best_predicted_is_fastest": predicted_best["first_choice_is_fastest"],
+            "best_predicted_slower_pct": predicted_best["first_choice_slower_pct"],
+            "rows": rows, **first_choice_check(rows, outcome.chosen.layout.key())}
 
 
 def log_row(row: dict) -> None:
@@ -364,6 +399,8 @@ def row_note(row: dict, group: dict) -> str:
     notes = []
     if row["key"] == group.get("first_choice"):
         notes.append("first choice")
+    if row["key"] == group.get("best_predicted") and row["key"] != group.get("first_choice"):
+        notes.append("best predicted")
     if row["key"] == group.get("measured_fastest"):
         notes.append("fastest")
     if not row["fits"]:
@@ -379,9 +416,10 @@ def group_table(group: dict) -> str:
     title = f"### {group['recipe']}:{group['model']}, world {group['world']}"
     if group.get("error"):
         return f"{title}\n\n{group['error']}"
-    header = ["layout", "pred step (ms)", "meas step (ms)", "err %", "pred max stage (MiB)",
-              "meas max stage (MiB)", "err %", "stage max |err| %", "note"]
+    header = ["layout", "pred step (ms)", "meas step (ms)", "err %", "err % x trial scale", "trial (ms)",
+              "pred max stage (MiB)", "meas max stage (MiB)", "err %", "stage max |err| %", "note"]
     rows = [[r["key"], ms(r["predicted_step_s"]), ms(r["measured_step_s"]), pct(r["step_error_pct"]),
+             pct(r.get("scaled_step_error_pct")), ms(r.get("trial_step_s")),
              mib(r["predicted_max_stage_bytes"]), mib(r["measured_max_stage_bytes"]), pct(r["memory_error_pct"]),
              "-" if r["max_abs_stage_memory_error_pct"] is None else f"{r['max_abs_stage_memory_error_pct']:.1f}",
              row_note(r, group)] for r in group["rows"]]
@@ -399,6 +437,12 @@ def first_choice_line(group: dict) -> str:
     else:
         verdict = (f"first choice is {group['first_choice_slower_pct']:.1f} % slower than the measured fastest "
                    f"({group['measured_fastest']})")
+    predicted = group.get("best_predicted_is_fastest")
+    if predicted is not None and group.get("best_predicted") != group["first_choice"]:
+        verdict += (" (the best prediction alone would have been the fastest)" if predicted else
+                    f" (the best prediction alone: {group['best_predicted_slower_pct']:.1f} % slower)")
+    scale = group.get("step_scale")
+    verdict += "" if scale is None else f"; trial scale {scale:.2f}"
     return f"{verdict}; {group['candidates']} candidates, {group['fitting']} fit, {group['grids']} grids, " \
            f"{len(group['rows'])} layouts measured; rank correlation predicted/measured step: {corr}"
 
@@ -416,7 +460,14 @@ def summarize(groups: list[dict]) -> dict:
     rows = [r for g in groups for r in g["rows"]]
     checked = [g for g in groups if g.get("first_choice_is_fastest") is not None]
     slower = [g["first_choice_slower_pct"] for g in checked if not g["first_choice_is_fastest"]]
+    predicted = [g for g in groups if g.get("best_predicted_is_fastest") is not None]
+    predicted_slower = [g["best_predicted_slower_pct"] for g in predicted if not g["best_predicted_is_fastest"]]
     return {"step_time": share([r["step_error_pct"] for r in rows], STEP_TOLERANCE_PCT),
+            "step_time_trial_scaled": share([r.get("scaled_step_error_pct") for r in rows], STEP_TOLERANCE_PCT),
+            "first_choice_within_5pct": sum(bool(g["first_choice_is_fastest"]) or (g["first_choice_slower_pct"] or 0)
+                                            <= 5.0 for g in checked),
+            "best_predicted_fastest": sum(bool(g["best_predicted_is_fastest"]) for g in predicted),
+            "best_predicted_worst_slower_pct": max(predicted_slower, default=None),
             "max_stage_memory": share([r["memory_error_pct"] for r in rows], MEMORY_TOLERANCE_PCT),
             "every_stage_memory": share([r["max_abs_stage_memory_error_pct"] for r in rows], MEMORY_TOLERANCE_PCT),
             "first_choice_fastest": sum(bool(g["first_choice_is_fastest"]) for g in checked),
@@ -434,10 +485,16 @@ def summary_text(summary: dict) -> str:
     return "\n".join([
         "### Summary", "",
         line("step time", summary["step_time"]),
+        line("step time x the trials' scale", summary["step_time_trial_scaled"]),
         line("max stage memory", summary["max_stage_memory"]),
         line("every stage's memory", summary["every_stage_memory"]),
         f"- first choice the measured fastest: {summary['first_choice_fastest']}/{summary['first_choice_checked']}"
-        + ("" if worst is None else f" (worst: {worst:.1f} % slower)"),
+        + ("" if worst is None else f" (worst: {worst:.1f} % slower)")
+        + f"; within 5 % of it: {summary['first_choice_within_5pct']}/{summary['first_choice_checked']}",
+        f"- the best prediction alone the measured fastest: {summary['best_predicted_fastest']}/"
+        f"{summary['first_choice_checked']}" + ("" if summary["best_predicted_worst_slower_pct"] is None
+                                                else f" (worst: {summary['best_predicted_worst_slower_pct']:.1f} % "
+                                                     "slower)"),
         f"- recipe/worlds whose planning failed: {summary['groups_failed']}"])
 
 

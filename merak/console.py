@@ -23,9 +23,10 @@ def log_format(who: str) -> str:
     return f"%(asctime)s [{who}] %(levelname)s %(name)s: %(message)s"
 
 
-def configure_worker_logging(rank: int) -> None:
-    """A worker's logging: rank 0 reports progress (INFO); the other ranks only what goes wrong."""
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, force=True,
+def configure_worker_logging(rank: int, quiet: bool = False) -> None:
+    """A worker's logging: rank 0 reports progress (INFO) unless ``quiet``; the other ranks only what goes
+    wrong."""
+    logging.basicConfig(level=logging.INFO if rank == 0 and not quiet else logging.WARNING, force=True,
                         format=log_format(f"rank {rank}"), datefmt=DATE_FORMAT)
 
 

@@ -78,7 +78,7 @@ def run(spec, cfg) -> dict:
     use_merak_format()
     outside_world = existing_world_size()
     if wants_auto(cfg):
-        cfg = plan_layout(spec, cfg, outside_world=outside_world)
+        cfg = plan_layout(spec, cfg, outside_world=outside_world, train=lambda trial: run(spec, trial))
     settings = resolve_settings(spec, cfg, world_size=outside_world)
     with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
         return _run_locked(spec, cfg, settings, outside_world)
@@ -275,7 +275,7 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
     grid = settings.grid
     state = groups.init(grid.dp, grid.tp, grid.pp, backend=settings.launcher.backend,
                         timeout_s=settings.launcher.timeout_s)
-    configure_worker_logging(state.rank)
+    configure_worker_logging(state.rank, quiet=settings.launcher.quiet_workers)
     energy = None
     finished = False
     try:

@@ -2,9 +2,11 @@
 
 The recipe's config selects ``parallel: auto`` (``merak/conf/parallel/auto.yaml``) and, optionally,
 a ``cluster`` (``cluster=h100-80 cluster.nodes=64``; default: this machine). The planner ranks
-every layout for ``trainer.global_batch_size`` on the processes at hand, writes ``plan.json`` to
-the run directory, logs the table, and returns the config with the chosen degrees and trainer
-settings, which then runs (or, with ``dry_run=true``, is only partitioned and reported).
+every layout for ``trainer.global_batch_size`` on the processes at hand; on this machine it then
+trains the leading layouts for a few steps each and takes the fastest (``parallel.trials``,
+:mod:`merak.autoplan.trials`). It writes ``plan.json`` to the run directory, logs the table, and
+returns the config with the chosen degrees and trainer settings, which then runs (or, with
+``dry_run=true``, is only partitioned and reported: no trials).
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from __future__ import annotations
 import logging
 import os
 
-import yaml
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from merak.autoplan.cluster import THIS, Cluster, load_cluster
 from merak.autoplan.planner import PlanError, plan_for_settings, requested_global_batch, single_process_settings
 from merak.autoplan.table import format_table
+from merak.autoplan.trials import TRIAL_STEPS, TRIALS, Train, layout_config, run_trials
 from merak.config import ConfigError
 from merak.report import write_json_atomic
 
@@ -53,14 +55,20 @@ def _world_size(cfg: DictConfig, outside_world: int | None) -> int | None:
     return value
 
 
-def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None) -> DictConfig:
+def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None, train: Train | None = None) -> DictConfig:
     """The config with ``parallel`` and the trainer settings the planner chose (see the module docstring).
 
     Under an outside launcher (torchrun, srun) every rank plans by itself, so the plan must not depend
     on timings: the machine is then described by nominal rates and the model is not timed.
+
+    Args:
+        train: runs a composed config of this recipe (:func:`merak.runner.run`): given, on this machine
+            the leading layouts are tried for a few steps each and the fastest is chosen
+            (:mod:`merak.autoplan.trials`; ``parallel.trials=0`` turns it off).
     """
     deterministic = outside_world is not None
     world = _world_size(cfg, outside_world)
+    trials, trial_steps = _trial_settings(cfg)
     cluster = _cluster(cfg, world or default_processes(), deterministic)
     if world is None:
         world = cluster.world_size
@@ -70,25 +78,34 @@ def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None) -> DictConf
                                    global_batch_size=requested_global_batch(cfg), calibrate=not deterministic)
     except PlanError as error:
         raise ConfigError(f"invalid configuration:\n  - parallel=auto: {error}") from None
-    best = report.best.layout
+    outcome = None
+    if train is not None and not deterministic and not cfg.get("dry_run") and trials > 0 \
+            and cluster.cores_per_node is not None and world <= cluster.devices_per_node:
+        outcome = run_trials(report.candidates, cfg, train, count=trials, steps=trial_steps)
+    best = outcome.chosen.layout if outcome is not None else report.best.layout
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         os.makedirs(settings.output_dir, exist_ok=True)
         path = os.path.join(settings.output_dir, PLAN_FILE)
-        write_json_atomic(path, report.to_json(top=50))
-        logger.info("parallel=auto chose %s\n%s\nwrote %s", best.key(), format_table(report), path)
-    chosen = cfg.copy()
-    with open_dict(chosen):
-        OmegaConf.update(chosen, "parallel", {"dp": best.dp, "tp": best.tp, "pp": best.pp}, merge=False)
-        for override in best.overrides():
-            key, value = override.split("=", 1)
-            if key.startswith("trainer."):
-                OmegaConf.update(chosen, key, _parse(value))
-    return chosen
+        plan = report.to_json(top=50)
+        if outcome is not None:
+            plan["trials"] = outcome.to_json()
+        write_json_atomic(path, plan)
+        tried = f"\n{outcome.describe()}" if outcome is not None and outcome.trials else ""
+        table = format_table(report, chosen=outcome.chosen if outcome is not None else None)
+        logger.info("parallel=auto chose %s\n%s%s\nwrote %s", best.key(), table, tried, path)
+    return layout_config(cfg, best)
 
 
-def _parse(value: str):
-    """A Hydra override's value as YAML reads it (``true`` -> True, ``4`` -> 4, ``null`` -> None)."""
-    return yaml.safe_load(value)
+def _trial_settings(cfg: DictConfig) -> tuple[int, int]:
+    """(``parallel.trials``, ``parallel.trial_steps``), checked."""
+    parallel = cfg.get("parallel") or {}
+    values = {"trials": parallel.get("trials", TRIALS), "trial_steps": parallel.get("trial_steps", TRIAL_STEPS)}
+    minimum = {"trials": 0, "trial_steps": 1}
+    problems = [f"parallel.{name}={value!r} must be an integer >= {minimum[name]}" for name, value in values.items()
+                if isinstance(value, bool) or not isinstance(value, int) or value < minimum[name]]
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    return values["trials"], values["trial_steps"]
 
 
 def default_processes() -> int:

@@ -196,10 +196,11 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
         if tp_values and not _supports_sequence_parallel(profiles, tp_values[0]):
             space = dataclasses.replace(space, sequence_parallel=(False,))
     calibration = Calibration()
+    base_profile = profiles(1, False)  # before the timing starts: its seconds are profiling's
     timing_started = time.perf_counter()
     if cluster.cores_per_node is not None and calibrate:  # the processes at hand: time the model here
         sizes = tuple(max(1, min(size, global_batch_size)) for size in CALIBRATION_MICRO_BATCHES)
-        calibration = measure(spec, settings, profiles(1, False), device_rates(cluster, "float32"),
+        calibration = measure(spec, settings, base_profile, device_rates(cluster, "float32"),
                               micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,
                               processes=min(world_size, cluster.devices_per_node))
     timing_seconds = time.perf_counter() - timing_started

@@ -9,24 +9,37 @@ COLUMNS = ("#", "dp", "tp", "pp", "mb", "M", "schedule", "recompute", "ZeRO", "S
            "memory/device (GiB)", "why not first")
 
 
-def _row(rank: int, candidate: Candidate, report: PlanReport) -> list[str]:
+def _row(rank: int, candidate: Candidate, report: PlanReport, note: str) -> list[str]:
     layout = candidate.layout
     schedule = layout.schedule if layout.chunks == 1 else f"{layout.schedule} x{layout.chunks}"
     mfu = report.mfu(candidate)
     return [str(rank), str(layout.dp), str(layout.tp), str(layout.pp), str(layout.micro_batch_size),
             str(layout.num_microbatches), schedule, "on" if layout.recompute else "off", str(layout.zero_stage),
             "on" if layout.sequence_parallel else "off", f"{candidate.predicted_step_s * 1e3:,.1f}",
-            "-" if mfu is None else f"{mfu:.1%}", f"{candidate.prediction.max_memory / 2**30:.3g}",
-            candidate.why_not if rank > 1 else "(chosen)"]
+            "-" if mfu is None else f"{mfu:.1%}", f"{candidate.prediction.max_memory / 2**30:.3g}", note]
 
 
-def format_table(report: PlanReport, top: int = 10, extra: list[tuple[str, Candidate]] = ()) -> str:
-    """The first ``top`` candidates (and ``extra`` named ones, e.g. a published layout) as a text table."""
-    rows = [_row(i + 1, c, report) for i, c in enumerate(report.candidates[:top])]
+def format_table(report: PlanReport, top: int = 10, extra: list[tuple[str, Candidate]] = (),
+                 chosen: Candidate | None = None) -> str:
+    """The first ``top`` candidates (and ``extra`` named ones, e.g. a published layout) as a text table.
+
+    ``chosen``: the layout trials chose (:mod:`merak.autoplan.trials`), when not the best predicted; it is
+    marked, and shown after the others when it ranks below ``top``."""
+    chosen = chosen if chosen is not None and chosen is not report.best else None
+
+    def note(rank: int, candidate: Candidate) -> str:
+        if candidate is chosen:
+            return "(chosen: fastest in the trials)"
+        if rank == 1:
+            return "(slower in the trials)" if chosen is not None else "(chosen)"
+        return candidate.why_not
+
+    shown = report.candidates[:top]
+    rows = [_row(i + 1, c, report, note(i + 1, c)) for i, c in enumerate(shown)]
+    if chosen is not None and all(c is not chosen for c in shown):
+        rows.append(_row(report.candidates.index(chosen) + 1, chosen, report, note(0, chosen)))
     for name, candidate in extra:
-        row = _row(0, candidate, report)
-        row[0], row[-1] = name, candidate.why_not or "-"
-        rows.append(row)
+        rows.append([name, *_row(0, candidate, report, candidate.why_not or "-")[1:]])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(COLUMNS, widths)).rstrip()]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

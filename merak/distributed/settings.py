@@ -23,6 +23,7 @@ class LauncherSettings:
                                check=positive_finite, requirement="must be a positive number of seconds")
     keep_freed_memory: bool = setting(True, "keep large freed buffers in the heap (glibc): "
                                             "far less time in the kernel on CPU")
+    quiet_workers: bool = setting(False, "workers log only warnings and errors (rank 0's progress too)")
 
     def problems(self) -> list[str]:
         problems = []

@@ -25,20 +25,28 @@ def _train(args, cache_dir, timeout=300) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(400)
-def test_auto_trains_the_layout_it_chose(tmp_path, cache_dir):
+def test_auto_trains_the_layout_its_trials_chose(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    result = _train(["model=toy", "parallel=auto", "parallel.world_size=2", "trainer.global_batch_size=8",
-                     "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
+    result = _train(["model=toy", "parallel=auto", "parallel.world_size=2", "parallel.trial_steps=5",
+                     "trainer.global_batch_size=8", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((run_dir / "plan.json").read_text())
-    best = plan["best"]["layout"]
     assert plan["world_size"] == 2 and plan["global_batch_size"] == 8
-    assert best["dp"] * best["tp"] * best["pp"] == 2
+    # dp=2 and pp=2 (at least) are in the running: each trained 5 steps, the fastest measured was chosen.
+    trials = plan["trials"]["trials"]
+    assert len(trials) >= 2 and len({t["key"].split(" mb")[0] for t in trials}) == len(trials)
+    assert all(t["error"] is None and len(t["step_times_s"]) == 5 for t in trials)
+    fastest = min(trials, key=lambda t: t["measured_step_s"])
+    assert plan["trials"]["chosen"] == fastest["key"] and plan["trials"]["step_scale"] > 0
+    chosen = plan["trials"]["chosen_layout"]
+    assert chosen["dp"] * chosen["tp"] * chosen["pp"] == 2
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["layout"] == {"dp": best["dp"], "tp": best["tp"], "pp": best["pp"]}
-    assert summary["global_batch_size"] == 8 and summary["num_microbatches"] == best["num_microbatches"]
-    assert summary["schedule"] == best["schedule"]
-    assert "parallel=auto chose" in result.stdout + result.stderr
+    assert summary["layout"] == {"dp": chosen["dp"], "tp": chosen["tp"], "pp": chosen["pp"]}
+    assert summary["global_batch_size"] == 8 and summary["num_microbatches"] == chosen["num_microbatches"]
+    assert summary["schedule"] == chosen["schedule"] and summary["steps"] == 2
+    printed = result.stdout + result.stderr
+    assert "parallel=auto chose" in printed and f"tried {len(trials)} layouts" in printed
+    assert "[rank 0]" not in printed.split("parallel=auto chose")[0]  # the trials' workers stay quiet
 
 
 @pytest.mark.timeout(400)

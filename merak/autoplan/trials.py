@@ -1,0 +1,182 @@
+"""Trials: the leading layouts trained for a few steps on the processes at hand, the fastest chosen.
+
+On this machine (cluster ``this``: CPU processes that outnumber or share the cores) a step's time
+depends on how the operating system schedules the processes, which the cost model prices only
+roughly: layouts predicted within a few tens of percent of each other can finish in either order.
+A few steps of each settle it. The candidates tried are the first-ranked layout of each of the
+first-ranked (dp, tp, pp) grids, predicted at most :data:`TRIAL_WINDOW` times the first's step: the
+runner-ups of one grid differ from its first in details (ZeRO stage, schedule) that the cost model
+prices better than the sharing of the cores between grids.
+
+Each trial is a real run of the recipe (``parallel.trial_steps`` steps, checkpoints and evaluation
+off, its own scratch run directory); its time is the median step past the warm-up. A trial that
+fails is recorded with its error and left out of the choice. The measured over predicted times also
+give one factor that fits the cost model to this machine (:attr:`TrialOutcome.step_scale`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from merak.autoplan.layout import Layout
+from merak.autoplan.search import Candidate
+from merak.config import ConfigError
+from merak.console import only_errors
+from merak.distributed.launch import WorkerFailed
+
+logger = logging.getLogger(__name__)
+
+TRIALS = 3  # layouts tried by default (parallel.trials)
+TRIAL_STEPS = 8  # steps of each (parallel.trial_steps)
+TRIAL_WARMUP = 3  # first steps left out of a trial's time (allocator, caches, lazy initialization)
+TRIAL_WINDOW = 2.0  # only layouts predicted at most this many times slower than the best are tried
+
+Train = Callable[[DictConfig], dict]  # runs a composed config to its end (merak.runner.run for one recipe)
+
+
+@dataclass
+class Trial:
+    """One layout tried: its measured step time (median past the warm-up), or why it could not run."""
+
+    candidate: Candidate
+    step_times: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def measured_step_s(self) -> float | None:
+        timed = self.step_times[TRIAL_WARMUP:] or self.step_times[1:] or self.step_times
+        return statistics.median(timed) if timed and self.error is None else None
+
+    def to_json(self) -> dict:
+        return {"key": self.candidate.layout.key(), "predicted_step_s": self.candidate.predicted_step_s,
+                "measured_step_s": self.measured_step_s, "step_times_s": self.step_times,
+                "wall_s": round(self.wall_s, 3), "error": self.error}
+
+
+@dataclass
+class TrialOutcome:
+    """The trials of one plan and the layout they chose."""
+
+    trials: list[Trial]
+    chosen: Candidate
+
+    @property
+    def measured(self) -> list[Trial]:
+        return [t for t in self.trials if t.measured_step_s is not None]
+
+    @property
+    def step_scale(self) -> float | None:
+        """Measured over predicted step time, the geometric mean over the trials (None: none measured)."""
+        ratios = [t.measured_step_s / t.candidate.predicted_step_s for t in self.measured]
+        return math.exp(statistics.fmean(math.log(r) for r in ratios)) if ratios else None
+
+    def to_json(self) -> dict:
+        return {"chosen": self.chosen.layout.key(), "chosen_layout": self.chosen.layout.to_json(),
+                "step_scale": self.step_scale,
+                "trials": [t.to_json() for t in self.trials]}
+
+    def describe(self) -> str:
+        lines = [f"  {t.candidate.layout.key():<40} predicted {t.candidate.predicted_step_s * 1e3:8.1f} ms  "
+                 + (f"measured {t.measured_step_s * 1e3:8.1f} ms" if t.measured_step_s is not None
+                    else f"failed: {t.error}") for t in self.trials]
+        return "\n".join([f"tried {len(self.trials)} layouts, chose {self.chosen.layout.key()}:", *lines])
+
+
+def trial_candidates(candidates: list[Candidate], count: int, window: float = TRIAL_WINDOW) -> list[Candidate]:
+    """In the planner's ranking (``candidates``, best first), the first fitting candidate of each (dp, tp, pp)
+    grid, at most ``count`` of them, each predicted at most ``window`` times the first one's step."""
+    fitting = [c for c in candidates if c.fits]
+    if not fitting or count < 1:
+        return []
+    limit = fitting[0].predicted_step_s * window
+    chosen: dict[tuple[int, int, int], Candidate] = {}
+    for candidate in fitting:
+        if len(chosen) == count:
+            break
+        if candidate.predicted_step_s <= limit:
+            chosen.setdefault(candidate.layout.grid, candidate)
+    return list(chosen.values())
+
+
+def layout_config(cfg: DictConfig, layout: Layout) -> DictConfig:
+    """``cfg`` set to run ``layout``: its degrees and the trainer settings it chooses (the rest kept)."""
+    chosen = cfg.copy()
+    with open_dict(chosen):
+        OmegaConf.update(chosen, "parallel", {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}, merge=False)
+        for override in layout.overrides():
+            key, value = override.split("=", 1)
+            if key.startswith("trainer."):
+                OmegaConf.update(chosen, key, _parse(value))
+    return chosen
+
+
+def _parse(value: str):
+    """A Hydra override's value as YAML reads it (``true`` -> True, ``4`` -> 4, ``null`` -> None)."""
+    import yaml
+
+    return yaml.safe_load(value)
+
+
+def trial_config(cfg: DictConfig, layout: Layout, *, steps: int, output_dir: str) -> DictConfig:
+    """``cfg`` running ``layout`` for ``steps`` steps into ``output_dir``, writing nothing else: no checkpoints,
+    no resuming, no evaluation, no energy profile, the workers quiet."""
+    trial = layout_config(cfg, layout)
+    with open_dict(trial):
+        trial.dry_run = False
+        for key, value in {"max_steps": steps, "output_dir": output_dir, "save": False,
+                           "resume_from_checkpoint": None, "eval_steps": None, "logging_steps": 1,
+                           "disable_tqdm": True, "measure_activation_memory": False, "profile": False}.items():
+            OmegaConf.update(trial, f"trainer.{key}", value)
+        OmegaConf.update(trial, "launcher.quiet_workers", True)
+    return trial
+
+
+def _step_times(output_dir: str) -> list[float]:
+    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as handle:
+        return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
+
+
+def measure(train: Train, cfg: DictConfig, candidate: Candidate, steps: int) -> Trial:
+    """Train ``candidate``'s layout for ``steps`` steps (see :func:`trial_config`) and time each step."""
+    started = time.perf_counter()
+    trial = Trial(candidate)
+    with tempfile.TemporaryDirectory(prefix="merak-trial-") as output_dir:
+        try:
+            with only_errors():
+                train(trial_config(cfg, candidate.layout, steps=steps, output_dir=output_dir))
+            trial.step_times = _step_times(output_dir)
+        except (ConfigError, WorkerFailed, OSError, json.JSONDecodeError, KeyError) as error:
+            trial.error = str(error).splitlines()[0] if str(error) else type(error).__name__
+    trial.wall_s = time.perf_counter() - started
+    return trial
+
+
+def run_trials(candidates: list[Candidate], cfg: DictConfig, train: Train, *, count: int = TRIALS,
+               steps: int = TRIAL_STEPS) -> TrialOutcome:
+    """Try the leading candidates (:func:`trial_candidates`) and choose the fastest measured; the best
+    prediction when none could be measured, or when only one grid is in the running (nothing tried)."""
+    tried = []
+    leading = trial_candidates(candidates, count)
+    if len(leading) < 2:  # nothing to choose between
+        return TrialOutcome(trials=[], chosen=candidates[0])
+    for candidate in leading:
+        logger.info("trying %s for %d steps (predicted %.1f ms per step)", candidate.layout.key(), steps,
+                    candidate.predicted_step_s * 1e3)
+        trial = measure(train, cfg, candidate, steps)
+        if trial.error is not None:
+            logger.warning("the trial of %s failed: %s", candidate.layout.key(), trial.error)
+        tried.append(trial)
+    measured = [t for t in tried if t.measured_step_s is not None]
+    best = min(measured, key=lambda t: t.measured_step_s).candidate if measured else candidates[0]
+    return TrialOutcome(trials=tried, chosen=best)
