@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from merak.assemble import CallModel, default_input_names
 from merak.autoplan.profile import GraphProfile
+from merak.compat.allocator import keep_freed_memory
 from merak.distributed.launch import spawn_workers
 from merak.report import write_json_atomic
 from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates
@@ -40,7 +41,10 @@ logger = logging.getLogger(__name__)
 MAX_CALIBRATED_PARAMETERS = 300_000_000
 BACKWARD_FLOPS_FACTOR = 2.0  # a backward does twice a forward's matrix work
 REPEATS = 3
+ALONE_SECONDS = 0.5  # a size is timed again while its runs took less than this in all ...
+ALONE_MOST = 12  # ... at most this many times
 CONCURRENT_TIMEOUT_S = 120.0
+CONCURRENT_SECONDS = 2.0  # of the processes running the model at once (a few repetitions are noisy)
 ALL_REDUCE_ELEMENTS = 1024
 ALL_REDUCES = 20
 
@@ -114,13 +118,16 @@ def estimated_parts(profile: GraphProfile, rates: MachineRates) -> tuple[float, 
     return work, launches
 
 
-def _best_of(function, repeats: int) -> float:
+def _best_of(function, repeats: int = REPEATS, seconds: float = ALONE_SECONDS, most: int = ALONE_MOST) -> float:
+    """The fastest of at least ``repeats`` runs of ``function`` (after a warm-up), more while they take less
+    than ``seconds`` in all (at most ``most``): the machine's noise only ever adds time."""
     function()  # warm-up: allocator, lazy initialization
-    best = float("inf")
-    for _ in range(repeats):
+    best, runs, spent = float("inf"), 0, 0.0
+    while runs < repeats or (spent < seconds and runs < most):
         started = time.perf_counter()
         function()
-        best = min(best, time.perf_counter() - started)
+        took = time.perf_counter() - started
+        best, runs, spent = min(best, took), runs + 1, spent + took
     return best
 
 
@@ -149,16 +156,17 @@ def _model_step(spec, settings, micro_batch_size: int):
     return step, model
 
 
-def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, out_dir: str) -> None:
-    """One of the processes timing the model all at once (each repetition started together), then small
-    all-reduces among them."""
+def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, steps: int, out_dir: str) -> None:
+    """One of the processes timing the model all at once, ``steps`` times, each started together (as the
+    steps of a synchronous run are), then small all-reduces among them."""
     torch.set_num_threads(threads)
+    _as_training_does(settings)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=CONCURRENT_TIMEOUT_S))
     try:
         step, _ = _model_step(spec, settings, micro_batch_size)
         step()  # warm-up
         times = []
-        for _ in range(REPEATS):
+        for _ in range(steps):
             dist.barrier()
             started = time.perf_counter()
             step()
@@ -177,13 +185,14 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, out_
     write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"), {"step_s": times, "all_reduce_s": all_reduce})
 
 
-def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int) -> tuple[float, float]:
-    """(step time, all-reduce time) of ``processes`` processes running the model at once. A synchronous
-    step waits for the slowest process: the step time is the median over repetitions of the slowest
-    process's time (processes sharing cores finish a time slice apart)."""
+def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int,
+                       steps: int = REPEATS) -> tuple[float, float]:
+    """(step time, all-reduce time) of ``processes`` processes running the model at once, ``steps`` times. A
+    synchronous step waits for the slowest process: the step time is the median over the repetitions of the
+    slowest process's time (processes sharing cores finish a time slice apart, and which one is last varies)."""
     with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
         spawn_workers(_concurrent_worker, world_size=processes,
-                      args=(spec, settings, micro_batch_size, threads, out_dir),
+                      args=(spec, settings, micro_batch_size, threads, steps, out_dir),
                       env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
                       store_timeout_s=CONCURRENT_TIMEOUT_S)
         reports = [json.loads(Path(out_dir, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
@@ -207,45 +216,78 @@ def fit_scales(small: tuple[float, float, float], large: tuple[float, float, flo
     return scale, scale
 
 
-def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro_batch_sizes: tuple[int, ...],
-            threads: int = 1, processes: int = 1) -> Calibration:
-    """Time the recipe's model on one process at each of ``micro_batch_sizes`` and fit the estimate to it (the
-    two smallest fix the scales, the others correct them); with ``processes`` > 1, also time that many
-    processes running it at once (at the second size)."""
-    previous_threads = torch.get_num_threads()
+def _alone_worker(spec, settings, micro_batch_sizes: tuple[int, ...], threads: int, out_dir: str) -> None:
+    """One process timing the model alone at each size, and the optimizer step (written as JSON; nothing
+    when the model is too large to build here)."""
     torch.set_num_threads(threads)
-    points = []
-    try:
-        for micro in sorted(set(micro_batch_sizes)):
-            built = _model_step(spec, settings, micro)
-            if built is None:
-                return Calibration()
-            step, model = built
-            measured = _best_of(step, REPEATS)
-            points.append((*estimated_parts(profile.scaled(micro), rates), measured))
-            logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward", spec.name, micro,
-                        measured * 1e3)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-        optimizer_seconds = _best_of(optimizer.step, REPEATS)
-        count = sum(p.numel() for p in model.parameters())
-        del step, model, optimizer
-    finally:
-        torch.set_num_threads(previous_threads)
+    _as_training_does(settings)
+    measured, optimizer_seconds, count = [], None, 0
+    for micro in micro_batch_sizes:
+        built = _model_step(spec, settings, micro)
+        if built is None:
+            break
+        step, model = built
+        measured.append(_best_of(step))
+        logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward", spec.name, micro,
+                    measured[-1] * 1e3)
+        if micro == micro_batch_sizes[-1]:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+            optimizer_seconds = _best_of(optimizer.step)
+            count = sum(p.numel() for p in model.parameters())
+        del step, model
+    write_json_atomic(os.path.join(out_dir, "alone.json"),
+                      {"measured_s": measured, "optimizer_s": optimizer_seconds, "parameters": count})
+
+
+def _as_training_does(settings) -> None:
+    """The allocator as a training worker sets it: large freed buffers kept in the heap (else every step
+    of a model with large activations pays for fresh pages, and the timing says more about the kernel than
+    about the model)."""
+    if settings.launcher.keep_freed_memory:
+        keep_freed_memory()
+
+
+def measure_alone(spec, settings, micro_batch_sizes: tuple[int, ...], threads: int) -> dict:
+    """:func:`_alone_worker`'s result, timed in a fresh process set up as a training worker is (its threads
+    and allocator; this process's heap and settings left as they are)."""
+    with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
+        spawn_workers(_alone_worker, world_size=1, args=(spec, settings, micro_batch_sizes, threads, out_dir),
+                      env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
+                      store_timeout_s=CONCURRENT_TIMEOUT_S)
+        return json.loads(Path(out_dir, "alone.json").read_text(encoding="utf-8"))
+
+
+def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro_batch_sizes: tuple[int, ...],
+            threads: int = 1, processes: int = 1, cores: int = 1) -> Calibration:
+    """Time the recipe's model alone at each of ``micro_batch_sizes`` and fit the estimate to it (the two
+    smallest fix the scales, the others correct them); with ``processes`` > 1, also time that many
+    processes running it at once on ``cores`` cores (at the second size, for about ``CONCURRENT_SECONDS``).
+    Every timing runs in fresh processes set up as training workers are."""
+    sizes = tuple(sorted(set(micro_batch_sizes)))
+    alone = measure_alone(spec, settings, sizes, threads)
+    if len(alone["measured_s"]) < len(sizes):
+        logger.info("not timing %s here: compute costs from the device rates alone", spec.name)
+        return Calibration()
+    points = [(*estimated_parts(profile.scaled(micro), rates), measured)
+              for micro, measured in zip(sizes, alone["measured_s"])]
     work_scale, launch_scale = fit_scales(points[0], points[1] if len(points) > 1 else None)
-    sizes = sorted(set(micro_batch_sizes))
     factors = tuple((size, measured / (work_scale * work + launch_scale * launches))
                     for size, (work, launches, measured) in zip(sizes, points))
     logger.info("compute estimates scaled by %.2f (work growing with the microbatch) and %.2f (per operation), "
                 "then by %s at microbatches %s; optimizer step %.1f ms", work_scale, launch_scale,
-                ", ".join(f"{f:.2f}" for _, f in factors), ", ".join(str(s) for s in sizes), optimizer_seconds * 1e3)
+                ", ".join(f"{f:.2f}" for _, f in factors), ", ".join(str(s) for s in sizes),
+                alone["optimizer_s"] * 1e3)
     calibration = Calibration(work_scale=work_scale, launch_scale=launch_scale, size_factors=factors,
-                              optimizer_seconds_per_parameter=optimizer_seconds / max(count, 1))
+                              optimizer_seconds_per_parameter=alone["optimizer_s"] / max(alone["parameters"], 1))
     if processes < 2:
         return calibration
     # At the second size: large enough to be typical, small enough for every process to run it quickly.
     concurrent_size = sizes[1] if len(sizes) > 1 else sizes[0]
-    concurrent, all_reduce = measure_concurrent(spec, settings, concurrent_size, processes, threads)
-    slowdown = concurrent / points[sizes.index(concurrent_size)][2]
+    alone_s = points[sizes.index(concurrent_size)][2]
+    # Enough repetitions for about CONCURRENT_SECONDS if the processes share the cores evenly.
+    steps = max(REPEATS, math.ceil(CONCURRENT_SECONDS / (alone_s * max(1.0, processes / max(cores, 1)))))
+    concurrent, all_reduce = measure_concurrent(spec, settings, concurrent_size, processes, threads, steps)
+    slowdown = concurrent / alone_s
     logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone); a small all-reduce among them "
                 "%.2f ms", processes, concurrent * 1e3, slowdown, all_reduce * 1e3)
     return dataclasses.replace(calibration, processes=processes, concurrent_slowdown=slowdown,

@@ -202,7 +202,7 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
         sizes = tuple(max(1, min(size, global_batch_size)) for size in CALIBRATION_MICRO_BATCHES)
         calibration = measure(spec, settings, base_profile, device_rates(cluster, "float32"),
                               micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,
-                              processes=min(world_size, cluster.devices_per_node))
+                              processes=min(world_size, cluster.devices_per_node), cores=cluster.cores_per_node)
     timing_seconds = time.perf_counter() - timing_started
     model = CostModel(profiles, cluster, _dtype_name(settings.trainer), calibration=calibration)
     capacity = cluster.accelerator.memory_gib * 2**30
