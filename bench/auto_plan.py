@@ -7,11 +7,12 @@ global batch (``--global-batch``, the same for every layout) as
 layouts (``--trials``, ``--trial-steps``) and the fastest is the first choice.
 The layouts measured are the first choice, the best prediction and the
 best-predicted fitting candidate of every (dp, tp, pp) grid. Each trains the
-recipe twice more, each time in a fresh ``recipes/<recipe>/train.py``
+recipe a few times more, each time in a fresh ``recipes/<recipe>/train.py``
 subprocess (one thread per process):
 
-* a timing run of ``--steps`` steps: the median step time past the warm-up
-  (the first ``TRIAL_WARMUP`` steps), as a trial times it;
+* timing runs of ``--steps`` steps, one per pass over the layouts (``--timing-runs``,
+  the second pass in the opposite order): the fastest run's median step time past
+  the warm-up (the first ``TRIAL_WARMUP`` steps), as a trial times it;
 * a memory run of 2 steps with ``trainer.measure_activation_memory=true`` (which
   slows the step, hence its own run): per pipeline stage, parameters +
   gradients + master weights + optimizer state + peak activations (bytes, the
@@ -65,6 +66,7 @@ STEP_TOLERANCE_PCT = 15.0
 MEMORY_TOLERANCE_PCT = 10.0
 MEMORY_RUN_STEPS = 2
 ERROR_TAIL_CHARS = 3000
+NOT_MEASURED = "not measured"  # a memory run skipped (--no-memory)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--worlds", type=int, nargs="+", default=[4, 8], help="world sizes (processes)")
     parser.add_argument("--steps", type=int, default=10,
                         help="steps of each timing run (the median is over those past the warm-up)")
+    parser.add_argument("--timing-runs", type=int, choices=(1, 2), default=2,
+                        help="timing runs per layout (2: a second pass in the opposite order; the faster counts)")
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory runs")
     parser.add_argument("--global-batch", type=int, default=16, help="trainer.global_batch_size of every layout")
     parser.add_argument("--cluster", default="this", help="plan_recipe's cluster")
     parser.add_argument("--trials", type=int, default=TRIALS,
@@ -83,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="at most this many layouts per recipe/world (the first choice always among them)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per training run")
     parser.add_argument("--out", default="bench/results/auto_plan.json", help="results JSON ('' for none)")
+    parser.add_argument("--report", metavar="RESULTS_JSON", default=None,
+                        help="only print the tables and summary of an earlier run's results JSON")
     args = parser.parse_args(argv)
     args.pairs = [parse_pair(text, parser) for text in args.recipes]
     return args
@@ -212,6 +219,15 @@ def timing_run(recipe: str, model: str, candidate, args: argparse.Namespace) -> 
             record["median_step_s"] = statistics.median(times[TRIAL_WARMUP:] or times)
             record["num_microbatches"] = summary.get("num_microbatches")
     return record
+
+
+def fastest_run(records: list[dict]) -> dict:
+    """The timing runs of one layout as one record: ``median_step_s`` of the fastest run (a run's level varies
+    by several percent from run to run, and the machine's noise only ever adds time), every run kept."""
+    timed = [r for r in records if r.get("median_step_s") is not None]
+    if not timed:
+        return {**records[0], "runs": records}
+    return {**min(timed, key=lambda r: r["median_step_s"]), "runs": records}
 
 
 def stage_memory(stage: dict) -> int | None:
@@ -349,13 +365,20 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
     layouts = layouts_to_measure(report, outcome.chosen, args.limit)
     scale = outcome.step_scale
     trialled = {t.candidate.layout.key(): t.measured_step_s for t in outcome.trials}
-    rows = []
+    timings = {}
+    memories = {}
     for index, candidate in enumerate(layouts, 1):
         logger.info("%s:%s world %d: layout %d/%d %s", recipe, model, world, index, len(layouts),
                     candidate.layout.key())
-        timing = timing_run(recipe, model, candidate, args)
-        memory = memory_run(recipe, model, candidate, args)
-        row = compare(recipe, model, world, candidate, timing, memory)
+        timings[index] = [timing_run(recipe, model, candidate, args)]
+        memories[index] = memory_run(recipe, model, candidate, args) if args.memory else {"error": NOT_MEASURED}
+    for index in reversed(range(1, len(layouts) + 1 if args.timing_runs > 1 else 1)):
+        logger.info("%s:%s world %d: layout %d/%d %s again", recipe, model, world, index, len(layouts),
+                    layouts[index - 1].layout.key())
+        timings[index].append(timing_run(recipe, model, layouts[index - 1], args))
+    rows = []
+    for index, candidate in enumerate(layouts, 1):
+        row = compare(recipe, model, world, candidate, fastest_run(timings[index]), memories[index])
         row["trial_step_s"] = trialled.get(row["key"])
         row["scaled_step_error_pct"] = (None if scale is None
                                         else error_pct(scale * row["predicted_step_s"], row["measured_step_s"]))
@@ -406,7 +429,7 @@ def row_note(row: dict, group: dict) -> str:
     if not row["fits"]:
         notes.append("predicted not to fit")
     for name in ("timing_run", "memory_run"):
-        if row[name].get("error"):
+        if row[name].get("error") and row[name]["error"] != NOT_MEASURED:
             notes.append(f"{name.split('_')[0]} run: {row[name]['error']}")
     return ", ".join(notes)
 
@@ -464,6 +487,8 @@ def summarize(groups: list[dict]) -> dict:
     predicted_slower = [g["best_predicted_slower_pct"] for g in predicted if not g["best_predicted_is_fastest"]]
     return {"step_time": share([r["step_error_pct"] for r in rows], STEP_TOLERANCE_PCT),
             "step_time_trial_scaled": share([r.get("scaled_step_error_pct") for r in rows], STEP_TOLERANCE_PCT),
+            "step_time_trial_scaled_untried": share([r.get("scaled_step_error_pct") for r in rows
+                                                     if r.get("trial_step_s") is None], STEP_TOLERANCE_PCT),
             "first_choice_within_5pct": sum(bool(g["first_choice_is_fastest"]) or (g["first_choice_slower_pct"] or 0)
                                             <= 5.0 for g in checked),
             "best_predicted_fastest": sum(bool(g["best_predicted_is_fastest"]) for g in predicted),
@@ -486,6 +511,7 @@ def summary_text(summary: dict) -> str:
         "### Summary", "",
         line("step time", summary["step_time"]),
         line("step time x the trials' scale", summary["step_time_trial_scaled"]),
+        line("the same, layouts not tried", summary["step_time_trial_scaled_untried"]),
         line("max stage memory", summary["max_stage_memory"]),
         line("every stage's memory", summary["every_stage_memory"]),
         f"- first choice the measured fastest: {summary['first_choice_fastest']}/{summary['first_choice_checked']}"
@@ -509,6 +535,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     command = ["bench/auto_plan.py", *(sys.argv[1:] if argv is None else argv)]
     setup_output()
+    if args.report:
+        results = json.loads(Path(args.report).read_text(encoding="utf-8"))
+        print_tables(results["groups"], results["args"], results["machine"])
+        return 0
     facts = common.machine_facts()
     logger.info("%s", common.format_facts(facts))
     groups = []
@@ -516,13 +546,18 @@ def main(argv=None) -> int:
         for world in args.worlds:
             groups.append(measure_group(recipe, model, world, args))
             common.write_json(args.out, payload(args, command, facts, groups))
-    tables.info("planner check, global batch %d, %d timed steps per layout, cluster %s", args.global_batch,
-                args.steps, args.cluster)
+    print_tables(groups, vars(args), facts)
+    return 0
+
+
+def print_tables(groups: list[dict], options: dict, facts: dict) -> None:
+    """Every recipe/world's Markdown table and the summary, on stdout."""
+    tables.info("planner check, global batch %d, %d timed steps per layout, cluster %s", options["global_batch"],
+                options["steps"], options["cluster"])
     tables.info("%s\n", common.format_facts(facts))
     for group in groups:
         tables.info("%s\n", group_table(group))
     tables.info("%s", summary_text(summarize(groups)))
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 
 The rates of a device (FLOP/s, bytes/s, seconds per operation) price matrix products and memory
 traffic well, but not everything a training step runs: the loss in float32, allocator traffic,
-autograd's bookkeeping. On the machine at hand the model itself is timed: one process runs the
-recipe's model, loss and backward on real weights at a small and a larger microbatch; the line
-through both fits the rate-based estimate to it (how much the work that grows with the microbatch and
-the per-operation overhead each really cost). The optimizer step is timed the same way. Then
-as many processes as the run will start time the model all at once: how much slower each is when they
+autograd's bookkeeping. On the machine at hand the model itself is timed, in fresh processes set up
+as training workers are (threads, and glibc keeping freed buffers: without it a large activation
+costs fresh pages every step and the timing measures the kernel). One process runs the recipe's
+model, loss and backward on real weights at a small and a larger microbatch; the line through both
+fits the rate-based estimate to it (how much the work that grows with the microbatch and the
+per-operation overhead each really cost), a third size corrects larger microbatches. The optimizer
+step is timed the same way. Then as many processes as the run will start time the model all at
+once, each repetition started together as a synchronous step is: how much slower each is when they
 share the cores (more than the cores' count alone says: memory bandwidth and caches are shared too),
 and how long a small all-reduce takes among them (a collective waits for every process to be
 scheduled).

@@ -9,9 +9,11 @@ runner-ups of one grid differ from its first in details (ZeRO stage, schedule) t
 prices better than the sharing of the cores between grids.
 
 Each trial is a real run of the recipe (``parallel.trial_steps`` steps, checkpoints and evaluation
-off, its own scratch run directory); its time is the median step past the warm-up. A trial that
-fails is recorded with its error and left out of the choice. The measured over predicted times also
-give one factor that fits the cost model to this machine (:attr:`TrialOutcome.step_scale`).
+off, its own scratch run directory); its time is the median step past the warm-up. The layouts
+measured within :data:`RERUN_WITHIN` of the fastest run once more, in the opposite order, and keep
+their faster run. A trial that fails is recorded with its error and left out of the choice. The
+measured over predicted times also give one factor that fits the cost model to this machine
+(:attr:`TrialOutcome.step_scale`).
 """
 
 from __future__ import annotations
@@ -40,27 +42,32 @@ TRIALS = 3  # layouts tried by default (parallel.trials)
 TRIAL_STEPS = 8  # steps of each (parallel.trial_steps)
 TRIAL_WARMUP = 3  # first steps left out of a trial's time (allocator, caches, lazy initialization)
 TRIAL_WINDOW = 2.0  # only layouts predicted at most this many times slower than the best are tried
+RERUN_WITHIN = 0.15  # layouts measured this close to the fastest are run once more
 
 Train = Callable[[DictConfig], dict]  # runs a composed config to its end (merak.runner.run for one recipe)
 
 
 @dataclass
 class Trial:
-    """One layout tried: its measured step time (median past the warm-up), or why it could not run."""
+    """One layout tried: each run's step times; its time is the fastest run's median step past the warm-up
+    (a run's level varies by several percent from run to run here, and the machine's noise only ever adds
+    time), or None when a run failed (``error``)."""
 
     candidate: Candidate
-    step_times: list[float] = field(default_factory=list)
+    runs: list[list[float]] = field(default_factory=list)
     wall_s: float = 0.0
     error: str | None = None
 
     @property
     def measured_step_s(self) -> float | None:
-        timed = self.step_times[TRIAL_WARMUP:] or self.step_times[1:] or self.step_times
-        return statistics.median(timed) if timed and self.error is None else None
+        if self.error is not None:
+            return None
+        medians = [statistics.median(times[TRIAL_WARMUP:] or times[1:] or times) for times in self.runs if times]
+        return min(medians, default=None)
 
     def to_json(self) -> dict:
         return {"key": self.candidate.layout.key(), "predicted_step_s": self.candidate.predicted_step_s,
-                "measured_step_s": self.measured_step_s, "step_times_s": self.step_times,
+                "measured_step_s": self.measured_step_s, "runs_step_times_s": self.runs,
                 "wall_s": round(self.wall_s, 3), "error": self.error}
 
 
@@ -90,7 +97,9 @@ class TrialOutcome:
         lines = [f"  {t.candidate.layout.key():<40} predicted {t.candidate.predicted_step_s * 1e3:8.1f} ms  "
                  + (f"measured {t.measured_step_s * 1e3:8.1f} ms" if t.measured_step_s is not None
                     else f"failed: {t.error}") for t in self.trials]
-        return "\n".join([f"tried {len(self.trials)} layouts, chose {self.chosen.layout.key()}:", *lines])
+        scale = self.step_scale
+        fit = "" if scale is None else f" (measured steps {scale:.2f}x the predicted ones)"
+        return "\n".join([f"tried {len(self.trials)} layouts, chose {self.chosen.layout.key()}{fit}:", *lines])
 
 
 def trial_candidates(candidates: list[Candidate], count: int, window: float = TRIAL_WINDOW) -> list[Candidate]:
@@ -147,36 +156,49 @@ def _step_times(output_dir: str) -> list[float]:
         return [json.loads(line)["step_time_s"] for line in handle if line.strip()]
 
 
-def measure(train: Train, cfg: DictConfig, candidate: Candidate, steps: int) -> Trial:
-    """Train ``candidate``'s layout for ``steps`` steps (see :func:`trial_config`) and time each step."""
+def measure(train: Train, cfg: DictConfig, trial: Trial, steps: int) -> None:
+    """Train ``trial``'s layout for ``steps`` steps once more (see :func:`trial_config`) and add the run's step
+    times to it (or its error)."""
     started = time.perf_counter()
-    trial = Trial(candidate)
     with tempfile.TemporaryDirectory(prefix="merak-trial-") as output_dir:
         try:
             with only_errors():
-                train(trial_config(cfg, candidate.layout, steps=steps, output_dir=output_dir))
-            trial.step_times = _step_times(output_dir)
+                train(trial_config(cfg, trial.candidate.layout, steps=steps, output_dir=output_dir))
+            trial.runs.append(_step_times(output_dir))
         except (ConfigError, WorkerFailed, OSError, json.JSONDecodeError, KeyError) as error:
             trial.error = str(error).splitlines()[0] if str(error) else type(error).__name__
-    trial.wall_s = time.perf_counter() - started
-    return trial
+            logger.warning("the trial of %s failed: %s", trial.candidate.layout.key(), trial.error)
+    trial.wall_s += time.perf_counter() - started
 
 
 def run_trials(candidates: list[Candidate], cfg: DictConfig, train: Train, *, count: int = TRIALS,
                steps: int = TRIAL_STEPS) -> TrialOutcome:
-    """Try the leading candidates (:func:`trial_candidates`) and choose the fastest measured; the best
-    prediction when none could be measured, or when only one grid is in the running (nothing tried)."""
-    tried = []
+    """Try the leading candidates (:func:`trial_candidates`), then once more, in the opposite order, those
+    within :data:`RERUN_WITHIN` of the fastest (two layouts that close can swap places from one run to the
+    next); choose the fastest measured. The best prediction when none could be measured, or when only one
+    grid is in the running (nothing tried)."""
     leading = trial_candidates(candidates, count)
     if len(leading) < 2:  # nothing to choose between
         return TrialOutcome(trials=[], chosen=candidates[0])
-    for candidate in leading:
-        logger.info("trying %s for %d steps (predicted %.1f ms per step)", candidate.layout.key(), steps,
-                    candidate.predicted_step_s * 1e3)
-        trial = measure(train, cfg, candidate, steps)
-        if trial.error is not None:
-            logger.warning("the trial of %s failed: %s", candidate.layout.key(), trial.error)
-        tried.append(trial)
+    tried = [Trial(candidate) for candidate in leading]
+    for trial in tried:
+        logger.info("trying %s for %d steps (predicted %.1f ms per step)", trial.candidate.layout.key(), steps,
+                    trial.candidate.predicted_step_s * 1e3)
+        measure(train, cfg, trial, steps)
+    close = _close_to_fastest(tried)
+    if len(close) > 1:
+        for trial in reversed(close):
+            logger.info("trying %s again (%.1f ms per step, within %.0f %% of the fastest)",
+                        trial.candidate.layout.key(), trial.measured_step_s * 1e3, RERUN_WITHIN * 100)
+            measure(train, cfg, trial, steps)
     measured = [t for t in tried if t.measured_step_s is not None]
     best = min(measured, key=lambda t: t.measured_step_s).candidate if measured else candidates[0]
     return TrialOutcome(trials=tried, chosen=best)
+
+
+def _close_to_fastest(trials: list[Trial]) -> list[Trial]:
+    measured = [t for t in trials if t.measured_step_s is not None]
+    if not measured:
+        return []
+    fastest = min(t.measured_step_s for t in measured)
+    return [t for t in measured if t.measured_step_s <= fastest * (1 + RERUN_WITHIN)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -10,9 +11,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from merak.autoplan.auto import _trial_settings
+from merak.autoplan.cluster import preset
 from merak.autoplan.cost import Prediction
 from merak.autoplan.layout import Layout
+from merak.autoplan.planner import PlanReport
 from merak.autoplan.search import Candidate
+from merak.autoplan.table import format_table
 from merak.autoplan.trials import (
     TRIAL_WARMUP,
     Trial,
@@ -58,11 +62,13 @@ def test_layouts_that_do_not_fit_or_are_far_behind_are_not_tried():
 # --- one trial -------------------------------------------------------------------------------------------------
 
 
-def test_a_trial_is_the_median_step_past_the_warm_up():
+def test_a_trial_is_its_fastest_runs_median_step_past_the_warm_up():
     slow_start = [5.0] * TRIAL_WARMUP
-    assert Trial(RANKED[0], step_times=[*slow_start, 0.3, 0.1, 0.2]).measured_step_s == pytest.approx(0.2)
-    assert Trial(RANKED[0], step_times=[9.0, 0.4]).measured_step_s == pytest.approx(0.4)  # too short: all but one
-    assert Trial(RANKED[0], step_times=[*slow_start, 0.3], error="boom").measured_step_s is None
+    assert Trial(RANKED[0], runs=[[*slow_start, 0.3, 0.1, 0.2]]).measured_step_s == pytest.approx(0.2)
+    assert Trial(RANKED[0], runs=[[9.0, 0.4]]).measured_step_s == pytest.approx(0.4)  # too short: all but one
+    two_runs = Trial(RANKED[0], runs=[[*slow_start, 0.3, 0.3, 0.3], [*slow_start, 0.25, 0.5, 0.2]])
+    assert two_runs.measured_step_s == pytest.approx(0.25)
+    assert Trial(RANKED[0], runs=[[*slow_start, 0.3]], error="boom").measured_step_s is None
     assert Trial(RANKED[0]).measured_step_s is None
 
 
@@ -86,17 +92,23 @@ def test_a_trial_config_runs_the_layout_briefly_and_writes_nowhere_else():
 
 
 class FakeTraining:
-    """Writes metrics.jsonl as a run of the config's layout would, with a step time per grid."""
+    """Writes metrics.jsonl as a run of the config's layout would, with a step time per grid (a list: one per
+    run, in turn)."""
 
     def __init__(self, step_s: dict, failing: tuple = ()) -> None:
         self.step_s, self.failing, self.configs = step_s, failing, []
 
+    def grids(self) -> list[tuple[int, int, int]]:
+        return [(cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) for cfg in self.configs]
+
     def __call__(self, cfg) -> dict:
         self.configs.append(cfg)
-        grid = (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp)
+        grid = self.grids()[-1]
         if grid in self.failing:
             raise WorkerFailed(f"rank 1 exited with status 1 running {grid}\nmore lines")
-        times = [1.0] * TRIAL_WARMUP + [self.step_s[grid]] * (cfg.trainer.max_steps - TRIAL_WARMUP)
+        per_run = self.step_s[grid] if isinstance(self.step_s[grid], list) else [self.step_s[grid]]
+        step_s = per_run[min(self.grids().count(grid), len(per_run)) - 1]
+        times = [1.0] * TRIAL_WARMUP + [step_s] * (cfg.trainer.max_steps - TRIAL_WARMUP)
         with open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl"), "w", encoding="utf-8") as handle:
             handle.writelines(json.dumps({"step": i + 1, "step_time_s": t}) + "\n" for i, t in enumerate(times))
         return {}
@@ -108,7 +120,7 @@ def test_the_fastest_measured_layout_is_chosen():
     assert outcome.chosen is RANKED[2]
     assert [t.measured_step_s for t in outcome.trials] == [0.30, 0.20, 0.25]
     assert all(cfg.trainer.max_steps == 6 for cfg in training.configs)
-    assert len({cfg.trainer.output_dir for cfg in training.configs}) == 3  # each its own scratch directory
+    assert len({cfg.trainer.output_dir for cfg in training.configs}) == len(training.configs)  # scratch, each
     assert not any(os.path.exists(cfg.trainer.output_dir) for cfg in training.configs)  # and removed
     ratios = [0.30 / 0.10, 0.20 / 0.12, 0.25 / 0.18]
     assert outcome.step_scale == pytest.approx(math.prod(ratios) ** (1 / 3))
@@ -116,6 +128,16 @@ def test_the_fastest_measured_layout_is_chosen():
     assert saved["chosen"] == RANKED[2].layout.key() and saved["chosen_layout"]["dp"] == 4
     assert [t["measured_step_s"] for t in saved["trials"]] == [0.30, 0.20, 0.25]
     assert "chose dp4 tp1 pp1" in outcome.describe()
+
+
+def test_layouts_close_to_the_fastest_run_again_in_the_opposite_order():
+    # (1, 1, 4) is 10 % behind in the first runs and ahead in the second: the faster run of each counts.
+    training = FakeTraining({(2, 1, 2): 0.30, (4, 1, 1): [0.20, 0.21], (1, 1, 4): [0.22, 0.19]})
+    outcome = run_trials(RANKED, BASE_CFG, training, count=3, steps=6)
+    assert training.grids() == [(2, 1, 2), (4, 1, 1), (1, 1, 4), (1, 1, 4), (4, 1, 1)]  # (2, 1, 2): 50 % behind
+    assert outcome.chosen is RANKED[4]
+    assert [len(t.runs) for t in outcome.trials] == [1, 2, 2]
+    assert [t.measured_step_s for t in outcome.trials] == [0.30, 0.20, 0.19]
 
 
 def test_a_failed_trial_is_recorded_and_left_out():
@@ -146,3 +168,22 @@ def test_trial_settings_are_checked():
         _trial_settings(OmegaConf.create({"parallel": {"trials": -1, "trial_steps": True}}))
     assert "parallel.trials=-1 must be an integer >= 0" in str(raised.value)
     assert "parallel.trial_steps=True must be an integer >= 1" in str(raised.value)
+
+
+# --- the table ---------------------------------------------------------------------------------------------------
+
+
+def test_the_table_marks_the_layout_the_trials_chose():
+    ranked = [dataclasses.replace(c, why_not=f"reason {rank}") for rank, c in enumerate(RANKED, 1) if c.fits]
+    report = PlanReport(recipe="gpt", model="toy", cluster=preset("h100-80"), world_size=4, global_batch_size=8,
+                        candidates=ranked, profile_seconds=0.0, search_seconds=0.0)
+    plain = format_table(report)
+    assert "(chosen)" in plain.splitlines()[2] and "fastest in the trials" not in plain
+    marked = format_table(report, chosen=ranked[2])
+    lines = marked.splitlines()
+    assert lines[2].endswith("(slower in the trials)") and lines[4].endswith("(chosen: fastest in the trials)")
+    assert lines[3].endswith("reason 2")
+    # Chosen below the rows shown: it follows them, with its rank.
+    below = format_table(report, top=2, chosen=ranked[4]).splitlines()
+    assert len(below) == 2 + 3 and below[-1].startswith("5 ") and below[-1].endswith("(chosen: fastest in the trials)")
+    assert format_table(report, chosen=ranked[0]) == plain  # the best prediction chosen: as without trials
