@@ -50,7 +50,10 @@ from merak.pipeline.instructions import (
 )
 from merak.pipeline.schedules import build_schedule
 from merak.pipeline.simulate import simulate
-from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates
+from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates, nominal_rates
+from merak.shard.partition import PartitionError
+from merak.shard.plan import ShardingOptions, stage_unit_bounds
+from merak.shard.split import ShardingError
 
 ADAM_BYTES_PER_PARAMETER = 28  # read weight, gradient, two moments; write weight and moments (fp32)
 SIMULATED_MICROBATCHES = 8  # a longer step is simulated at about this many and extended linearly
@@ -305,11 +308,16 @@ class CostModel:
             compute estimates, the optimizer's time per parameter, how processes sharing the cores slow
             each other and how long a collective waits for them (default: nothing measured, the device
             rates and links alone).
+        sharding: the run's capture, split and partition options: layouts are priced as the run will cut
+            the model into stages (:func:`merak.shard.plan.stage_unit_bounds`). None, or a split method that
+            reads the graph itself: the cuts that balance the calibrated costs best.
     """
 
     def __init__(self, profiles, cluster: Cluster, dtype: str = "float32", *,
-                 calibration: Calibration = Calibration()) -> None:
-        self.profiles, self.dtype, self.calibration = profiles, dtype, calibration
+                 calibration: Calibration = Calibration(), sharding: ShardingOptions | None = None) -> None:
+        self.profiles, self.dtype, self.calibration, self.sharding = profiles, dtype, calibration, sharding
+        # Whose nominal rates a run's partitioner weighs the units with (merak.shard.costs).
+        self.device_type = "cpu" if cluster.cores_per_node is not None else "cuda"
         self.optimizer_seconds_per_parameter = calibration.optimizer_seconds_per_parameter
         if calibration.all_reduce_s is not None and calibration.processes > 1:
             # A collective among processes that share the cores waits for each to be scheduled: the
@@ -320,7 +328,7 @@ class CostModel:
                 link, latency_us=max(link.latency_us, hop)))
         self.cluster = cluster
         self._tables: dict[tuple[int, bool, int], _UnitTable] = {}
-        self._bounds: dict[tuple[int, bool, int, int], list[int]] = {}
+        self._bounds: dict[tuple, list[int]] = {}
         self._simulations: dict[tuple, tuple[list[float], tuple | None]] = {}
 
     def _table(self, layout: Layout) -> _UnitTable:
@@ -356,12 +364,35 @@ class CostModel:
         return table
 
     def _piece_bounds(self, layout: Layout, table: _UnitTable) -> list[int]:
+        """Where the pieces start: where a run with the sharding options cuts (its split and partition,
+        priced by the same nominal rates at the layout's microbatch), else the cuts balancing the
+        calibrated costs best."""
         count = layout.pp * layout.chunks
-        key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size, count)
+        runtime = self.sharding is not None and self.sharding.split_method == "min_bytes"
+        key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size, count,
+               layout.num_microbatches if runtime else None)
         if key not in self._bounds:
             profile = self.profiles(layout.tp, layout.sequence_parallel)
-            self._bounds[key] = _cuts(profile, count, table.cuts_at)
+            if count == 1:
+                self._bounds[key] = [0, len(profile)]
+            elif runtime:
+                self._bounds[key] = self._runtime_bounds(profile.scaled(layout.micro_batch_size), count,
+                                                         layout.num_microbatches)
+            else:
+                self._bounds[key] = _cuts(profile, count, table.cuts_at)
         return self._bounds[key]
+
+    def _runtime_bounds(self, profile: GraphProfile, count: int, num_microbatches: int) -> list[int]:
+        rates = nominal_rates(self.device_type)
+        forward = [rates.seconds(f, b, o) for f, b, o in zip(profile.flops, profile.bytes_moved, profile.ops)]
+        loss = (rates.seconds(0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS),
+                rates.seconds(0, LOSS_PASSES_BACKWARD * profile.output_bytes, LOSS_OPS))
+        try:
+            return stage_unit_bounds(self.sharding, unit_forward_s=forward, loss_s=loss,
+                                     cut_bytes=profile.crossing_bytes, unit_params=profile.params,
+                                     unit_flops=profile.flops, num_stages=count, num_microbatches=num_microbatches)
+        except (ShardingError, PartitionError) as error:
+            raise LayoutError(str(error)) from None
 
     def _share(self, layout: Layout, stage_work: Sequence[float]) -> float:
         """Each process's share of its device: on a CPU node the processes busy on average (every

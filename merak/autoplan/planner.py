@@ -28,6 +28,7 @@ from merak.autoplan.profile import GraphProfile, profile_recipe
 from merak.autoplan.search import MEMORY_HEADROOM, Candidate, SearchSpace, explain, search
 from merak.pipeline.simulate import ScheduleError
 from merak.report import write_json_atomic
+from merak.run_options import sharding_options
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def _dtype_name(trainer) -> str:
     return "bfloat16" if precision.bf16 else "float16" if precision.fp16 else "float32"
 
 
-PROFILE_FORMAT = 2  # bump when GraphProfile or what it measures changes: cached profiles are then taken again
+PROFILE_FORMAT = 3  # bump when GraphProfile or what it measures changes: cached profiles are then taken again
 
 
 def cache_directory() -> Path:
@@ -204,7 +205,8 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
                               micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,
                               processes=min(world_size, cluster.devices_per_node), cores=cluster.cores_per_node)
     timing_seconds = time.perf_counter() - timing_started
-    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), calibration=calibration)
+    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), calibration=calibration,
+                      sharding=sharding_options(spec, settings))
     capacity = cluster.accelerator.memory_gib * 2**30
     candidates = search(model, space, capacity)
     elapsed = time.perf_counter() - started

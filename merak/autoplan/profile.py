@@ -80,19 +80,24 @@ class GraphProfile:
     # Parameters read by several units (tied embeddings): (elements, the units reading it). ``params``
     # counts each at its first use; a later stage that reads it keeps a copy (and its gradient) too.
     shared_params: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # The part of ``bytes_moved`` read from weights and buffers: the same at every microbatch size.
+    weight_bytes: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.flops)
 
     def scaled(self, micro_batch_size: int) -> GraphProfile:
-        """The profile at another microbatch size (parameters and operation counts do not change)."""
+        """The profile at another microbatch size (parameters, operation counts and the weights read do not
+        change)."""
         factor = micro_batch_size / self.micro_batch_size
 
         def grow(values):
             return tuple(round(v * factor) for v in values)
 
+        fixed = self.weight_bytes or (0,) * len(self)
+        moved = tuple(w + round((b - w) * factor) for b, w in zip(self.bytes_moved, fixed))
         return dataclasses.replace(
-            self, micro_batch_size=micro_batch_size, flops=grow(self.flops), bytes_moved=grow(self.bytes_moved),
+            self, micro_batch_size=micro_batch_size, flops=grow(self.flops), bytes_moved=moved,
             saved_bytes=grow(self.saved_bytes), forward_all_reduce=grow(self.forward_all_reduce),
             forward_gather=grow(self.forward_gather), backward_all_reduce=grow(self.backward_all_reduce),
             backward_gather=grow(self.backward_gather), crossing_bytes=grow(self.crossing_bytes),
@@ -237,7 +242,7 @@ def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor
         params=tuple(units.unit_params), saved_bytes=tuple(recorder.saved),
         **{key: tuple(values) for key, values in recorder.comm.items()},
         crossing_bytes=tuple(units.crossing_bytes(costs.value_bytes)), layer_starts=_layer_starts(units),
-        output_bytes=costs.output_bytes, shared_params=_shared_params(units))
+        output_bytes=costs.output_bytes, shared_params=_shared_params(units), weight_bytes=tuple(costs.weight_bytes))
 
 
 def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int = 1) -> GraphProfile:

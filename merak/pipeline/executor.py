@@ -24,8 +24,8 @@ from torch.distributed.pipelining._backward import (
 )
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
-from torch.utils.flop_counter import FlopCounterMode
 
+from merak.compat.flops import flop_counter
 from merak.distributed.p2p import PointToPoint
 from merak.pipeline import instructions as ins
 from merak.pipeline.compiled import eager_execution
@@ -238,7 +238,7 @@ class PipelineExecutor:
         if chunk in self.chunk_flops:
             yield
             return
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         with counter, eager_execution():  # dynamo does not trace under a counting mode
             yield
         self.chunk_flops[chunk] = counter.get_total_flops()

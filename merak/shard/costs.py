@@ -24,13 +24,14 @@ import logging
 import operator
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from merak.compat.flops import flop_counter
 from merak.core.group_registry import simulated_groups
 from merak.shard.graph import GraphUnits
 from merak.trace.meta import buffers_on_meta, has_meta_parameters
@@ -142,7 +143,8 @@ def launches_kernel(node: fx.Node) -> bool:
 @dataclass
 class UnitCosts:
     """Per unit: forward matrix FLOPs, bytes read and written, operations, bytes of the tensors it
-    makes; per value: its bytes and a description (``float32[4, 128, 768]``)."""
+    makes; per value: its bytes and a description (``float32[4, 128, 768]``). ``weight_bytes`` is the
+    part of ``bytes_moved`` read from weights and buffers: what a larger microbatch does not grow."""
 
     flops: list[int]
     bytes_moved: list[int]
@@ -151,6 +153,7 @@ class UnitCosts:
     value_bytes: dict[fx.Node, int]
     descriptions: dict[fx.Node, str]
     output_bytes: int  # the largest floating-point output tensor (what a loss reads)
+    weight_bytes: list[int] = field(default_factory=list)
 
     def forward_seconds(self, rates: MachineRates) -> list[float]:
         return [rates.seconds(f, b, o) for f, b, o in zip(self.flops, self.bytes_moved, self.ops)]
@@ -166,7 +169,7 @@ class _Recorder(fx.Interpreter):
         super().__init__(module)
         self.units, self.counter = units, counter
         count = len(units)
-        self.costs = UnitCosts([0] * count, [0] * count, [0] * count, [0] * count, {}, {}, 0)
+        self.costs = UnitCosts([0] * count, [0] * count, [0] * count, [0] * count, {}, {}, 0, [0] * count)
 
     def run_node(self, node: fx.Node):
         before = self.counter.get_total_flops()
@@ -180,8 +183,10 @@ class _Recorder(fx.Interpreter):
             read = sum(self.costs.value_bytes.get(arg, 0) for arg in node.all_input_nodes
                        if arg.op != "get_attr")
             # A lookup reads the rows it returns, not the whole table.
-            read += size if _operation_name(node) == "embedding" else _attribute_bytes(self.module, node)
+            weights = 0 if _operation_name(node) == "embedding" else _attribute_bytes(self.module, node)
+            read += size if _operation_name(node) == "embedding" else weights
             self.costs.bytes_moved[unit] += read + size
+            self.costs.weight_bytes[unit] += weights
             self.costs.made_bytes[unit] += size
             self.costs.ops[unit] += 1
         if node.op == "output":
@@ -213,7 +218,7 @@ def measure_units(units: GraphUnits, example_inputs: Mapping[str, torch.Tensor])
     inputs = [example_inputs[name] for name in captured.input_names]
     with torch.no_grad(), simulated_groups(), \
             (buffers_on_meta(module) if on_meta else contextlib.nullcontext()), \
-            FlopCounterMode(display=False) as counter:
+            flop_counter() as counter:
         recorder = _Recorder(module, units, counter)
         recorder.run(*inputs)
     with torch.no_grad():
@@ -230,7 +235,7 @@ def whole_model_flops(model: torch.nn.Module, inputs: Mapping[str, torch.Tensor]
     None when the forward cannot run on fake tensors (a data-dependent branch, say)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    counter = FlopCounterMode(display=False)
+    counter = flop_counter()
     training = model.training
     model.eval()  # no running statistics or other state updated; the same matrix products
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from merak.shard.autopipe import autopipe_boundaries, balance_other_stages, chea
 from merak.shard.build import shard_modules
 from merak.shard.costs import MachineRates, UnitCosts, calibrate, measure_units, nominal_rates
 from merak.shard.graph import GraphUnits
-from merak.shard.split import ShardingError, split_units
+from merak.shard.split import ShardingError, min_bytes, split_units
 from merak.trace.capture import capture
 from merak.trace.meta import has_meta_parameters
 from merak.trace.simplify import simplify_captured
@@ -93,6 +93,12 @@ class PipelinePlan:
     partition_method: str
     notes: list[str] = field(default_factory=list)
     num_microbatches: int = 1
+    shard_starts: list[int] = field(default_factory=list)  # the unit where each shard starts, and the count
+
+    @property
+    def stage_units(self) -> list[int]:
+        """The unit of the captured graph where each stage starts, and the unit count."""
+        return [self.shard_starts[b] for b in self.boundaries]
 
     @property
     def num_stages(self) -> int:
@@ -206,7 +212,8 @@ def _reports(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int]
     """What each shard holds, computes and sends, from the per-unit measurements."""
     input_names = dict(zip(units.placeholders, units.captured.input_names))
     bounds = [0, *cuts, len(units)]
-    seconds = costs.forward_seconds(rates) if rates is not None else None
+    estimates = shard_estimates(costs.forward_seconds(rates), bounds, costs.loss_seconds(rates), backward_factor) \
+        if rates is not None else None
     reports = []
     for index, shard in enumerate(shards):
         start, stop = bounds[index], bounds[index + 1]
@@ -219,19 +226,28 @@ def _reports(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int]
             outputs={input_names.get(v, v.name): costs.descriptions.get(v, "?") for v in sent},
             output_bytes=sum(costs.value_bytes.get(v, 0) for v in sent),
             activation_bytes=sum(costs.made_bytes[start:stop]))
-        if seconds is not None:
-            forward = sum(seconds[start:stop])
-            report.estimated_forward_s, report.estimated_backward_s = forward, forward * backward_factor
+        if estimates is not None:
+            report.estimated_forward_s, report.estimated_backward_s = estimates[index]
         reports.append(report)
-    if seconds is not None:  # the loss runs on the last stage after its forward
-        loss_forward, loss_backward = costs.loss_seconds(rates)
-        reports[-1].estimated_forward_s += loss_forward
-        reports[-1].estimated_backward_s += loss_backward
     return reports
 
 
-def _partition(options: ShardingOptions, reports: list[ShardReport], num_stages: int,
-               num_microbatches: int) -> list[int]:
+def shard_estimates(unit_forward_s: Sequence[float], bounds: Sequence[int], loss_s: tuple[float, float],
+                    backward_factor: float) -> list[tuple[float, float]]:
+    """Each shard's estimated (forward, backward) seconds per microbatch, shard ``i`` holding units
+    ``bounds[i] .. bounds[i+1] - 1``; the loss runs on the last shard after its forward."""
+    estimates = []
+    for start, stop in zip(bounds, bounds[1:]):
+        forward = sum(unit_forward_s[start:stop])
+        estimates.append((forward, forward * backward_factor))
+    forward, backward = estimates[-1]
+    estimates[-1] = (forward + loss_s[0], backward + loss_s[1])
+    return estimates
+
+
+def partition_shards(options: ShardingOptions, reports: list[ShardReport], num_stages: int,
+                     num_microbatches: int) -> list[int]:
+    """Stage boundaries over the shards (``options.partition_method``), as :func:`plan_pipeline` makes them."""
     method, count = options.partition_method, len(reports)
     if num_stages > count:
         raise part.PartitionError(
@@ -295,9 +311,8 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
     rates = options.machine_rates
     if rates is None:
         rates = calibrate() if needs_calibration(options) else nominal_rates(options.device_type or "cpu")
-    forward = costs.forward_seconds(rates)
-    unit_seconds = [f * (1 + options.backward_flops_factor) for f in forward]
-    unit_seconds[-1] += sum(costs.loss_seconds(rates))
+    unit_seconds = unit_step_seconds(costs.forward_seconds(rates), costs.loss_seconds(rates),
+                                     options.backward_flops_factor)
     shard_count = options.shard_count or default_shard_count(model)
     cuts = split_units(units, method=options.split_method, shard_count=shard_count,
                        split_points=options.split_points, module_names=[n for n, _ in model.named_modules()],
@@ -308,9 +323,49 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
     if timed:
         for report, seconds in zip(reports, _time_shards(shards, captured.module, inputs)):
             report.forward_seconds = seconds
-    boundaries = _partition(options, reports, num_stages, num_microbatches)
+    boundaries = partition_shards(options, reports, num_stages, num_microbatches)
     logger.info("%d shards (%s, %s), stage boundaries %s (%s)", len(shards), captured.method,
                 options.split_method, boundaries, options.partition_method)
     return PipelinePlan(shards=shards, reports=reports, boundaries=boundaries, trace_method=captured.method,
                         split_method=options.split_method, partition_method=options.partition_method,
-                        notes=list(captured.notes), num_microbatches=num_microbatches)
+                        notes=list(captured.notes), num_microbatches=num_microbatches,
+                        shard_starts=[0, *cuts, len(units)])
+
+
+def unit_step_seconds(unit_forward_s: Sequence[float], loss_s: tuple[float, float],
+                      backward_factor: float) -> list[float]:
+    """Each unit's estimated forward + backward seconds (the loss's on the last unit): what min_bytes balances."""
+    seconds = [f * (1 + backward_factor) for f in unit_forward_s]
+    seconds[-1] += sum(loss_s)
+    return seconds
+
+
+def stage_unit_bounds(options: ShardingOptions, *, unit_forward_s: Sequence[float], loss_s: tuple[float, float],
+                      cut_bytes: Sequence[int], unit_params: Sequence[int], unit_flops: Sequence[int],
+                      num_stages: int, num_microbatches: int) -> list[int]:
+    """The units where :func:`plan_pipeline`'s stages start (and the unit count), from per-unit numbers alone:
+    what a run with ``options`` cuts, for a planner pricing it without capturing the model again.
+
+    Only ``split_method=min_bytes`` (the default) needs nothing but these numbers; the other split methods
+    read the graph itself (ValueError). ``autopipe_costs=time`` is priced as ``estimate`` (nothing is timed).
+
+    Raises:
+        ShardingError / PartitionError: the model cannot be cut into ``num_stages`` stages.
+    """
+    if options.split_method != "min_bytes":
+        raise ValueError(f"split_method={options.split_method!r} reads the captured graph; only min_bytes cuts "
+                         "from per-unit numbers")
+    count = len(unit_forward_s)
+    cuts = min_bytes(unit_step_seconds(unit_forward_s, loss_s, options.backward_flops_factor), cut_bytes,
+                     num_stages)
+    bounds = [0, *cuts, count]
+    estimates = shard_estimates(unit_forward_s, bounds, loss_s, options.backward_flops_factor)
+    reports = [ShardReport(modules=[], num_parameters=sum(unit_params[start:stop]),
+                           forward_flops=sum(unit_flops[start:stop]), outputs={},
+                           output_bytes=cut_bytes[stop] if stop < count else 0,
+                           estimated_forward_s=forward, estimated_backward_s=backward)
+               for (start, stop), (forward, backward) in zip(zip(bounds, bounds[1:]), estimates)]
+    if options.autopipe_costs == "time":
+        options = replace(options, autopipe_costs="estimate")
+    boundaries = partition_shards(options, reports, num_stages, num_microbatches)
+    return [bounds[b] for b in boundaries]

@@ -1,0 +1,97 @@
+"""The planner prices the stages a run will make: its pieces start at the units where the runtime's
+split and partition (merak.shard.plan) start the stages, at every microbatch size and count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from merak.autoplan.cluster import load_cluster
+from merak.autoplan.cost import CostModel, LayoutError, _cuts
+from merak.autoplan.layout import Layout
+from merak.autoplan.planner import ProfileCache, compose_recipe
+from merak.autoplan.profile import GraphProfile
+from merak.config import resolve_settings
+from merak.run_options import sharding_options
+from merak.session import assemble_worker
+from merak.shard.plan import ShardingOptions, stage_unit_bounds
+
+LAYOUTS = [  # (tp, pp, chunks, microbatch, microbatches): deep pipelines, tensor parallelism, interleaving
+    (1, 2, 1, 1, 2), (1, 4, 1, 1, 16), (1, 4, 1, 8, 2), (1, 8, 1, 1, 16), (1, 8, 1, 16, 1),
+    (2, 4, 1, 4, 4), (1, 2, 2, 2, 4), (4, 2, 1, 16, 1),
+]
+
+
+def _layout(tp: int, pp: int, chunks: int, micro: int, microbatches: int) -> Layout:
+    return Layout(dp=1, tp=tp, pp=pp, micro_batch_size=micro, num_microbatches=microbatches,
+                  schedule="interleaved_1f1b" if chunks > 1 else "1f1b", chunks=chunks)
+
+
+def _runtime_stage_units(recipe: str, model: str, layout: Layout) -> list[int]:
+    """Where a worker of this layout cuts the stages (planned as workers plan, weights on meta)."""
+    spec, cfg = compose_recipe(recipe, [f"model={model}", *layout.overrides()])
+    settings = resolve_settings(spec, cfg)
+    prepared = spec.prepare_data(settings.data_cfg, settings.model_cfg)
+    assembled = assemble_worker(spec, settings, prepared, stage_id=0, device=torch.device("cpu"), planning=True)
+    return assembled.plan.stage_units
+
+
+@pytest.mark.parametrize("recipe,model", [("gpt", "toy"), ("bert", "toy")])
+def test_pieces_start_where_the_runtime_cuts_the_stages(cache_dir, recipe, model):
+    spec, cfg = compose_recipe(recipe, [f"model={model}"])
+    settings = resolve_settings(spec, cfg)
+    cost = CostModel(ProfileCache(spec, settings, directory=cache_dir / "profiles"), load_cluster("this", processes=8),
+                     sharding=sharding_options(spec, settings))
+    compared = 0
+    for tp, pp, chunks, micro, microbatches in LAYOUTS:
+        layout = _layout(tp, pp, chunks, micro, microbatches)
+        if spec.check_layout(settings.model_cfg, 1, tp, pp):
+            continue
+        planned = cost._piece_bounds(layout, cost._table(layout))
+        assert planned == _runtime_stage_units(recipe, model, layout), layout.key()
+        compared += 1
+    assert compared >= 6
+
+
+def _profile(units: int = 12) -> GraphProfile:
+    """Twelve units: an embedding, ten equal layers (a layer boundary sends the least), a heavy head."""
+    flops = (0, *(10_000_000,) * (units - 2), 40_000_000)
+    crossing = (0, 4096, *(1024,) * (units - 2))
+    zeros = (0,) * units
+    return GraphProfile(micro_batch_size=1, tp=1, sequence_parallel=False, dtype_bytes=4, flops=flops,
+                        bytes_moved=(4096,) * units, ops=(4,) * units, params=(1000,) * units,
+                        saved_bytes=(64,) * units,
+                        forward_all_reduce=zeros, forward_gather=zeros, backward_all_reduce=zeros,
+                        backward_gather=zeros, crossing_bytes=crossing, layer_starts=tuple(range(1, units - 1)),
+                        output_bytes=4096)
+
+
+def test_a_model_with_too_few_cuts_is_a_layout_error():
+    cost = CostModel(lambda tp, sequence_parallel: _profile(units=4), load_cluster("this", processes=8),
+                     sharding=ShardingOptions())
+    with pytest.raises(LayoutError):
+        cost.predict(_layout(1, 8, 1, 1, 8))
+
+
+def test_split_methods_that_read_the_graph_are_priced_by_balanced_cuts():
+    profile = _profile()
+    by_layers = CostModel(lambda tp, sequence_parallel: profile, load_cluster("this", processes=4),
+                          sharding=ShardingOptions(split_method="layer_split"))
+    layout = _layout(1, 4, 1, 1, 4)
+    table = by_layers._table(layout)
+    assert by_layers._piece_bounds(layout, table) == _cuts(profile, 4, table.cuts_at)
+    with pytest.raises(ValueError, match="min_bytes"):
+        stage_unit_bounds(ShardingOptions(split_method="layer_split"), unit_forward_s=[1.0] * 4, loss_s=(0, 0),
+                          cut_bytes=[0, 1, 1, 1], unit_params=[1] * 4, unit_flops=[1] * 4, num_stages=2,
+                          num_microbatches=2)
+
+
+def test_the_weights_read_do_not_grow_with_the_microbatch():
+    profile = GraphProfile(micro_batch_size=1, tp=1, sequence_parallel=False, dtype_bytes=4, flops=(10, 20),
+                           bytes_moved=(1000, 300), ops=(1, 1), params=(0, 0), saved_bytes=(0, 0),
+                           forward_all_reduce=(0, 0), forward_gather=(0, 0), backward_all_reduce=(0, 0),
+                           backward_gather=(0, 0), crossing_bytes=(0, 8), layer_starts=(), output_bytes=8,
+                           weight_bytes=(800, 0))
+    scaled = profile.scaled(4)
+    assert scaled.bytes_moved == (800 + 4 * 200, 4 * 300) and scaled.flops == (40, 80)
+    assert GraphProfile.from_json(scaled.to_json()) == scaled
