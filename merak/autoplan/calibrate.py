@@ -50,6 +50,9 @@ CONCURRENT_TIMEOUT_S = 120.0
 CONCURRENT_SECONDS = 2.0  # of the processes running the model at once (a few repetitions are noisy)
 ALL_REDUCE_ELEMENTS = 1024
 ALL_REDUCES = 20
+# The gradients' all-reduce is timed at their size, capped (a larger one takes proportionally longer).
+GRADIENT_ALL_REDUCE_MOST_BYTES = 64 << 20
+GRADIENT_ALL_REDUCES = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +72,9 @@ class Calibration:
             bandwidth and caches too).
         all_reduce_s: one small all-reduce among ``processes`` processes (the latency of a collective
             when every core has more than one process to run).
+        gradient_all_reduce_s: one all-reduce of ``gradient_all_reduce_bytes`` (the model's gradients,
+            capped) among ``processes`` processes: gloo's copies and sums share the cores too, so a
+            large collective takes far longer than the link's bandwidth alone says.
     """
 
     work_scale: float = 1.0
@@ -78,6 +84,8 @@ class Calibration:
     processes: int = 1
     concurrent_slowdown: float = 1.0
     all_reduce_s: float | None = None
+    gradient_all_reduce_s: float | None = None
+    gradient_all_reduce_bytes: int = 0
 
     def seconds(self, rates: MachineRates, flops: float, bytes_moved: float, ops: float) -> float:
         """The calibrated time of ``flops``, ``bytes_moved`` and ``ops`` at ``rates``."""
@@ -161,12 +169,12 @@ def _model_step(spec, settings, micro_batch_size: int):
 
 def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, steps: int, out_dir: str) -> None:
     """One of the processes timing the model all at once, ``steps`` times, each started together (as the
-    steps of a synchronous run are), then small all-reduces among them."""
+    steps of a synchronous run are), then small all-reduces among them and all-reduces of its gradients."""
     torch.set_num_threads(threads)
     _as_training_does(settings)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=CONCURRENT_TIMEOUT_S))
     try:
-        step, _ = _model_step(spec, settings, micro_batch_size)
+        step, model = _model_step(spec, settings, micro_batch_size)
         step()  # warm-up
         times = []
         for _ in range(steps):
@@ -181,26 +189,49 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
         for _ in range(ALL_REDUCES):
             dist.all_reduce(message)
         all_reduce = (time.perf_counter() - started) / ALL_REDUCES
-        dist.barrier()
+        gradients = _gradient_all_reduces(model)
     finally:
         dist.destroy_process_group()
     rank = int(os.environ["RANK"])  # set by spawn_workers
-    write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"), {"step_s": times, "all_reduce_s": all_reduce})
+    write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"),
+                      {"step_s": times, "all_reduce_s": all_reduce, **gradients})
+
+
+def _gradient_all_reduces(model: torch.nn.Module) -> dict:
+    """Times of ``GRADIENT_ALL_REDUCES`` all-reduces of the model's gradient bytes (capped), each started
+    together, as a data-parallel run reduces its gradients after a backward."""
+    nbytes = min(sum(p.numel() for p in model.parameters()) * 4, GRADIENT_ALL_REDUCE_MOST_BYTES)
+    flat = torch.zeros(max(1, nbytes // 4))
+    dist.barrier()
+    dist.all_reduce(flat)  # warm-up: gloo's buffers for this size
+    times = []
+    for _ in range(GRADIENT_ALL_REDUCES):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(flat)
+        times.append(time.perf_counter() - started)
+    dist.barrier()
+    return {"gradient_all_reduce_s": times, "gradient_all_reduce_bytes": flat.numel() * 4}
 
 
 def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int,
-                       steps: int = REPEATS) -> tuple[float, float]:
-    """(step time, all-reduce time) of ``processes`` processes running the model at once, ``steps`` times. A
-    synchronous step waits for the slowest process: the step time is the median over the repetitions of the
-    slowest process's time (processes sharing cores finish a time slice apart, and which one is last varies)."""
+                       steps: int = REPEATS) -> dict:
+    """``processes`` processes running the model at once, ``steps`` times: ``step_s``, ``all_reduce_s`` (a small
+    one), ``gradient_all_reduce_s`` and ``gradient_all_reduce_bytes``. A synchronous step (or collective)
+    waits for the slowest process: each time is the median over the repetitions of the slowest process's
+    (processes sharing cores finish a time slice apart, and which one is last varies)."""
     with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
         spawn_workers(_concurrent_worker, world_size=processes,
                       args=(spec, settings, micro_batch_size, threads, steps, out_dir),
                       env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
                       store_timeout_s=CONCURRENT_TIMEOUT_S)
         reports = [json.loads(Path(out_dir, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
-    slowest = [max(times) for times in zip(*(r["step_s"] for r in reports))]
-    return statistics.median(slowest), statistics.median(r["all_reduce_s"] for r in reports)
+    def slowest(key: str) -> float:
+        return statistics.median(max(times) for times in zip(*(r[key] for r in reports)))
+
+    return {"step_s": slowest("step_s"), "all_reduce_s": statistics.median(r["all_reduce_s"] for r in reports),
+            "gradient_all_reduce_s": slowest("gradient_all_reduce_s"),
+            "gradient_all_reduce_bytes": reports[0]["gradient_all_reduce_bytes"]}
 
 
 def fit_scales(small: tuple[float, float, float], large: tuple[float, float, float] | None) -> tuple[float, float]:
@@ -289,9 +320,13 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
     alone_s = points[sizes.index(concurrent_size)][2]
     # Enough repetitions for about CONCURRENT_SECONDS if the processes share the cores evenly.
     steps = max(REPEATS, math.ceil(CONCURRENT_SECONDS / (alone_s * max(1.0, processes / max(cores, 1)))))
-    concurrent, all_reduce = measure_concurrent(spec, settings, concurrent_size, processes, threads, steps)
-    slowdown = concurrent / alone_s
-    logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone); a small all-reduce among them "
-                "%.2f ms", processes, concurrent * 1e3, slowdown, all_reduce * 1e3)
+    concurrent = measure_concurrent(spec, settings, concurrent_size, processes, threads, steps)
+    slowdown = concurrent["step_s"] / alone_s
+    logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone); among them a small all-reduce "
+                "%.2f ms, one of the gradients (%.3g MB) %.1f ms", processes, concurrent["step_s"] * 1e3, slowdown,
+                concurrent["all_reduce_s"] * 1e3, concurrent["gradient_all_reduce_bytes"] / 1e6,
+                concurrent["gradient_all_reduce_s"] * 1e3)
     return dataclasses.replace(calibration, processes=processes, concurrent_slowdown=slowdown,
-                               all_reduce_s=all_reduce)
+                               all_reduce_s=concurrent["all_reduce_s"],
+                               gradient_all_reduce_s=concurrent["gradient_all_reduce_s"],
+                               gradient_all_reduce_bytes=concurrent["gradient_all_reduce_bytes"])

@@ -56,6 +56,8 @@ from merak.shard.plan import ShardingOptions, stage_unit_bounds
 from merak.shard.split import ShardingError
 
 ADAM_BYTES_PER_PARAMETER = 28  # read weight, gradient, two moments; write weight and moments (fp32)
+STEP_SCALAR_REDUCTIONS = 2  # per step, over every process: the loss (for the log) and the gradient norm
+SCALAR_BYTES = 8
 SIMULATED_MICROBATCHES = 8  # a longer step is simulated at about this many and extended linearly
 
 
@@ -118,6 +120,17 @@ def device_rates(cluster: Cluster, dtype: str) -> MachineRates:
 def _slowed(link: Link, slowdown: float) -> Link:
     """``link`` with its bandwidth divided by ``slowdown`` (the latency is measured as it is)."""
     return link if slowdown == 1.0 else dataclasses.replace(link, bandwidth_gbs=link.bandwidth_gbs / slowdown)
+
+
+def _gradient_link(calibration: Calibration, link: Link) -> Link | None:
+    """The link whose ring all-reduce takes what the calibration's gradient all-reduce took among its
+    processes (None: not timed). Latency as ``link``'s, the rest of the time as bandwidth."""
+    size, seconds = calibration.processes, calibration.gradient_all_reduce_s
+    if seconds is None or size < 2 or calibration.gradient_all_reduce_bytes <= 0:
+        return None
+    steps = 2 * (size - 1)
+    moving = max(seconds - steps * link.latency_us * 1e-6, seconds / 2)
+    return dataclasses.replace(link, bandwidth_gbs=steps / size * calibration.gradient_all_reduce_bytes / moving / 1e9)
 
 
 def p2p_seconds(nbytes: float, link: Link) -> float:
@@ -327,6 +340,7 @@ class CostModel:
             cluster = dataclasses.replace(cluster, intra_node=dataclasses.replace(
                 link, latency_us=max(link.latency_us, hop)))
         self.cluster = cluster
+        self.gradient_link = _gradient_link(calibration, cluster.intra_node)
         self._tables: dict[tuple[int, bool, int], _UnitTable] = {}
         self._bounds: dict[tuple, list[int]] = {}
         self._simulations: dict[tuple, tuple[list[float], tuple | None]] = {}
@@ -442,6 +456,14 @@ class CostModel:
                 kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b))
         return pieces, slowdown
 
+    def _sync_seconds(self, layout: Layout) -> float:
+        """The scalars every step reduces over all processes (the loss, the gradient norm), each a small
+        all-reduce over the slowest link the processes span."""
+        if layout.world_size == 1:
+            return 0.0
+        link = self.cluster.inter_node if layout.world_size > self.cluster.devices_per_node else self.cluster.intra_node
+        return STEP_SCALAR_REDUCTIONS * all_reduce_seconds(SCALAR_BYTES, layout.world_size, link)
+
     def _optimizer_seconds(self, parameters: float) -> float:
         if self.optimizer_seconds_per_parameter is not None:
             return parameters * self.optimizer_seconds_per_parameter
@@ -480,23 +502,28 @@ class CostModel:
         """
         pieces, slowdown = self._pieces(layout)
         precision = Precision.of(self._table(layout).dtype_bytes)
-        _, dp_link, pp_link = (_slowed(link, slowdown)
-                               for link in _group_links(self.cluster, layout.dp, layout.tp, layout.pp))
+        _, dp_link, pp_link = _group_links(self.cluster, layout.dp, layout.tp, layout.pp)
+        # Within a node whose gradient all-reduce was timed, that timing prices it (the cores' sharing
+        # included); else the link, slowed as the processes' compute is.
+        dp_link = self.gradient_link if self.gradient_link is not None and dp_link == self.cluster.intra_node \
+            else _slowed(dp_link, slowdown)
+        pp_link = _slowed(pp_link, slowdown)
         pp, chunks = layout.pp, layout.chunks
         stage_params = [sum(pieces[c * pp + s].params for c in range(chunks)) for s in range(pp)]
         dp_seconds = [all_reduce_seconds(p * precision.gradient, layout.dp, dp_link) for p in stage_params]
+        sync = self._sync_seconds(layout)
         optimizer_seconds = [self._optimizer_seconds(p / (layout.dp if layout.zero_stage else 1))
                              for p in stage_params]
         lists = None
         if simulate_schedule:
             ends, lists = self._simulated(layout, pieces, pp_link)
             # Each stage reduces its gradients and steps once its last backward is done.
-            step = max(end + dp + step_s for end, dp, step_s in zip(ends, dp_seconds, optimizer_seconds))
+            step = max(end + dp + step_s for end, dp, step_s in zip(ends, dp_seconds, optimizer_seconds)) + sync
         counts = in_flight_counts(layout.schedule, pp, layout.num_microbatches, chunks)
         memory = tuple(self._state_bytes(layout, stage_params[s], precision)
                        + self._activation_bytes(layout, pieces, s, lists, counts) for s in range(pp))
         if lists is None:
-            step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link)
+            step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link) + sync
         per_microbatch = [sum(pieces[c * pp + s].forward + pieces[c * pp + s].backward
                               + (pieces[c * pp + s].recompute if layout.recompute else 0.0)
                               for c in range(chunks)) for s in range(pp)]
@@ -505,10 +532,10 @@ class CostModel:
         mine = [pieces[c * pp + busiest] for c in range(chunks)]
         breakdown = {
             "compute_s": work,
-            "bubble_s": max(0.0, step - work - max(dp_seconds) - max(optimizer_seconds)),
+            "bubble_s": max(0.0, step - work - max(dp_seconds) - max(optimizer_seconds) - sync),
             "tp_comm_s": sum(p.tp_seconds for p in mine) * layout.num_microbatches,
             "recompute_s": sum(p.recompute for p in mine) * layout.num_microbatches if layout.recompute else 0.0,
-            "dp_comm_s": max(dp_seconds), "optimizer_s": max(optimizer_seconds)}
+            "dp_comm_s": max(dp_seconds), "optimizer_s": max(optimizer_seconds), "sync_s": sync}
         return Prediction(layout=layout, step_s=step, stage_memory=memory, breakdown=breakdown,
                           simulated=simulate_schedule)
 

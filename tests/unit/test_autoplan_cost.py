@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from merak.autoplan.calibrate import Calibration
 from merak.autoplan.cluster import Link, preset, this_machine
 from merak.autoplan.cost import (
     CostModel,
@@ -274,6 +275,35 @@ def test_data_parallel_reduction_uses_the_link_its_group_crosses():
     assert one_node == pytest.approx(all_reduce_seconds(gradient_bytes, 8, cluster.intra_node))
     assert two_nodes == pytest.approx(all_reduce_seconds(gradient_bytes, 16, cluster.inter_node))
     assert two_nodes > one_node
+
+
+def test_a_timed_gradient_all_reduce_prices_the_data_parallel_reduction():
+    gradient_bytes = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT * 4
+    four_on_two_cores = dataclasses.replace(this_machine(4, measure=False), cores_per_node=2)
+    timed = Calibration(processes=4, concurrent_slowdown=2.5, all_reduce_s=0.006, gradient_all_reduce_s=0.25,
+                        gradient_all_reduce_bytes=gradient_bytes)
+    model = CostModel(lambda tp, sequence_parallel: synthetic_profile(), four_on_two_cores, calibration=timed)
+    # As many processes as were timed, reducing as many bytes: the step pays what the timing took.
+    assert model.predict(layout(dp=4)).breakdown["dp_comm_s"] == pytest.approx(0.25)
+    hop = 0.006 / 6
+    pair = model.predict(layout(dp=2, pp=2)).breakdown["dp_comm_s"]
+    half_the_gradients = (0.25 - 6 * hop) / 1.5 * 0.5  # a ring of two moves 1/1.5 as much per byte
+    assert pair == pytest.approx(2 * hop + half_the_gradients, rel=0.05)
+    untimed = CostModel(lambda tp, sequence_parallel: synthetic_profile(), four_on_two_cores,
+                        calibration=dataclasses.replace(timed, gradient_all_reduce_s=None))
+    assert untimed.predict(layout(dp=4)).breakdown["dp_comm_s"] != pytest.approx(0.25, rel=0.1)  # the link
+
+
+def test_every_step_reduces_its_loss_and_gradient_norm_over_all_processes():
+    model = gpu_model()
+    cluster = preset("h100-80")
+    assert model.predict(layout(dp=1)).breakdown["sync_s"] == 0.0
+    one_node = model.predict(layout(dp=2, pp=4))
+    assert one_node.breakdown["sync_s"] == pytest.approx(2 * all_reduce_seconds(8, 8, cluster.intra_node))
+    assert model.predict(layout(dp=16)).breakdown["sync_s"] == pytest.approx(
+        2 * all_reduce_seconds(8, 16, cluster.inter_node))
+    quick = model.predict(layout(dp=2, pp=4), simulate_schedule=False)
+    assert quick.step_s >= quick.breakdown["compute_s"] + quick.breakdown["sync_s"]
 
 
 def test_cpu_workers_beyond_the_cores_share_them():
