@@ -12,6 +12,7 @@ returns the config with the chosen degrees and trainer settings, which then runs
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from merak.autoplan.cluster import THIS, Cluster, load_cluster
 from merak.autoplan.planner import PlanError, plan_for_settings, requested_global_batch, single_process_settings
 from merak.autoplan.table import format_table
-from merak.autoplan.trials import TRIAL_STEPS, TRIALS, Train, layout_config, run_trials
+from merak.autoplan.trials import TRIAL_SECONDS, TRIAL_STEPS, TRIALS, Train, layout_config, run_trials
 from merak.config import ConfigError
 from merak.report import write_json_atomic
 
@@ -68,7 +69,7 @@ def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None, train: Trai
     """
     deterministic = outside_world is not None
     world = _world_size(cfg, outside_world)
-    trials, trial_steps = _trial_settings(cfg)
+    trials, trial_steps, trial_seconds = _trial_settings(cfg)
     cluster = _cluster(cfg, world or default_processes(), deterministic)
     if world is None:
         world = cluster.world_size
@@ -81,7 +82,7 @@ def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None, train: Trai
     outcome = None
     if train is not None and not deterministic and not cfg.get("dry_run") and trials > 0 \
             and cluster.cores_per_node is not None and world <= cluster.devices_per_node:
-        outcome = run_trials(report.candidates, cfg, train, count=trials, steps=trial_steps)
+        outcome = run_trials(report.candidates, cfg, train, count=trials, steps=trial_steps, seconds=trial_seconds)
     best = outcome.chosen.layout if outcome is not None else report.best.layout
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         os.makedirs(settings.output_dir, exist_ok=True)
@@ -96,16 +97,19 @@ def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None, train: Trai
     return layout_config(cfg, best)
 
 
-def _trial_settings(cfg: DictConfig) -> tuple[int, int]:
-    """(``parallel.trials``, ``parallel.trial_steps``), checked."""
+def _trial_settings(cfg: DictConfig) -> tuple[int, int, float]:
+    """(``parallel.trials``, ``parallel.trial_steps``, ``parallel.trial_seconds``), checked."""
     parallel = cfg.get("parallel") or {}
     values = {"trials": parallel.get("trials", TRIALS), "trial_steps": parallel.get("trial_steps", TRIAL_STEPS)}
     minimum = {"trials": 0, "trial_steps": 1}
     problems = [f"parallel.{name}={value!r} must be an integer >= {minimum[name]}" for name, value in values.items()
                 if isinstance(value, bool) or not isinstance(value, int) or value < minimum[name]]
+    seconds = parallel.get("trial_seconds", TRIAL_SECONDS)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+        problems.append(f"parallel.trial_seconds={seconds!r} must be a number >= 0 (0: exactly trial_steps steps)")
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    return values["trials"], values["trial_steps"]
+    return values["trials"], values["trial_steps"], float(seconds)
 
 
 def default_processes() -> int:

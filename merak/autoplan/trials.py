@@ -8,8 +8,9 @@ first-ranked (dp, tp, pp) grids, predicted at most :data:`TRIAL_WINDOW` times th
 runner-ups of one grid differ from its first in details (ZeRO stage, schedule) that the cost model
 prices better than the sharing of the cores between grids.
 
-Each trial is a real run of the recipe (``parallel.trial_steps`` steps, checkpoints and evaluation
-off, its own scratch run directory); its time is the median step past the warm-up. The layouts
+Each trial is a real run of the recipe (``parallel.trial_steps`` steps, more for short steps until about
+``parallel.trial_seconds`` are timed; checkpoints and evaluation off, its own scratch run directory);
+its time is the median step past the warm-up. The layouts
 measured within :data:`RERUN_WITHIN` of the fastest run once more, in the opposite order, and keep
 their faster run. A trial that fails is recorded with its error and left out of the choice. The
 measured over predicted times also give one factor that fits the cost model to this machine
@@ -39,7 +40,9 @@ from merak.distributed.launch import WorkerFailed
 logger = logging.getLogger(__name__)
 
 TRIALS = 3  # layouts tried by default (parallel.trials)
-TRIAL_STEPS = 8  # steps of each (parallel.trial_steps)
+TRIAL_STEPS = 8  # steps of each, at least (parallel.trial_steps)
+TRIAL_SECONDS = 3.0  # short steps: more of them, until about this long is timed (parallel.trial_seconds)
+TRIAL_MOST_STEPS = 60
 TRIAL_WARMUP = 3  # first steps left out of a trial's time (allocator, caches, lazy initialization)
 TRIAL_WINDOW = 2.0  # only layouts predicted at most this many times slower than the best are tried
 RERUN_WITHIN = 0.15  # layouts measured this close to the fastest are run once more
@@ -171,26 +174,37 @@ def measure(train: Train, cfg: DictConfig, trial: Trial, steps: int) -> None:
     trial.wall_s += time.perf_counter() - started
 
 
+def trial_steps(candidate: Candidate, steps: int, seconds: float) -> int:
+    """Steps to train ``candidate`` for: ``steps``, or more when its predicted step is short, so that about
+    ``seconds`` are timed past the warm-up (at most :data:`TRIAL_MOST_STEPS`): the median of a handful of
+    100 ms steps among processes sharing the cores can be off by a third."""
+    if seconds <= 0 or candidate.predicted_step_s <= 0:
+        return steps
+    wanted = TRIAL_WARMUP + math.ceil(seconds / candidate.predicted_step_s - 1e-9)  # 3 / 0.1 is 30.000...04
+    return max(steps, min(TRIAL_MOST_STEPS, wanted))
+
+
 def run_trials(candidates: list[Candidate], cfg: DictConfig, train: Train, *, count: int = TRIALS,
-               steps: int = TRIAL_STEPS) -> TrialOutcome:
-    """Try the leading candidates (:func:`trial_candidates`), then once more, in the opposite order, those
-    within :data:`RERUN_WITHIN` of the fastest (two layouts that close can swap places from one run to the
-    next); choose the fastest measured. The best prediction when none could be measured, or when only one
-    grid is in the running (nothing tried)."""
+               steps: int = TRIAL_STEPS, seconds: float = TRIAL_SECONDS) -> TrialOutcome:
+    """Try the leading candidates (:func:`trial_candidates`) for :func:`trial_steps` steps each, then once
+    more, in the opposite order, those within :data:`RERUN_WITHIN` of the fastest (two layouts that close
+    can swap places from one run to the next); choose the fastest measured. The best prediction when none
+    could be measured, or when only one grid is in the running (nothing tried)."""
     leading = trial_candidates(candidates, count)
     if len(leading) < 2:  # nothing to choose between
         return TrialOutcome(trials=[], chosen=candidates[0])
     tried = [Trial(candidate) for candidate in leading]
     for trial in tried:
-        logger.info("trying %s for %d steps (predicted %.1f ms per step)", trial.candidate.layout.key(), steps,
+        length = trial_steps(trial.candidate, steps, seconds)
+        logger.info("trying %s for %d steps (predicted %.1f ms per step)", trial.candidate.layout.key(), length,
                     trial.candidate.predicted_step_s * 1e3)
-        measure(train, cfg, trial, steps)
+        measure(train, cfg, trial, length)
     close = _close_to_fastest(tried)
     if len(close) > 1:
         for trial in reversed(close):
             logger.info("trying %s again (%.1f ms per step, within %.0f %% of the fastest)",
                         trial.candidate.layout.key(), trial.measured_step_s * 1e3, RERUN_WITHIN * 100)
-            measure(train, cfg, trial, steps)
+            measure(train, cfg, trial, trial_steps(trial.candidate, steps, seconds))
     measured = [t for t in tried if t.measured_step_s is not None]
     best = min(measured, key=lambda t: t.measured_step_s).candidate if measured else candidates[0]
     return TrialOutcome(trials=tried, chosen=best)

@@ -28,7 +28,8 @@ def _train(args, cache_dir, timeout=300) -> subprocess.CompletedProcess:
 def test_auto_trains_the_layout_its_trials_chose(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     result = _train(["model=toy", "parallel=auto", "parallel.world_size=2", "parallel.trial_steps=5",
-                     "trainer.global_batch_size=8", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
+                     "parallel.trial_seconds=0", "trainer.global_batch_size=8", "trainer.max_steps=2",
+                     f"hydra.run.dir={run_dir}"], cache_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["global_batch_size"] == 8

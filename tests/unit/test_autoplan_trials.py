@@ -18,12 +18,14 @@ from merak.autoplan.planner import PlanReport
 from merak.autoplan.search import Candidate
 from merak.autoplan.table import format_table
 from merak.autoplan.trials import (
+    TRIAL_MOST_STEPS,
     TRIAL_WARMUP,
     Trial,
     layout_config,
     run_trials,
     trial_candidates,
     trial_config,
+    trial_steps,
 )
 from merak.config import ConfigError
 from merak.distributed.launch import WorkerFailed
@@ -119,7 +121,8 @@ def test_the_fastest_measured_layout_is_chosen():
     outcome = run_trials(RANKED, BASE_CFG, training, count=3, steps=6)
     assert outcome.chosen is RANKED[2]
     assert [t.measured_step_s for t in outcome.trials] == [0.30, 0.20, 0.25]
-    assert all(cfg.trainer.max_steps == 6 for cfg in training.configs)
+    # Predicted 100, 120 and 180 ms per step: about 3 s timed past the warm-up.
+    assert [cfg.trainer.max_steps for cfg in training.configs] == [TRIAL_WARMUP + n for n in (30, 25, 17)]
     assert len({cfg.trainer.output_dir for cfg in training.configs}) == len(training.configs)  # scratch, each
     assert not any(os.path.exists(cfg.trainer.output_dir) for cfg in training.configs)  # and removed
     ratios = [0.30 / 0.10, 0.20 / 0.12, 0.25 / 0.18]
@@ -162,12 +165,25 @@ def test_nothing_is_tried_with_a_single_grid_in_the_running():
 
 
 def test_trial_settings_are_checked():
-    assert _trial_settings(OmegaConf.create({"parallel": {"auto": True}})) == (3, 8)
-    assert _trial_settings(OmegaConf.create({"parallel": {"trials": 0, "trial_steps": 2}})) == (0, 2)
+    assert _trial_settings(OmegaConf.create({"parallel": {"auto": True}})) == (3, 8, 3.0)
+    assert _trial_settings(OmegaConf.create({"parallel": {"trials": 0, "trial_steps": 2, "trial_seconds": 0}})) \
+        == (0, 2, 0.0)
     with pytest.raises(ConfigError) as raised:
-        _trial_settings(OmegaConf.create({"parallel": {"trials": -1, "trial_steps": True}}))
+        _trial_settings(OmegaConf.create({"parallel": {"trials": -1, "trial_steps": True, "trial_seconds": -1}}))
     assert "parallel.trials=-1 must be an integer >= 0" in str(raised.value)
     assert "parallel.trial_steps=True must be an integer >= 1" in str(raised.value)
+    assert "parallel.trial_seconds=-1 must be a number >= 0" in str(raised.value)
+
+
+def test_short_steps_are_tried_for_longer():
+    fast, slow = RANKED[0], RANKED[-1]
+    assert trial_steps(dataclasses.replace(fast, prediction=dataclasses.replace(
+        fast.prediction, step_s=0.1)), 8, 3.0) == TRIAL_WARMUP + 30
+    assert trial_steps(dataclasses.replace(slow, prediction=dataclasses.replace(
+        slow.prediction, step_s=2.0)), 8, 3.0) == 8  # 8 steps time more than 3 s already
+    tiny = dataclasses.replace(fast, prediction=dataclasses.replace(fast.prediction, step_s=1e-4))
+    assert trial_steps(tiny, 8, 3.0) == TRIAL_MOST_STEPS
+    assert trial_steps(tiny, 8, 0.0) == 8
 
 
 # --- the table ---------------------------------------------------------------------------------------------------
