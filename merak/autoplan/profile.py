@@ -82,6 +82,9 @@ class GraphProfile:
     shared_params: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # The part of ``bytes_moved`` read from weights and buffers: the same at every microbatch size.
     weight_bytes: tuple[int, ...] = ()
+    # Per field, the part that does not grow with the microbatch (position embeddings, masks, weights),
+    # from a second capture at twice the microbatch (:func:`with_fixed_parts`); ``weight_bytes`` without it.
+    fixed: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __len__(self) -> int:
         return len(self.flops)
@@ -90,18 +93,28 @@ class GraphProfile:
         """The profile at another microbatch size (parameters, operation counts and the weights read do not
         change)."""
         factor = micro_batch_size / self.micro_batch_size
+        fixed = dict(self.fixed)
+        fixed.setdefault("bytes_moved", self.weight_bytes)
 
-        def grow(values):
-            return tuple(round(v * factor) for v in values)
+        def grow(name: str) -> tuple[int, ...]:
+            values = getattr(self, name)
+            constant = fixed.get(name) or (0,) * len(values)
+            return tuple(c + round((v - c) * factor) for v, c in zip(values, constant))
 
-        fixed = self.weight_bytes or (0,) * len(self)
-        moved = tuple(w + round((b - w) * factor) for b, w in zip(self.bytes_moved, fixed))
         return dataclasses.replace(
-            self, micro_batch_size=micro_batch_size, flops=grow(self.flops), bytes_moved=moved,
-            saved_bytes=grow(self.saved_bytes), forward_all_reduce=grow(self.forward_all_reduce),
-            forward_gather=grow(self.forward_gather), backward_all_reduce=grow(self.backward_all_reduce),
-            backward_gather=grow(self.backward_gather), crossing_bytes=grow(self.crossing_bytes),
+            self, micro_batch_size=micro_batch_size, **{name: grow(name) for name in SCALED_FIELDS},
             output_bytes=round(self.output_bytes * factor))
+
+    def with_fixed_parts(self, larger: GraphProfile) -> GraphProfile:
+        """This profile, knowing what does not grow with the microbatch from ``larger`` (the same graph
+        captured at twice the microbatch); unchanged when the two graphs' units differ."""
+        if len(larger) != len(self) or larger.micro_batch_size != 2 * self.micro_batch_size:
+            return self
+        fixed = []
+        for name in SCALED_FIELDS:
+            small, large = getattr(self, name), getattr(larger, name)
+            fixed.append((name, tuple(min(max(2 * a - b, 0), a) for a, b in zip(small, large))))
+        return dataclasses.replace(self, fixed=tuple(fixed))
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,7 +123,13 @@ class GraphProfile:
     def from_json(cls, data: dict) -> GraphProfile:
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
         values["shared_params"] = tuple((numel, tuple(units)) for numel, units in values.get("shared_params", ()))
+        values["fixed"] = tuple((name, tuple(parts)) for name, parts in values.get("fixed", ()))
         return cls(**values)
+
+
+# What grows with the microbatch (less any fixed part); parameters and operation counts do not.
+SCALED_FIELDS = ("flops", "bytes_moved", "saved_bytes", "forward_all_reduce", "forward_gather", "backward_all_reduce",
+                 "backward_gather", "crossing_bytes")
 
 
 def _collective_name(node: fx.Node) -> str | None:
@@ -246,7 +265,16 @@ def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor
 
 
 def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int = 1) -> GraphProfile:
-    """The profile of ``spec``'s model as the run's settings build it, at tensor-parallel degree ``tp``."""
+    """The profile of ``spec``'s model as the run's settings build it, at tensor-parallel degree ``tp``, with
+    what does not grow with the microbatch taken from a second capture at twice ``micro_batch_size``."""
+    profile = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
+                          micro_batch_size=micro_batch_size)
+    larger = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
+                         micro_batch_size=2 * micro_batch_size)
+    return profile.with_fixed_parts(larger)
+
+
+def _profile_at(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int) -> GraphProfile:
     from merak.run_options import precision_options, sharding_options
     from merak.session import example_inputs
 

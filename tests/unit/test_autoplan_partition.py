@@ -3,6 +3,8 @@ split and partition (merak.shard.plan) start the stages, at every microbatch siz
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ from merak.shard.plan import ShardingOptions, stage_unit_bounds
 
 LAYOUTS = [  # (tp, pp, chunks, microbatch, microbatches): deep pipelines, tensor parallelism, interleaving
     (1, 2, 1, 1, 2), (1, 4, 1, 1, 16), (1, 4, 1, 8, 2), (1, 8, 1, 1, 16), (1, 8, 1, 16, 1),
-    (2, 4, 1, 4, 4), (1, 2, 2, 2, 4), (4, 2, 1, 16, 1),
+    (2, 4, 1, 4, 4), (1, 2, 2, 2, 4), (4, 2, 1, 16, 1), (1, 8, 1, 2, 8),
 ]
 
 
@@ -36,7 +38,7 @@ def _runtime_stage_units(recipe: str, model: str, layout: Layout) -> list[int]:
     return assembled.plan.stage_units
 
 
-@pytest.mark.parametrize("recipe,model", [("gpt", "toy"), ("bert", "toy")])
+@pytest.mark.parametrize("recipe,model", [("gpt", "toy"), ("gpt", "demo"), ("bert", "toy")])
 def test_pieces_start_where_the_runtime_cuts_the_stages(cache_dir, recipe, model):
     spec, cfg = compose_recipe(recipe, [f"model={model}"])
     settings = resolve_settings(spec, cfg)
@@ -95,3 +97,20 @@ def test_the_weights_read_do_not_grow_with_the_microbatch():
     scaled = profile.scaled(4)
     assert scaled.bytes_moved == (800 + 4 * 200, 4 * 300) and scaled.flops == (40, 80)
     assert GraphProfile.from_json(scaled.to_json()) == scaled
+
+
+def test_what_does_not_grow_with_the_microbatch_stays_fixed():
+    def at(micro: int) -> GraphProfile:  # a position embedding's 100 bytes, the same at every microbatch
+        return GraphProfile(micro_batch_size=micro, tp=1, sequence_parallel=False, dtype_bytes=4,
+                            flops=(0, 10 * micro), bytes_moved=(100 + 50 * micro, 300 * micro), ops=(1, 1),
+                            params=(0, 0), saved_bytes=(0, 8 * micro), forward_all_reduce=(0, 0),
+                            forward_gather=(0, 0), backward_all_reduce=(0, 0), backward_gather=(0, 0),
+                            crossing_bytes=(0, 100 + 4 * micro), layer_starts=(), output_bytes=8 * micro)
+
+    profile = at(1).with_fixed_parts(at(2))
+    for micro in (3, 8):
+        scaled = profile.scaled(micro)
+        assert (scaled.bytes_moved, scaled.crossing_bytes, scaled.flops) == \
+            (at(micro).bytes_moved, at(micro).crossing_bytes, at(micro).flops)
+    assert GraphProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    assert at(1).with_fixed_parts(at(4)) == at(1)  # not twice the microbatch: nothing learned
