@@ -50,7 +50,14 @@ from merak.pipeline.instructions import (
 )
 from merak.pipeline.schedules import build_schedule
 from merak.pipeline.simulate import simulate
-from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates, nominal_rates
+from merak.shard.costs import (
+    LOSS_OPS,
+    LOSS_PASSES_BACKWARD,
+    LOSS_PASSES_FORWARD,
+    MachineRates,
+    loss_seconds,
+    nominal_rates,
+)
 from merak.shard.partition import PartitionError
 from merak.shard.plan import ShardingOptions, stage_unit_bounds
 from merak.shard.split import ShardingError
@@ -399,10 +406,9 @@ class CostModel:
     def _runtime_bounds(self, profile: GraphProfile, count: int, num_microbatches: int) -> list[int]:
         rates = nominal_rates(self.device_type)
         forward = [rates.seconds(f, b, o) for f, b, o in zip(profile.flops, profile.bytes_moved, profile.ops)]
-        loss = (rates.seconds(0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS),
-                rates.seconds(0, LOSS_PASSES_BACKWARD * profile.output_bytes, LOSS_OPS))
         try:
-            return stage_unit_bounds(self.sharding, unit_forward_s=forward, loss_s=loss,
+            return stage_unit_bounds(self.sharding, unit_forward_s=forward,
+                                     loss_s=loss_seconds(rates, profile.output_bytes),
                                      cut_bytes=profile.crossing_bytes, unit_params=profile.params,
                                      unit_flops=profile.flops, num_stages=count, num_microbatches=num_microbatches)
         except (ShardingError, PartitionError) as error:

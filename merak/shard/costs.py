@@ -160,8 +160,13 @@ class UnitCosts:
 
     def loss_seconds(self, rates: MachineRates) -> tuple[float, float]:
         """Estimated forward and backward time of a loss over the model's output."""
-        return (rates.seconds(0, LOSS_PASSES_FORWARD * self.output_bytes, LOSS_OPS),
-                rates.seconds(0, LOSS_PASSES_BACKWARD * self.output_bytes, LOSS_OPS))
+        return loss_seconds(rates, self.output_bytes)
+
+
+def loss_seconds(rates: MachineRates, output_bytes: float) -> tuple[float, float]:
+    """Estimated forward and backward time of a loss reading ``output_bytes`` of logits."""
+    return (rates.seconds(0, LOSS_PASSES_FORWARD * output_bytes, LOSS_OPS),
+            rates.seconds(0, LOSS_PASSES_BACKWARD * output_bytes, LOSS_OPS))
 
 
 class _Recorder(fx.Interpreter):
