@@ -10,9 +10,10 @@ fits the rate-based estimate to it (how much the work that grows with the microb
 per-operation overhead each really cost), a third size corrects larger microbatches. The optimizer
 step is timed the same way. Then as many processes as the run will start time the model all at
 once, each repetition started together as a synchronous step is: how much slower each is when they
-share the cores (more than the cores' count alone says: memory bandwidth and caches are shared too),
-and how long a small all-reduce takes among them (a collective waits for every process to be
-scheduled).
+share the cores (more than the cores' count alone says: memory bandwidth and caches are shared too;
+between those repetitions one of them runs alone, so the slowdown is a ratio of times taken moments
+apart, as a shared machine's speed drifts by tens of percent within seconds), and how long a small
+all-reduce takes among them (a collective waits for every process to be scheduled).
 Only for models small enough to build here (GPU presets plan giant models from their rates alone).
 """
 
@@ -169,19 +170,22 @@ def _model_step(spec, settings, micro_batch_size: int):
 
 def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, steps: int, out_dir: str) -> None:
     """One of the processes timing the model all at once, ``steps`` times, each started together (as the
-    steps of a synchronous run are), then small all-reduces among them and all-reduces of its gradients."""
+    steps of a synchronous run are), rank 0 timing it alone between them; then small all-reduces among
+    them and all-reduces of its gradients."""
     torch.set_num_threads(threads)
     _as_training_does(settings)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=CONCURRENT_TIMEOUT_S))
+    rank = int(os.environ["RANK"])  # set by spawn_workers
     try:
         step, model = _model_step(spec, settings, micro_batch_size)
         step()  # warm-up
-        times = []
+        times, alone = [], []
         for _ in range(steps):
             dist.barrier()
-            started = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - started)
+            times.append(_timed(step))
+            dist.barrier()
+            if rank == 0:  # the others wait at the next barrier
+                alone.append(_timed(step))
         dist.barrier()
         message = torch.zeros(ALL_REDUCE_ELEMENTS)
         dist.all_reduce(message)
@@ -192,9 +196,14 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
         gradients = _gradient_all_reduces(model)
     finally:
         dist.destroy_process_group()
-    rank = int(os.environ["RANK"])  # set by spawn_workers
     write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"),
-                      {"step_s": times, "all_reduce_s": all_reduce, **gradients})
+                      {"step_s": times, "alone_s": alone, "all_reduce_s": all_reduce, **gradients})
+
+
+def _timed(function) -> float:
+    started = time.perf_counter()
+    function()
+    return time.perf_counter() - started
 
 
 def _gradient_all_reduces(model: torch.nn.Module) -> dict:
@@ -216,10 +225,11 @@ def _gradient_all_reduces(model: torch.nn.Module) -> dict:
 
 def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int,
                        steps: int = REPEATS) -> dict:
-    """``processes`` processes running the model at once, ``steps`` times: ``step_s``, ``all_reduce_s`` (a small
-    one), ``gradient_all_reduce_s`` and ``gradient_all_reduce_bytes``. A synchronous step (or collective)
-    waits for the slowest process: each time is the median over the repetitions of the slowest process's
-    (processes sharing cores finish a time slice apart, and which one is last varies)."""
+    """``processes`` processes running the model at once, ``steps`` times: ``step_s``, ``alone_s`` (one of them
+    alone, between those steps), ``all_reduce_s`` (a small one), ``gradient_all_reduce_s`` and
+    ``gradient_all_reduce_bytes``. A synchronous step (or collective) waits for the slowest process: each
+    time is the median over the repetitions of the slowest process's (processes sharing cores finish a
+    time slice apart, and which one is last varies)."""
     with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
         spawn_workers(_concurrent_worker, world_size=processes,
                       args=(spec, settings, micro_batch_size, threads, steps, out_dir),
@@ -229,7 +239,8 @@ def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, th
     def slowest(key: str) -> float:
         return statistics.median(max(times) for times in zip(*(r[key] for r in reports)))
 
-    return {"step_s": slowest("step_s"), "all_reduce_s": statistics.median(r["all_reduce_s"] for r in reports),
+    return {"step_s": slowest("step_s"), "alone_s": statistics.median(reports[0]["alone_s"]),
+            "all_reduce_s": statistics.median(r["all_reduce_s"] for r in reports),
             "gradient_all_reduce_s": slowest("gradient_all_reduce_s"),
             "gradient_all_reduce_bytes": reports[0]["gradient_all_reduce_bytes"]}
 
@@ -321,9 +332,10 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
     # Enough repetitions for about CONCURRENT_SECONDS if the processes share the cores evenly.
     steps = max(REPEATS, math.ceil(CONCURRENT_SECONDS / (alone_s * max(1.0, processes / max(cores, 1)))))
     concurrent = measure_concurrent(spec, settings, concurrent_size, processes, threads, steps)
-    slowdown = concurrent["step_s"] / alone_s
-    logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone); among them a small all-reduce "
-                "%.2f ms, one of the gradients (%.3g MB) %.1f ms", processes, concurrent["step_s"] * 1e3, slowdown,
+    slowdown = concurrent["step_s"] / concurrent["alone_s"]
+    logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone between them, %.1f ms); among them "
+                "a small all-reduce %.2f ms, one of the gradients (%.3g MB) %.1f ms", processes,
+                concurrent["step_s"] * 1e3, slowdown, concurrent["alone_s"] * 1e3,
                 concurrent["all_reduce_s"] * 1e3, concurrent["gradient_all_reduce_bytes"] / 1e6,
                 concurrent["gradient_all_reduce_s"] * 1e3)
     return dataclasses.replace(calibration, processes=processes, concurrent_slowdown=slowdown,

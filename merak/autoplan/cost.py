@@ -99,6 +99,7 @@ class VirtualStage:
     kept: int  # per microbatch with recomputation: the checkpointed inputs (and the loss's)
     largest_layer: int  # saved bytes of the largest layer: live while it is recomputed
     tp_seconds: float  # of forward + backward, included in forward/backward
+    tied: int = 0  # elements of parameters another piece reads too (tied weights): their gradients are summed
 
 
 @dataclass
@@ -296,6 +297,19 @@ class _UnitTable:
         return len(self.crossing) - 1
 
 
+def _tied_in(shared, bounds: Sequence[int], index: int) -> int:
+    """Elements of shared (tied) parameters that piece ``index`` (of the pieces starting at ``bounds``) reads
+    and another piece reads too: each holder's copy has its gradient summed with the others' after the
+    backward."""
+    first, last = bounds[index], bounds[index + 1]
+    tied = 0
+    for numel, readers in shared:
+        pieces = {bisect.bisect_right(bounds, unit) - 1 for unit in readers}
+        if len(pieces) > 1 and any(first <= unit < last for unit in readers):
+            tied += numel
+    return tied
+
+
 def _shared_in(shared, first: int, last: int) -> int:
     """Elements of shared (tied) parameters that units ``first .. last - 1`` read after an earlier piece did:
     the piece keeps its own copy (merak sums the copies' gradients)."""
@@ -459,7 +473,8 @@ class CostModel:
                 send_bytes=0 if is_last else table.crossing[last],
                 params=round(table.params[last] - table.params[first]) + _shared_in(table.shared, first, last),
                 saved=round(table.saved[last] - table.saved[first]) + loss_saved,
-                kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b))
+                kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b,
+                tied=_tied_in(table.shared, bounds, index)))
         return pieces, slowdown
 
     def _sync_seconds(self, layout: Layout) -> float:
@@ -469,6 +484,15 @@ class CostModel:
             return 0.0
         link = self.cluster.inter_node if layout.world_size > self.cluster.devices_per_node else self.cluster.intra_node
         return STEP_SCALAR_REDUCTIONS * all_reduce_seconds(SCALAR_BYTES, layout.world_size, link)
+
+    @staticmethod
+    def _tied_seconds(layout: Layout, pieces: Sequence[VirtualStage], precision: Precision,
+                      pp_link: Link) -> list[float]:
+        """Per stage, summing the gradients of its tied weights with the other stage holding them (the first
+        and last stage of a model whose head reuses its embedding): an all-reduce between the two over the
+        pipeline's link, after the backward."""
+        return [all_reduce_seconds(sum(pieces[c * layout.pp + s].tied for c in range(layout.chunks))
+                                   * precision.gradient, 2, pp_link) for s in range(layout.pp)]
 
     def _optimizer_seconds(self, parameters: float) -> float:
         if self.optimizer_seconds_per_parameter is not None:
@@ -517,6 +541,7 @@ class CostModel:
         pp, chunks = layout.pp, layout.chunks
         stage_params = [sum(pieces[c * pp + s].params for c in range(chunks)) for s in range(pp)]
         dp_seconds = [all_reduce_seconds(p * precision.gradient, layout.dp, dp_link) for p in stage_params]
+        tied_seconds = self._tied_seconds(layout, pieces, precision, pp_link)
         sync = self._sync_seconds(layout)
         optimizer_seconds = [self._optimizer_seconds(p / (layout.dp if layout.zero_stage else 1))
                              for p in stage_params]
@@ -524,12 +549,13 @@ class CostModel:
         if simulate_schedule:
             ends, lists = self._simulated(layout, pieces, pp_link)
             # Each stage reduces its gradients and steps once its last backward is done.
-            step = max(end + dp + step_s for end, dp, step_s in zip(ends, dp_seconds, optimizer_seconds)) + sync
+            step = max(end + tied + dp + step_s for end, tied, dp, step_s
+                       in zip(ends, tied_seconds, dp_seconds, optimizer_seconds)) + sync
         counts = in_flight_counts(layout.schedule, pp, layout.num_microbatches, chunks)
         memory = tuple(self._state_bytes(layout, stage_params[s], precision)
                        + self._activation_bytes(layout, pieces, s, lists, counts) for s in range(pp))
         if lists is None:
-            step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link) + sync
+            step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link) + max(tied_seconds) + sync
         per_microbatch = [sum(pieces[c * pp + s].forward + pieces[c * pp + s].backward
                               + (pieces[c * pp + s].recompute if layout.recompute else 0.0)
                               for c in range(chunks)) for s in range(pp)]
@@ -538,7 +564,8 @@ class CostModel:
         mine = [pieces[c * pp + busiest] for c in range(chunks)]
         breakdown = {
             "compute_s": work,
-            "bubble_s": max(0.0, step - work - max(dp_seconds) - max(optimizer_seconds) - sync),
+            "bubble_s": max(0.0, step - work - max(tied_seconds) - max(dp_seconds) - max(optimizer_seconds) - sync),
+            "tied_comm_s": max(tied_seconds),
             "tp_comm_s": sum(p.tp_seconds for p in mine) * layout.num_microbatches,
             "recompute_s": sum(p.recompute for p in mine) * layout.num_microbatches if layout.recompute else 0.0,
             "dp_comm_s": max(dp_seconds), "optimizer_s": max(optimizer_seconds), "sync_s": sync}

@@ -123,6 +123,7 @@ def _rank_key(candidate: Candidate) -> float:
 
 _PARTS = {"bubble_s": "pipeline bubble", "tp_comm_s": "tensor-parallel communication",
           "recompute_s": "recomputation", "dp_comm_s": "data-parallel gradient reduction",
+          "tied_comm_s": "summing tied weights' gradients between stages",
           "optimizer_s": "optimizer step", "compute_s": "compute on the busiest stage",
           "sync_s": "the loss and gradient norm reduced over every process"}
 

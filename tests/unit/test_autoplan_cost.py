@@ -425,3 +425,16 @@ def test_one_tensor_rank_has_no_collectives():
     model = CostModel(lambda tp, sequence_parallel: profile, preset("h100-80"))
     assert model.predict(layout(tp=1)).breakdown["tp_comm_s"] == 0.0
     assert model.predict(layout(tp=2)).breakdown["tp_comm_s"] > 0.0
+
+
+def test_tied_weights_on_two_stages_sum_their_gradients_after_the_backward():
+    count = 1 + LAYERS * UNITS_PER_LAYER + 1
+    tied = dataclasses.replace(synthetic_profile(), shared_params=((PARAMS_PER_UNIT, (1, count - 2)),))
+    model = gpu_model(tied)
+    link = preset("h100-80").intra_node
+    piped = model.predict(layout(pp=2))
+    assert piped.breakdown["tied_comm_s"] == pytest.approx(all_reduce_seconds(PARAMS_PER_UNIT * 4, 2, link))
+    untied = gpu_model().predict(layout(pp=2))
+    assert untied.breakdown["tied_comm_s"] == 0.0
+    assert piped.step_s == pytest.approx(untied.step_s + piped.breakdown["tied_comm_s"])
+    assert model.predict(layout()).breakdown["tied_comm_s"] == 0.0  # one stage holds both readers

@@ -1,0 +1,135 @@
+"""The current cost model against the step times and stage memory ``auto_plan.py`` measured earlier.
+
+Measuring every layout of every recipe/world takes most of an hour; pricing them again takes a
+minute or two per recipe/world (profiles are cached, the calibration runs afresh). For each
+recipe/world of a results file (``auto_plan.py --out``) this plans the recipe as that run did
+(cluster ``this``, calibrated here and now, ``--repeats`` times: each calibration is a fresh
+measurement on a shared machine) and prices the file's layouts with
+``PlanReport.price``: the prediction of each against the step and the stage memory measured then.
+Only the planner may have changed since the measurements: the training code must be the one that
+ran them.
+
+Reported per recipe/world and overall: how many predicted steps lie within 15 % of the measured,
+how many fullest stages within 10 %, and how far apart the repeats put each layout (the spread due
+to the calibration alone).
+
+    .venv/bin/python bench/auto_plan_repriced.py [--against bench/results/auto_plan.json] [--repeats 2]
+                                                 [--recipes gpt:toy] [--worlds 4] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # first: sets OMP_NUM_THREADS before torch starts threads
+from auto_plan import MEMORY_TOLERANCE_PCT, STEP_TOLERANCE_PCT, error_pct
+
+from merak.autoplan.cluster import load_cluster
+from merak.autoplan.layout import Layout
+from merak.autoplan.planner import compose_recipe, plan_for_settings, single_process_settings
+
+logger = logging.getLogger("bench.auto_plan_repriced")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--against", default="bench/results/auto_plan.json", help="an auto_plan.py results JSON")
+    parser.add_argument("--repeats", type=int, default=2, help="plans (calibrations) per recipe/world")
+    parser.add_argument("--recipes", nargs="+", default=None, metavar="RECIPE:MODEL", help="only these pairs")
+    parser.add_argument("--worlds", type=int, nargs="+", default=None, help="only these world sizes")
+    parser.add_argument("--out", default="bench/results/auto_plan_repriced.json", help="results JSON ('' for none)")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    return args
+
+
+def selected(group: dict, args: argparse.Namespace) -> bool:
+    pair = f"{group['recipe']}:{group['model']}"
+    return (not group.get("error") and (args.recipes is None or pair in args.recipes)
+            and (args.worlds is None or group["world"] in args.worlds))
+
+
+def reprice(group: dict, global_batch: int) -> list[dict]:
+    """One fresh plan of the group's recipe/world; each measured layout priced by it."""
+    overrides = [f"model={group['model']}", f"trainer.global_batch_size={global_batch}"]
+    spec, cfg = compose_recipe(group["recipe"], overrides)
+    report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=group["world"],
+                               cluster=load_cluster("this", processes=group["world"]), global_batch_size=global_batch)
+    priced = []
+    for row in group["rows"]:
+        candidate = report.price(Layout(**row["planner"]["layout"]))
+        stage_memory = list(candidate.prediction.stage_memory)
+        measured_memory = (row.get("memory_run") or {}).get("stage_memory")
+        priced.append({"key": row["key"], "predicted_step_s": candidate.predicted_step_s,
+                       "measured_step_s": row["measured_step_s"],
+                       "step_error_pct": error_pct(candidate.predicted_step_s, row["measured_step_s"]),
+                       "breakdown": candidate.prediction.breakdown,
+                       "predicted_max_stage_bytes": max(stage_memory),
+                       "measured_max_stage_bytes": max(measured_memory) if measured_memory else None,
+                       "memory_error_pct": error_pct(max(stage_memory),
+                                                     max(measured_memory) if measured_memory else None)})
+    return priced
+
+
+def within(errors: list[float | None], tolerance: float) -> tuple[int, int]:
+    known = [e for e in errors if e is not None]
+    return sum(abs(e) <= tolerance for e in known), len(known)
+
+
+def group_summary(repeats: list[list[dict]]) -> dict:
+    """Per repeat the shares within tolerance; per layout the spread of its predictions over the repeats."""
+    spreads = [max(r["predicted_step_s"] for r in rows) / min(r["predicted_step_s"] for r in rows) - 1
+               for rows in zip(*repeats)]
+    return {"step_within": [within([r["step_error_pct"] for r in rows], STEP_TOLERANCE_PCT) for rows in repeats],
+            "memory_within": within([r["memory_error_pct"] for r in repeats[0]], MEMORY_TOLERANCE_PCT),
+            "median_abs_step_error_pct": [statistics.median(abs(r["step_error_pct"]) for r in rows)
+                                          for rows in repeats],
+            "largest_spread_pct": 100 * max(spreads, default=0.0)}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    common.setup_logging()
+    earlier = json.loads(Path(args.against).read_text(encoding="utf-8"))
+    global_batch = earlier["args"]["global_batch"]
+    groups = []
+    for group in (g for g in earlier["groups"] if selected(g, args)):
+        name = f"{group['recipe']}:{group['model']} world {group['world']}"
+        repeats = []
+        for repeat in range(args.repeats):
+            started = time.perf_counter()
+            repeats.append(reprice(group, global_batch))
+            hits, count = within([r["step_error_pct"] for r in repeats[-1]], STEP_TOLERANCE_PCT)
+            logger.info("%s, repeat %d: %d of %d steps within %.0f %% (%.0f s)", name, repeat + 1, hits, count,
+                        STEP_TOLERANCE_PCT, time.perf_counter() - started)
+        groups.append({"recipe": group["recipe"], "model": group["model"], "world": group["world"],
+                       "repeats": repeats, **group_summary(repeats)})
+    totals = {"step_within": [tuple(map(sum, zip(*(g["step_within"][k] for g in groups))))
+                              for k in range(args.repeats)],
+              "memory_within": tuple(map(sum, zip(*(g["memory_within"] for g in groups))))}
+    for g in groups:
+        print(f"{g['recipe']}:{g['model']} world {g['world']}: steps within {STEP_TOLERANCE_PCT:.0f} % "
+              f"{', '.join(f'{a}/{b}' for a, b in g['step_within'])} (median |error| "
+              f"{', '.join(f'{e:.1f}' for e in g['median_abs_step_error_pct'])} %), the repeats up to "
+              f"{g['largest_spread_pct']:.1f} % apart; fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % "
+              f"{g['memory_within'][0]}/{g['memory_within'][1]}")
+    hits, count = totals["memory_within"]
+    print(f"all: steps within {STEP_TOLERANCE_PCT:.0f} % {', '.join(f'{a}/{b}' for a, b in totals['step_within'])}; "
+          f"fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % {hits}/{count}")
+    common.write_json(args.out, {"benchmark": "auto_plan_repriced", "against": args.against,
+                                 "command": " ".join(sys.argv), "machine": common.machine_facts(),
+                                 "groups": groups, "totals": totals})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
