@@ -130,17 +130,18 @@ def estimated_parts(profile: GraphProfile, rates: MachineRates) -> tuple[float, 
     return work, launches
 
 
-def _best_of(function, repeats: int = REPEATS, seconds: float = ALONE_SECONDS, most: int = ALONE_MOST) -> float:
-    """The fastest of at least ``repeats`` runs of ``function`` (after a warm-up), more while they take less
-    than ``seconds`` in all (at most ``most``): the machine's noise only ever adds time."""
+def _typical_of(function, repeats: int = REPEATS, seconds: float = ALONE_SECONDS, most: int = ALONE_MOST) -> float:
+    """The median of at least ``repeats`` runs of ``function`` (after a warm-up), more while they take less
+    than ``seconds`` in all (at most ``most``): a run's step time is the median of its steps, and on a
+    shared machine the noise is part of every step (the fastest run is a moment the run rarely has)."""
     function()  # warm-up: allocator, lazy initialization
-    best, runs, spent = float("inf"), 0, 0.0
-    while runs < repeats or (spent < seconds and runs < most):
+    times, spent = [], 0.0
+    while len(times) < repeats or (spent < seconds and len(times) < most):
         started = time.perf_counter()
         function()
-        took = time.perf_counter() - started
-        best, runs, spent = min(best, took), runs + 1, spent + took
-    return best
+        times.append(time.perf_counter() - started)
+        spent += times[-1]
+    return statistics.median(times)
 
 
 def _model_step(spec, settings, micro_batch_size: int):
@@ -272,12 +273,12 @@ def _alone_worker(spec, settings, micro_batch_sizes: tuple[int, ...], threads: i
         if built is None:
             break
         step, model = built
-        measured.append(_best_of(step))
+        measured.append(_typical_of(step))
         logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward", spec.name, micro,
                     measured[-1] * 1e3)
         if micro == micro_batch_sizes[-1]:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-            optimizer_seconds = _best_of(optimizer.step)
+            optimizer_seconds = _typical_of(optimizer.step)
             count = sum(p.numel() for p in model.parameters())
         del step, model
     write_json_atomic(os.path.join(out_dir, "alone.json"),
