@@ -56,3 +56,16 @@ def test_size_factors_interpolate_in_log_size_and_hold_beyond():
     assert calibration.size_factor(8) == pytest.approx(0.8)  # halfway between 4 and 16 in log2
     assert calibration.size_factor(64) == pytest.approx(0.6)
     assert Calibration().size_factor(8) == 1.0
+
+
+def test_a_timing_is_the_median_of_its_runs_not_the_fastest(monkeypatch):
+    import merak.autoplan.calibrate as calibrate
+
+    clock = {"now": 0.0}
+    durations = iter([9.0, 1.0, 5.0, 2.0])  # a warm-up, then three runs
+
+    def run() -> None:
+        clock["now"] += next(durations)
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
+    assert calibrate._typical_of(run, repeats=3, seconds=0.0) == 2.0
