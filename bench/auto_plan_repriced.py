@@ -9,17 +9,24 @@ measurement on a shared machine) and prices the file's layouts with
 Only the planner may have changed since the measurements: the training code must be the one that
 ran them.
 
+``--calibrations FILE`` keeps the measurements (the calibration, and the cluster's rates and link, also
+timed each time): the first run writes them, later runs price with the same ones, so that two versions
+of the cost model are compared on the same measurements (a fresh calibration moves a prediction by up
+to tens of percent on a shared machine).
+
 Reported per recipe/world and overall: how many predicted steps lie within 15 % of the measured,
 how many fullest stages within 10 %, and how far apart the repeats put each layout (the spread due
 to the calibration alone).
 
     .venv/bin/python bench/auto_plan_repriced.py [--against bench/results/auto_plan.json] [--repeats 2]
                                                  [--recipes gpt:toy] [--worlds 4] [--out FILE]
+                                                 [--calibrations FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -32,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # first: sets OMP_NUM_THREADS before torch starts threads
 from auto_plan import MEMORY_TOLERANCE_PCT, STEP_TOLERANCE_PCT, error_pct
 
-from merak.autoplan.cluster import load_cluster
+from merak.autoplan.calibrate import Calibration
+from merak.autoplan.cluster import Cluster, load_cluster
 from merak.autoplan.layout import Layout
 from merak.autoplan.planner import compose_recipe, plan_for_settings, single_process_settings
 
@@ -46,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--recipes", nargs="+", default=None, metavar="RECIPE:MODEL", help="only these pairs")
     parser.add_argument("--worlds", type=int, nargs="+", default=None, help="only these world sizes")
     parser.add_argument("--out", default="bench/results/auto_plan_repriced.json", help="results JSON ('' for none)")
+    parser.add_argument("--calibrations", default=None,
+                        help="a JSON of calibrations: used when it exists, else written with this run's")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -58,12 +68,15 @@ def selected(group: dict, args: argparse.Namespace) -> bool:
             and (args.worlds is None or group["world"] in args.worlds))
 
 
-def reprice(group: dict, global_batch: int) -> list[dict]:
-    """One fresh plan of the group's recipe/world; each measured layout priced by it."""
+def reprice(group: dict, global_batch: int, measured: tuple[Cluster, Calibration] | None
+            ) -> tuple[list[dict], tuple[Cluster, Calibration]]:
+    """One plan of the group's recipe/world (measured afresh, or on ``measured``: a cluster and a calibration);
+    each measured layout priced by it; and what it was measured on."""
     overrides = [f"model={group['model']}", f"trainer.global_batch_size={global_batch}"]
     spec, cfg = compose_recipe(group["recipe"], overrides)
+    cluster, calibration = measured or (load_cluster("this", processes=group["world"]), True)
     report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=group["world"],
-                               cluster=load_cluster("this", processes=group["world"]), global_batch_size=global_batch)
+                               cluster=cluster, global_batch_size=global_batch, calibrate=calibration)
     priced = []
     for row in group["rows"]:
         candidate = report.price(Layout(**row["planner"]["layout"]))
@@ -77,7 +90,18 @@ def reprice(group: dict, global_batch: int) -> list[dict]:
                        "measured_max_stage_bytes": max(measured_memory) if measured_memory else None,
                        "memory_error_pct": error_pct(max(stage_memory),
                                                      max(measured_memory) if measured_memory else None)})
-    return priced
+    return priced, (cluster, report.cost_model.calibration)
+
+
+def load_measurements(path: str | None) -> dict[str, list[tuple[Cluster, Calibration]]]:
+    """(cluster, calibration) by ``recipe:model:world``, one per repeat, from ``path`` if it exists."""
+    if path is None or not Path(path).exists():
+        return {}
+    saved = json.loads(Path(path).read_text(encoding="utf-8"))
+    return {key: [(Cluster.from_json(entry["cluster"]),
+                   Calibration(**{**entry["calibration"],
+                                  "size_factors": tuple(map(tuple, entry["calibration"]["size_factors"]))}))
+                  for entry in repeats] for key, repeats in saved.items()}
 
 
 def within(errors: list[float | None], tolerance: float) -> tuple[int, int]:
@@ -101,13 +125,19 @@ def main(argv=None) -> int:
     common.setup_logging()
     earlier = json.loads(Path(args.against).read_text(encoding="utf-8"))
     global_batch = earlier["args"]["global_batch"]
+    saved = load_measurements(args.calibrations)
+    used: dict[str, list[tuple[Cluster, Calibration]]] = {}
     groups = []
     for group in (g for g in earlier["groups"] if selected(g, args)):
         name = f"{group['recipe']}:{group['model']} world {group['world']}"
         repeats = []
+        key = f"{group['recipe']}:{group['model']}:{group['world']}"
         for repeat in range(args.repeats):
             started = time.perf_counter()
-            repeats.append(reprice(group, global_batch))
+            given = saved.get(key, [])
+            priced, measured = reprice(group, global_batch, given[repeat] if repeat < len(given) else None)
+            repeats.append(priced)
+            used.setdefault(key, []).append(measured)
             hits, count = within([r["step_error_pct"] for r in repeats[-1]], STEP_TOLERANCE_PCT)
             logger.info("%s, repeat %d: %d of %d steps within %.0f %% (%.0f s)", name, repeat + 1, hits, count,
                         STEP_TOLERANCE_PCT, time.perf_counter() - started)
@@ -122,6 +152,10 @@ def main(argv=None) -> int:
               f"{', '.join(f'{e:.1f}' for e in g['median_abs_step_error_pct'])} %), the repeats up to "
               f"{g['largest_spread_pct']:.1f} % apart; fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % "
               f"{g['memory_within'][0]}/{g['memory_within'][1]}")
+    if args.calibrations and not saved:
+        common.write_json(args.calibrations, {
+            key: [{"cluster": cluster.to_json(), "calibration": dataclasses.asdict(calibration)}
+                  for cluster, calibration in measured] for key, measured in used.items()})
     hits, count = totals["memory_within"]
     print(f"all: steps within {STEP_TOLERANCE_PCT:.0f} % {', '.join(f'{a}/{b}' for a, b in totals['step_within'])}; "
           f"fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % {hits}/{count}")

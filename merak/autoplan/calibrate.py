@@ -7,13 +7,18 @@ as training workers are (threads, and glibc keeping freed buffers: without it a 
 costs fresh pages every step and the timing measures the kernel). One process runs the recipe's
 model, loss and backward on real weights at a small and a larger microbatch; the line through both
 fits the rate-based estimate to it (how much the work that grows with the microbatch and the
-per-operation overhead each really cost), a third size corrects larger microbatches. The optimizer
-step is timed the same way. Then as many processes as the run will start time the model all at
+per-operation overhead each really cost), a third size corrects larger microbatches (the sizes are
+timed in turns, so that a slow moment of the machine does not fall on one size alone). The optimizer
+step is timed the same way, and so is the backward split in two as zero-bubble schedules run it
+(input gradients first, weight gradients later: torch's split walks the autograd graph in Python and
+keeps the gradients between the halves, which costs more than one backward). Then as many processes as the run will start time the model all at
 once, each repetition started together as a synchronous step is: how much slower each is when they
 share the cores (more than the cores' count alone says: memory bandwidth and caches are shared too;
 between those repetitions one of them runs alone, so the slowdown is a ratio of times taken moments
-apart, as a shared machine's speed drifts by tens of percent within seconds), and how long a small
-all-reduce takes among them (a collective waits for every process to be scheduled).
+apart, as a shared machine's speed drifts by tens of percent within seconds), how long a small
+all-reduce takes among them (a collective waits for every process to be scheduled), and how long the
+scalar reductions that end every step take (gloo reduces one or two elements by another algorithm than
+a longer message: several times faster among many processes).
 Only for models small enough to build here (GPU presets plan giant models from their rates alone).
 """
 
@@ -33,6 +38,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
 from merak.assemble import CallModel, default_input_names
 from merak.autoplan.profile import GraphProfile
 from merak.compat.allocator import keep_freed_memory
@@ -47,10 +54,14 @@ BACKWARD_FLOPS_FACTOR = 2.0  # a backward does twice a forward's matrix work
 REPEATS = 3
 ALONE_SECONDS = 0.5  # a size is timed again while its runs took less than this in all ...
 ALONE_MOST = 12  # ... at most this many times
+ALONE_ROUNDS = 3  # the microbatch sizes are timed in this many turns
 CONCURRENT_TIMEOUT_S = 120.0
 CONCURRENT_SECONDS = 2.0  # of the processes running the model at once (a few repetitions are noisy)
 ALL_REDUCE_ELEMENTS = 1024
 ALL_REDUCES = 20
+# A step's end as the trainer runs it: the loss's all-reduce (one float64) and the gradient norm's with the
+# loss's finiteness (two float64; merak.optim.clip), over every process.
+STEP_SCALAR_ELEMENTS = (1, 2)
 # The gradients' all-reduce is timed at their size, capped (a larger one takes proportionally longer).
 GRADIENT_ALL_REDUCE_MOST_BYTES = 64 << 20
 GRADIENT_ALL_REDUCES = 5
@@ -76,6 +87,10 @@ class Calibration:
         gradient_all_reduce_s: one all-reduce of ``gradient_all_reduce_bytes`` (the model's gradients,
             capped) among ``processes`` processes: gloo's copies and sums share the cores too, so a
             large collective takes far longer than the link's bandwidth alone says.
+        step_scalars_s: the scalar all-reduces that end a step (:data:`STEP_SCALAR_ELEMENTS`) among
+            ``processes`` processes, together.
+        split_backward_factor: a backward split into its input and weight halves (zero-bubble
+            schedules) over one backward, measured on the whole model.
     """
 
     work_scale: float = 1.0
@@ -87,6 +102,8 @@ class Calibration:
     all_reduce_s: float | None = None
     gradient_all_reduce_s: float | None = None
     gradient_all_reduce_bytes: int = 0
+    step_scalars_s: float | None = None
+    split_backward_factor: float = 1.0
 
     def seconds(self, rates: MachineRates, flops: float, bytes_moved: float, ops: float) -> float:
         """The calibrated time of ``flops``, ``bytes_moved`` and ``ops`` at ``rates``."""
@@ -147,26 +164,109 @@ def _typical_of(function, repeats: int = REPEATS, seconds: float = ALONE_SECONDS
 def _model_step(spec, settings, micro_batch_size: int):
     """(one forward + loss + backward of the recipe's model on real weights, the model), or None when the
     model is too large to build here."""
+    built = _model_steps(spec, settings, micro_batch_size)
+    return None if built is None else (built.step, built.model)
+
+
+@dataclasses.dataclass
+class _ModelSteps:
+    """One training step of the whole model, as a later pipeline stage runs it with the backward whole and
+    split, and the model."""
+
+    model: torch.nn.Module
+    step: object  # forward, loss and backward
+    stage_step: object | None  # the same from inputs that need gradients, as a later stage's (None: no input
+    # tensor to start from)
+    split_step: object | None  # the same, the backward split as zero-bubble schedules split it
+    forward: object  # forward and loss alone
+
+
+def _model_steps(spec, settings, micro_batch_size: int, model: torch.nn.Module | None = None) -> _ModelSteps | None:
+    """The recipe's model on real weights (``model``, else built), a microbatch of its data and its steps (None:
+    the model is too large to build here)."""
     model_cfg = settings.model_cfg
-    torch.manual_seed(settings.trainer.seed)
-    model = spec.build_model(model_cfg)
-    count = sum(p.numel() for p in model.parameters())
-    if count > MAX_CALIBRATED_PARAMETERS:
-        logger.info("not timing %s here (%s parameters): compute costs from the device rates alone", spec.name,
-                    f"{count:,}")
-        return None
+    if model is None:
+        torch.manual_seed(settings.trainer.seed)
+        model = spec.build_model(model_cfg)
+        count = sum(p.numel() for p in model.parameters())
+        if count > MAX_CALIBRATED_PARAMETERS:
+            logger.info("not timing %s here (%s parameters): compute costs from the device rates alone", spec.name,
+                        f"{count:,}")
+            return None
     model.train()
     prepared = spec.prepare_data(settings.data_cfg, model_cfg)
     dataset = spec.load_dataset(prepared, model_cfg)
     batch = spec.collate([dataset[i % len(dataset)] for i in range(micro_batch_size)])
     names = settings.trainer.input_names or spec.input_names or default_input_names(model, batch)
     runner = CallModel(model, list(names))
+    stage_inputs = _StageInputs(model, batch, names)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
         spec.loss_fn(runner(batch), batch).backward()
 
-    return step, model
+    def forward() -> None:
+        with torch.no_grad():
+            spec.loss_fn(runner(batch), batch)
+
+    def stage_step() -> None:
+        model.zero_grad(set_to_none=True)
+        with stage_inputs:
+            spec.loss_fn(runner(stage_inputs.batch), batch).backward()
+
+    def split_step() -> None:
+        # As a middle stage runs it: the input gradients first, then the weights' from what that kept.
+        model.zero_grad(set_to_none=True)
+        params = [p for p in model.parameters() if p.requires_grad]
+        with stage_inputs:
+            loss = spec.loss_fn(runner(stage_inputs.batch), batch)
+            _, groups = stage_backward_input([loss], None, stage_inputs.leaves, iter(params))
+        stage_backward_weight(iter(params), groups)
+
+    found = stage_inputs.available
+    return _ModelSteps(model=model, step=step, forward=forward, stage_step=stage_step if found else None,
+                       split_step=split_step if found else None)
+
+
+class _StageInputs:
+    """Within the block, the model runs from inputs that need gradients, as a later pipeline stage's do:
+    its floating-point inputs, else its input embeddings' output (detached there). ``leaves``: those of the
+    last run."""
+
+    def __init__(self, model: torch.nn.Module, batch, names) -> None:
+        self.floating = [name for name in names
+                         if isinstance(batch[name], torch.Tensor) and batch[name].is_floating_point()]
+        self.source, self.active, self.leaves = batch, False, []
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.embeddings = embeddings if not self.floating and isinstance(embeddings, torch.nn.Module) else None
+        if self.embeddings is not None:
+            self.embeddings.register_forward_hook(self._cut)
+        self.available = bool(self.floating) or self.embeddings is not None
+
+    def _cut(self, module, args, output):
+        if not self.active:
+            return None
+        leaf = output.detach().requires_grad_()
+        self.leaves.append(leaf)
+        return leaf
+
+    @property
+    def batch(self):
+        """The batch the model reads within the block."""
+        if not self.floating:
+            return self.source
+        copy = dict(self.source)
+        for name in self.floating:
+            copy[name] = self.source[name].detach().requires_grad_()
+            self.leaves.append(copy[name])
+        return copy
+
+    def __enter__(self) -> _StageInputs:
+        self.active, self.leaves = True, []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.active = False
 
 
 def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, steps: int, out_dir: str) -> None:
@@ -194,17 +294,34 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
         for _ in range(ALL_REDUCES):
             dist.all_reduce(message)
         all_reduce = (time.perf_counter() - started) / ALL_REDUCES
+        scalars = _step_scalar_reductions()
         gradients = _gradient_all_reduces(model)
     finally:
         dist.destroy_process_group()
     write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"),
-                      {"step_s": times, "alone_s": alone, "all_reduce_s": all_reduce, **gradients})
+                      {"step_s": times, "alone_s": alone, "all_reduce_s": all_reduce, "step_scalars_s": scalars,
+                       **gradients})
 
 
 def _timed(function) -> float:
     started = time.perf_counter()
     function()
     return time.perf_counter() - started
+
+
+def _step_scalar_reductions() -> float:
+    """The median time of the all-reduces that end a step (:data:`STEP_SCALAR_ELEMENTS` float64 elements),
+    run back to back as a step runs them."""
+    messages = [torch.zeros(n, dtype=torch.float64) for n in STEP_SCALAR_ELEMENTS]
+    for message in messages:  # warm-up
+        dist.all_reduce(message)
+    times = []
+    for _ in range(ALL_REDUCES):
+        started = time.perf_counter()
+        for message in messages:
+            dist.all_reduce(message)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def _gradient_all_reduces(model: torch.nn.Module) -> dict:
@@ -227,8 +344,8 @@ def _gradient_all_reduces(model: torch.nn.Module) -> dict:
 def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int,
                        steps: int = REPEATS) -> dict:
     """``processes`` processes running the model at once, ``steps`` times: ``step_s``, ``alone_s`` (one of them
-    alone, between those steps), ``all_reduce_s`` (a small one), ``gradient_all_reduce_s`` and
-    ``gradient_all_reduce_bytes``. A synchronous step (or collective) waits for the slowest process: each
+    alone, between those steps), ``all_reduce_s`` (a small one), ``step_scalars_s`` (a step's scalar
+    reductions), ``gradient_all_reduce_s`` and ``gradient_all_reduce_bytes``. A synchronous step (or collective) waits for the slowest process: each
     time is the median over the repetitions of the slowest process's (processes sharing cores finish a
     time slice apart, and which one is last varies)."""
     with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
@@ -242,6 +359,7 @@ def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, th
 
     return {"step_s": slowest("step_s"), "alone_s": statistics.median(reports[0]["alone_s"]),
             "all_reduce_s": statistics.median(r["all_reduce_s"] for r in reports),
+            "step_scalars_s": statistics.median(r["step_scalars_s"] for r in reports),
             "gradient_all_reduce_s": slowest("gradient_all_reduce_s"),
             "gradient_all_reduce_bytes": reports[0]["gradient_all_reduce_bytes"]}
 
@@ -267,22 +385,55 @@ def _alone_worker(spec, settings, micro_batch_sizes: tuple[int, ...], threads: i
     when the model is too large to build here)."""
     torch.set_num_threads(threads)
     _as_training_does(settings)
-    measured, optimizer_seconds, count = [], None, 0
-    for micro in micro_batch_sizes:
-        built = _model_step(spec, settings, micro)
-        if built is None:
-            break
-        step, model = built
-        measured.append(_typical_of(step))
-        logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward", spec.name, micro,
-                    measured[-1] * 1e3)
-        if micro == micro_batch_sizes[-1]:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-            optimizer_seconds = _typical_of(optimizer.step)
-            count = sum(p.numel() for p in model.parameters())
-        del step, model
+    measured, optimizer_seconds, count, split = [], None, 0, None
+    first = _model_steps(spec, settings, micro_batch_sizes[0])
+    if first is not None:
+        built = [first] + [_model_steps(spec, settings, micro, first.model) for micro in micro_batch_sizes[1:]]
+        measured = _sizes_in_turns([b.step for b in built])
+        for micro, seconds in zip(micro_batch_sizes, measured):
+            logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward", spec.name, micro,
+                        seconds * 1e3)
+        at_split = built[min(1, len(built) - 1)]
+        if at_split.stage_step is not None:
+            split = _split_factor(at_split)
+        optimizer = torch.optim.AdamW(first.model.parameters(), lr=1e-6)
+        optimizer_seconds = _typical_of(optimizer.step)
+        count = sum(p.numel() for p in first.model.parameters())
     write_json_atomic(os.path.join(out_dir, "alone.json"),
-                      {"measured_s": measured, "optimizer_s": optimizer_seconds, "parameters": count})
+                      {"measured_s": measured, "optimizer_s": optimizer_seconds, "parameters": count,
+                       "split_backward_factor": split})
+
+
+def _sizes_in_turns(steps, rounds: int = ALONE_ROUNDS) -> list[float]:
+    """Each step's median time over ``rounds`` turns through all of them, each turn running a step for about
+    ``ALONE_SECONDS / rounds`` (at least once): the fit goes through these times, and on a shared machine
+    whose speed drifts within seconds one size timed in a slow moment would tilt the line."""
+    for step in steps:  # warm-up: allocator, lazy initialization
+        step()
+    times: list[list[float]] = [[] for _ in steps]
+    for _ in range(rounds):
+        for step, runs in zip(steps, times):
+            spent, count = 0.0, 0
+            while count < 1 or (spent < ALONE_SECONDS / rounds and count < ALONE_MOST // rounds):
+                runs.append(_timed(step))
+                spent, count = spent + runs[-1], count + 1
+    return [statistics.median(runs) for runs in times]
+
+
+def _split_factor(built: _ModelSteps) -> float:
+    """The split backward's time over the whole backward's, each the step's less its forward's, from inputs
+    that need gradients; timed in turns (the machine's speed drifts)."""
+    plain, split, forward = [], [], []
+    for _ in range(REPEATS):
+        plain.append(_typical_of(built.stage_step))
+        split.append(_typical_of(built.split_step))
+        forward.append(_typical_of(built.forward))
+    backward = statistics.median(plain) - statistics.median(forward)
+    if backward <= 0:
+        return 1.0
+    factor = (statistics.median(split) - statistics.median(forward)) / backward
+    logger.info("the backward split in two (zero-bubble schedules) takes %.2fx one backward", factor)
+    return max(1.0, factor)
 
 
 def _as_training_does(settings) -> None:
@@ -324,7 +475,8 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
                 ", ".join(f"{f:.2f}" for _, f in factors), ", ".join(str(s) for s in sizes),
                 alone["optimizer_s"] * 1e3)
     calibration = Calibration(work_scale=work_scale, launch_scale=launch_scale, size_factors=factors,
-                              optimizer_seconds_per_parameter=alone["optimizer_s"] / max(alone["parameters"], 1))
+                              optimizer_seconds_per_parameter=alone["optimizer_s"] / max(alone["parameters"], 1),
+                              split_backward_factor=alone.get("split_backward_factor") or 1.0)
     if processes < 2:
         return calibration
     # At the second size: large enough to be typical, small enough for every process to run it quickly.
@@ -335,11 +487,11 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
     concurrent = measure_concurrent(spec, settings, concurrent_size, processes, threads, steps)
     slowdown = concurrent["step_s"] / concurrent["alone_s"]
     logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone between them, %.1f ms); among them "
-                "a small all-reduce %.2f ms, one of the gradients (%.3g MB) %.1f ms", processes,
-                concurrent["step_s"] * 1e3, slowdown, concurrent["alone_s"] * 1e3,
-                concurrent["all_reduce_s"] * 1e3, concurrent["gradient_all_reduce_bytes"] / 1e6,
-                concurrent["gradient_all_reduce_s"] * 1e3)
+                "a small all-reduce %.2f ms, a step's scalar reductions %.2f ms, one of the gradients (%.3g MB) "
+                "%.1f ms", processes, concurrent["step_s"] * 1e3, slowdown, concurrent["alone_s"] * 1e3,
+                concurrent["all_reduce_s"] * 1e3, concurrent["step_scalars_s"] * 1e3,
+                concurrent["gradient_all_reduce_bytes"] / 1e6, concurrent["gradient_all_reduce_s"] * 1e3)
     return dataclasses.replace(calibration, processes=processes, concurrent_slowdown=slowdown,
-                               all_reduce_s=concurrent["all_reduce_s"],
+                               all_reduce_s=concurrent["all_reduce_s"], step_scalars_s=concurrent["step_scalars_s"],
                                gradient_all_reduce_s=concurrent["gradient_all_reduce_s"],
                                gradient_all_reduce_bytes=concurrent["gradient_all_reduce_bytes"])

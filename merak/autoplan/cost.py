@@ -66,6 +66,8 @@ ADAM_BYTES_PER_PARAMETER = 28  # read weight, gradient, two moments; write weigh
 STEP_SCALAR_REDUCTIONS = 2  # per step, over every process: the loss (for the log) and the gradient norm
 SCALAR_BYTES = 8
 SIMULATED_MICROBATCHES = 8  # a longer step is simulated at about this many and extended linearly
+SPLIT_BACKWARD_SCHEDULES = ("zb_h1",)
+QUICK_RUNTIME_CUTS_MOST_UNITS = 256  # those whose instruction lists split backwards in BackwardInput/Weight
 
 
 class LayoutError(ValueError):
@@ -100,6 +102,12 @@ class VirtualStage:
     largest_layer: int  # saved bytes of the largest layer: live while it is recomputed
     tp_seconds: float  # of forward + backward, included in forward/backward
     tied: int = 0  # elements of parameters another piece reads too (tied weights): their gradients are summed
+    split_backward: float | None = None  # the backward split into input and weight halves (None: as ``backward``)
+
+    @property
+    def split(self) -> float:
+        """The backward's cost when a zero-bubble schedule splits it (its input and weight halves together)."""
+        return self.backward if self.split_backward is None else self.split_backward
 
 
 @dataclass
@@ -139,6 +147,12 @@ def _gradient_link(calibration: Calibration, link: Link) -> Link | None:
     steps = 2 * (size - 1)
     moving = max(seconds - steps * link.latency_us * 1e-6, seconds / 2)
     return dataclasses.replace(link, bandwidth_gbs=steps / size * calibration.gradient_all_reduce_bytes / moving / 1e9)
+
+
+def _hops(all_reduced: float, gathered: float, size: int) -> int:
+    """Ring steps of an all-reduce of ``all_reduced`` bytes and an all-gather of ``gathered`` bytes (nothing
+    for nothing to move) over ``size`` ranks."""
+    return (2 * (size - 1) if all_reduced else 0) + (size - 1 if gathered else 0)
 
 
 def p2p_seconds(nbytes: float, link: Link) -> float:
@@ -244,7 +258,7 @@ class StageCostModel:
             extra = piece.recompute if self.recompute else 0.0
             if isinstance(instruction, Backward):
                 return piece.backward + extra
-            half = piece.backward / 2
+            half = piece.split / 2
             return half + extra if isinstance(instruction, BackwardInput) else half
         if isinstance(instruction, (Exchange, *P2P_TYPES)):
             return p2p_seconds(self._piece(stage_id, instruction).send_bytes, self.link)
@@ -277,8 +291,10 @@ class _UnitTable:
     """One profile's per-unit costs at one microbatch, as prefix sums: any piece is priced in O(1)."""
 
     forward: list[float]  # prefix sums of compute seconds (calibrated, no CPU sharing)
-    tp_forward: list[float]
+    tp_forward: list[float]  # prefix sums of the tensor-parallel collectives' seconds, latency left out ...
     tp_backward: list[float]
+    tp_forward_hops: list[float]  # ... and of their hops, each paying the link's latency
+    tp_backward_hops: list[float]
     params: list[float]
     saved: list[float]
     kept: list[float]  # prefix sums of what crosses each layer start (what recomputation keeps)
@@ -353,10 +369,12 @@ class CostModel:
         # Whose nominal rates a run's partitioner weighs the units with (merak.shard.costs).
         self.device_type = "cpu" if cluster.cores_per_node is not None else "cuda"
         self.optimizer_seconds_per_parameter = calibration.optimizer_seconds_per_parameter
+        self.hop_s: float | None = None  # the measured latency of one hop, when measured
         if calibration.all_reduce_s is not None and calibration.processes > 1:
             # A collective among processes that share the cores waits for each to be scheduled: the
             # latency of a hop is what the measured all-reduce took per ring step.
             hop = calibration.all_reduce_s / (2 * (calibration.processes - 1)) * 1e6
+            self.hop_s = hop * 1e-6
             link = cluster.intra_node
             cluster = dataclasses.replace(cluster, intra_node=dataclasses.replace(
                 link, latency_us=max(link.latency_us, hop)))
@@ -376,19 +394,26 @@ class CostModel:
         size_factor = self.calibration.size_factor(layout.micro_batch_size)
         forward = [self.calibration.seconds(rates, f, b, o) * size_factor
                    for f, b, o in zip(profile.flops, profile.bytes_moved, profile.ops)]
-        tp_forward = [all_reduce_seconds(r, layout.tp, tp_link) + gather_seconds(g, layout.tp, tp_link)
+        # The latency is priced per layout (how many processes the collectives wait for), the rest here.
+        moving = dataclasses.replace(tp_link, latency_us=0.0)
+        tp_forward = [all_reduce_seconds(r, layout.tp, moving) + gather_seconds(g, layout.tp, moving)
                       for r, g in zip(profile.forward_all_reduce, profile.forward_gather)]
-        tp_backward = [all_reduce_seconds(r, layout.tp, tp_link) + gather_seconds(g, layout.tp, tp_link)
+        tp_backward = [all_reduce_seconds(r, layout.tp, moving) + gather_seconds(g, layout.tp, moving)
                        for r, g in zip(profile.backward_all_reduce, profile.backward_gather)]
+        tp_forward_hops = [_hops(r, g, layout.tp) for r, g in zip(profile.forward_all_reduce, profile.forward_gather)]
+        tp_backward_hops = [_hops(r, g, layout.tp)
+                            for r, g in zip(profile.backward_all_reduce, profile.backward_gather)]
         starts = [k for k in profile.layer_starts if 0 < k < len(profile)]
         kept = [profile.crossing_bytes[k] if k in set(starts) else 0 for k in range(len(profile))]
         edges = [*starts, len(profile)]
         layer_saved = [(a, sum(profile.saved_bytes[a:b])) for a, b in zip(edges, edges[1:])]
         table = _UnitTable(
             forward=_prefix(forward), tp_forward=_prefix(tp_forward), tp_backward=_prefix(tp_backward),
+            tp_forward_hops=_prefix(tp_forward_hops), tp_backward_hops=_prefix(tp_backward_hops),
             params=_prefix(profile.params), saved=_prefix(profile.saved_bytes), kept=_prefix(kept),
             layer_saved=layer_saved,
-            cuts_at=[f * (1 + BACKWARD_FLOPS_FACTOR) + a + b for f, a, b in zip(forward, tp_forward, tp_backward)],
+            cuts_at=[f * (1 + BACKWARD_FLOPS_FACTOR) + a + b + (ha + hb) * tp_link.latency_us * 1e-6
+                     for f, a, b, ha, hb in zip(forward, tp_forward, tp_backward, tp_forward_hops, tp_backward_hops)],
             crossing=tuple(profile.crossing_bytes), layer_starts=tuple(starts),
             loss_forward=self.calibration.seconds(rates, 0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS)
             * size_factor,
@@ -398,12 +423,15 @@ class CostModel:
         self._tables[key] = table
         return table
 
-    def _piece_bounds(self, layout: Layout, table: _UnitTable) -> list[int]:
+    def _piece_bounds(self, layout: Layout, table: _UnitTable, exact: bool = True) -> list[int]:
         """Where the pieces start: where a run with the sharding options cuts (its split and partition,
         priced by the same nominal rates at the layout's microbatch), else the cuts balancing the
-        calibrated costs best."""
+        calibrated costs best. ``exact=False`` (ranking many layouts first): the run's cuts only for a
+        model of at most :data:`QUICK_RUNTIME_CUTS_MOST_UNITS` units (finding them for a thousand units
+        and as many microbatches takes a fraction of a second per layout)."""
         count = layout.pp * layout.chunks
-        runtime = self.sharding is not None and self.sharding.split_method == "min_bytes"
+        runtime = self.sharding is not None and self.sharding.split_method == "min_bytes" \
+            and (exact or table.count <= QUICK_RUNTIME_CUTS_MOST_UNITS)
         key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size, count,
                layout.num_microbatches if runtime else None)
         if key not in self._bounds:
@@ -428,60 +456,87 @@ class CostModel:
         except (ShardingError, PartitionError) as error:
             raise LayoutError(str(error)) from None
 
-    def _share(self, layout: Layout, stage_work: Sequence[float]) -> float:
-        """Each process's share of its device: on a CPU node the processes busy on average (every
-        tensor and data replica, and the pipeline stages in proportion to their work) share the cores."""
+    @staticmethod
+    def _busy(layout: Layout, stage_work: Sequence[float], devices_per_node: int) -> float:
+        """The processes of a node busy on average: every tensor and data replica, and the pipeline stages
+        in proportion to their work over the step (M microbatches through stages of work ``w_s`` take about
+        ``sum(w) + (M - 1) max(w)``: a single microbatch keeps one stage busy at a time)."""
+        busiest, total, microbatches = max(stage_work), sum(stage_work), layout.num_microbatches
+        busy_stages = total * microbatches / (total + (microbatches - 1) * busiest) if busiest > 0 else layout.pp
+        per_node = min(layout.world_size, devices_per_node) / layout.world_size
+        return max(1.0, layout.dp * layout.tp * busy_stages * per_node)
+
+    def _share(self, busy: float) -> float:
+        """Each process's share of its device: on a CPU node the ``busy`` processes share the cores."""
         if self.cluster.cores_per_node is None:
             return 1.0
-        busiest = max(stage_work)
-        busy_stages = sum(stage_work) / busiest if busiest > 0 else layout.pp
-        per_node = min(layout.world_size, self.cluster.devices_per_node) / layout.world_size
-        busy = max(1.0, layout.dp * layout.tp * busy_stages * per_node)
         measured = self.calibration.slowdown(busy, self.cluster.cores_per_node)
         return 1 / measured if measured is not None else self.cluster.compute_share(busy)
+
+    def _latency_scale(self, busy: float) -> float:
+        """How the measured hop latency (every process of the calibration taking part) scales when ``busy``
+        processes run at once: a message waits for its receiver to be scheduled, which takes about as
+        long as the others' time slices (gloo's small collectives among 2, 4 and 8 of 8 processes took
+        about 0.3, 0.75 and 1.3 ms per hop here: in proportion to the processes taking part)."""
+        processes = self.calibration.processes
+        if self.hop_s is None or processes < 2:
+            return 1.0
+        return min(1.0, max(2.0, busy) / processes)
 
     def pieces(self, layout: Layout) -> list[VirtualStage]:
         """The layout's model pieces (pp x chunks), each with its per-microbatch costs."""
         return self._pieces(layout)[0]
 
-    def _pieces(self, layout: Layout) -> tuple[list[VirtualStage], float]:
-        """The pieces, and how much slower than alone each process computes (CPU processes sharing cores;
-        gloo's copies and reductions of large transfers share them too)."""
+    def _pieces(self, layout: Layout, exact: bool = True) -> tuple[list[VirtualStage], float, float]:
+        """The pieces, how much slower than alone each process computes (CPU processes sharing cores;
+        gloo's copies and reductions of large transfers share them too), and how the latency of a message
+        between them scales (:meth:`_latency_scale`)."""
         table = self._table(layout)
-        bounds = self._piece_bounds(layout, table)
+        bounds = self._piece_bounds(layout, table, exact)
         count = len(bounds) - 1
         spans = list(zip(bounds, bounds[1:]))
         work = [0.0] * layout.pp
         for index, (first, last) in enumerate(spans):
             work[index % layout.pp] += (table.forward[last] - table.forward[first]) * (1 + BACKWARD_FLOPS_FACTOR)
         work[(count - 1) % layout.pp] += table.loss_forward + table.loss_backward
-        slowdown = 1 / self._share(layout, work)
+        busy = self._busy(layout, work, self.cluster.devices_per_node)
+        slowdown, latency_scale = 1 / self._share(busy), self._latency_scale(busy)
+        tp_latency = _group_links(self.cluster, 1, layout.tp, 1)[0].latency_us * 1e-6 * latency_scale
         pieces = []
         for index, (first, last) in enumerate(spans):
             is_last = index == count - 1
             compute = (table.forward[last] - table.forward[first]) * slowdown
-            tp_f = table.tp_forward[last] - table.tp_forward[first]
-            tp_b = table.tp_backward[last] - table.tp_backward[first]
+            tp_f = table.tp_forward[last] - table.tp_forward[first] \
+                + (table.tp_forward_hops[last] - table.tp_forward_hops[first]) * tp_latency
+            tp_b = table.tp_backward[last] - table.tp_backward[first] \
+                + (table.tp_backward_hops[last] - table.tp_backward_hops[first]) * tp_latency
             kept = table.kept[last] - table.kept[first + 1] + (table.crossing[first] if first > 0 else 0)
             largest = max((saved for start, saved in table.layer_saved if first <= start < last),
                           default=round(table.saved[last] - table.saved[first]))
             loss_saved = table.output_bytes if is_last else 0
+            backward = compute * BACKWARD_FLOPS_FACTOR + (table.loss_backward * slowdown if is_last else 0.0)
+            # The first piece's inputs need no gradient: its backward runs whole whatever the schedule.
+            split = backward * (self.calibration.split_backward_factor if index > 0 else 1.0)
             pieces.append(VirtualStage(
                 forward=compute + tp_f + (table.loss_forward * slowdown if is_last else 0.0),
-                backward=compute * BACKWARD_FLOPS_FACTOR + tp_b + (table.loss_backward * slowdown if is_last else 0.0),
+                backward=backward + tp_b, split_backward=split + tp_b,
                 recompute=compute + tp_f,
                 send_bytes=0 if is_last else table.crossing[last],
                 params=round(table.params[last] - table.params[first]) + _shared_in(table.shared, first, last),
                 saved=round(table.saved[last] - table.saved[first]) + loss_saved,
                 kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b,
                 tied=_tied_in(table.shared, bounds, index)))
-        return pieces, slowdown
+        return pieces, slowdown, latency_scale
 
     def _sync_seconds(self, layout: Layout) -> float:
-        """The scalars every step reduces over all processes (the loss, the gradient norm), each a small
-        all-reduce over the slowest link the processes span."""
+        """The scalars every step reduces over all processes (the loss, the gradient norm): as the
+        calibration timed them among as many processes, else each a small all-reduce over the slowest link
+        the processes span."""
         if layout.world_size == 1:
             return 0.0
+        calibration = self.calibration
+        if calibration.step_scalars_s is not None and calibration.processes == layout.world_size:
+            return calibration.step_scalars_s
         link = self.cluster.inter_node if layout.world_size > self.cluster.devices_per_node else self.cluster.intra_node
         return STEP_SCALAR_REDUCTIONS * all_reduce_seconds(SCALAR_BYTES, layout.world_size, link)
 
@@ -493,6 +548,20 @@ class CostModel:
         pipeline's link, after the backward."""
         return [all_reduce_seconds(sum(pieces[c * layout.pp + s].tied for c in range(layout.chunks))
                                    * precision.gradient, 2, pp_link) for s in range(layout.pp)]
+
+    def _data_parallel_seconds(self, layout: Layout, parameters: int, precision: Precision, link: Link) -> float:
+        """A stage's data-parallel traffic after its backward: the all-reduce of its gradients, or with ZeRO
+        their reduce-scatter and the all-gather of the updated weights. Gradients travel in float32 whenever
+        the optimizer keeps float32 copies (mixed precision, ZeRO: the copies are reduced). Gloo reduces and
+        scatters by a whole all-reduce, so on CPU processes ZeRO moves half as much again as no ZeRO."""
+        dp = layout.dp
+        if dp == 1:
+            return 0.0
+        gradient_bytes = parameters * (precision.master or precision.gradient)
+        if layout.zero_stage == 0:
+            return all_reduce_seconds(gradient_bytes, dp, link)
+        scatter = all_reduce_seconds if self.device_type == "cpu" else gather_seconds
+        return scatter(gradient_bytes, dp, link) + gather_seconds(parameters * precision.weight, dp, link)
 
     def _optimizer_seconds(self, parameters: float) -> float:
         if self.optimizer_seconds_per_parameter is not None:
@@ -518,7 +587,7 @@ class CostModel:
         """:func:`simulated_pipeline`, shared by layouts whose pipelines cost the same (ZeRO stages differ
         only after the pipeline)."""
         key = (layout.schedule, layout.pp, layout.chunks, layout.num_microbatches, layout.recompute, p2p_link,
-               tuple((p.forward, p.backward, p.recompute, p.send_bytes) for p in pieces))
+               tuple((p.forward, p.backward, p.split, p.recompute, p.send_bytes) for p in pieces))
         if key not in self._simulations:
             model = StageCostModel(pieces, layout.pp, p2p_link, layout.recompute)
             self._simulations[key] = simulated_pipeline(layout, model)
@@ -530,7 +599,7 @@ class CostModel:
         ``simulate_schedule``: run the real instruction lists through the simulator (exact bubbles and
         activations in flight); False: closed forms, for ranking many layouts quickly.
         """
-        pieces, slowdown = self._pieces(layout)
+        pieces, slowdown, latency_scale = self._pieces(layout, exact=simulate_schedule)
         precision = Precision.of(self._table(layout).dtype_bytes)
         _, dp_link, pp_link = _group_links(self.cluster, layout.dp, layout.tp, layout.pp)
         # Within a node whose gradient all-reduce was timed, that timing prices it (the cores' sharing
@@ -540,10 +609,11 @@ class CostModel:
         pp_link = _slowed(pp_link, slowdown)
         pp, chunks = layout.pp, layout.chunks
         stage_params = [sum(pieces[c * pp + s].params for c in range(chunks)) for s in range(pp)]
-        dp_seconds = [all_reduce_seconds(p * precision.gradient, layout.dp, dp_link) for p in stage_params]
+        dp_seconds = [self._data_parallel_seconds(layout, p, precision, dp_link) for p in stage_params]
         tied_seconds = self._tied_seconds(layout, pieces, precision, pp_link)
         sync = self._sync_seconds(layout)
-        optimizer_seconds = [self._optimizer_seconds(p / (layout.dp if layout.zero_stage else 1))
+        # The processes that share the cores step their optimizers at about the same time too.
+        optimizer_seconds = [self._optimizer_seconds(p / (layout.dp if layout.zero_stage else 1)) * slowdown
                              for p in stage_params]
         lists = None
         if simulate_schedule:
@@ -556,9 +626,7 @@ class CostModel:
                        + self._activation_bytes(layout, pieces, s, lists, counts) for s in range(pp))
         if lists is None:
             step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link) + max(tied_seconds) + sync
-        per_microbatch = [sum(pieces[c * pp + s].forward + pieces[c * pp + s].backward
-                              + (pieces[c * pp + s].recompute if layout.recompute else 0.0)
-                              for c in range(chunks)) for s in range(pp)]
+        per_microbatch = [sum(_work(pieces[c * pp + s], layout) for c in range(chunks)) for s in range(pp)]
         busiest = max(range(pp), key=per_microbatch.__getitem__)
         work = per_microbatch[busiest] * layout.num_microbatches
         mine = [pieces[c * pp + busiest] for c in range(chunks)]
@@ -608,16 +676,19 @@ def simulated_pipeline(layout: Layout, model: StageCostModel) -> tuple[list[floa
     return ends, None if layout.schedule == "gpipe" else lists
 
 
+def _work(piece: VirtualStage, layout: Layout) -> float:
+    """A piece's seconds per microbatch under ``layout``'s schedule (its backward split by zero-bubble ones)."""
+    backward = piece.split if layout.schedule in SPLIT_BACKWARD_SCHEDULES else piece.backward
+    return piece.forward + backward + (piece.recompute if layout.recompute else 0.0)
+
+
 def quick_step_seconds(pieces: Sequence[VirtualStage], layout: Layout, dp_seconds: Sequence[float],
                        optimizer_seconds: Sequence[float], p2p_link: Link) -> float:
     """The schedule simulator's result in closed form, for ranking many candidates before simulating the
     best: M times the busiest stage, plus the fill and drain of the other stages (shortened by
     interleaving, about a third with the zero-bubble split), plus the transfers, reduction and step."""
     pp, chunks, microbatches = layout.pp, layout.chunks, layout.num_microbatches
-    work = []
-    for s in range(pp):
-        mine = [pieces[c * pp + s] for c in range(chunks)]
-        work.append(sum(p.forward + p.backward + (p.recompute if layout.recompute else 0.0) for p in mine))
+    work = [sum(_work(pieces[c * pp + s], layout) for c in range(chunks)) for s in range(pp)]
     fill = (pp - 1) * (sum(work) / pp) / chunks
     if layout.schedule == "zb_h1":
         fill /= 3

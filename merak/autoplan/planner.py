@@ -165,7 +165,7 @@ def _supports_sequence_parallel(profiles: ProfileCache, tp: int) -> bool:
 
 
 def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, global_batch_size: int,
-                      space_overrides: dict | None = None, calibrate: bool = True) -> PlanReport:
+                      space_overrides: dict | None = None, calibrate: bool | Calibration = True) -> PlanReport:
     """Rank every layout of ``world_size`` devices of ``cluster`` for the recipe's model.
 
     Args:
@@ -176,7 +176,8 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
         global_batch_size: samples per optimizer step (fixed; everything else is chosen).
         space_overrides: fields of :class:`SearchSpace` to narrow (e.g. ``{"zero_stages": (0,)}``).
         calibrate: on a CPU cluster (the processes at hand), time the model for a few seconds
-            (:mod:`merak.autoplan.calibrate`); False: the device rates alone.
+            (:mod:`merak.autoplan.calibrate`); False: the device rates alone; a :class:`Calibration`: that
+            one (an earlier plan's, ``PlanReport.cost_model.calibration``), nothing timed.
 
     Raises:
         PlanError: no layout fits or the global batch does not divide; the message says what would.
@@ -196,10 +197,10 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
                      and tp <= cluster.devices_per_node and not spec.check_layout(model_cfg, 1, tp, 1)]
         if tp_values and not _supports_sequence_parallel(profiles, tp_values[0]):
             space = dataclasses.replace(space, sequence_parallel=(False,))
-    calibration = Calibration()
+    calibration = calibrate if isinstance(calibrate, Calibration) else Calibration()
     base_profile = profiles(1, False)  # before the timing starts: its seconds are profiling's
     timing_started = time.perf_counter()
-    if cluster.cores_per_node is not None and calibrate:  # the processes at hand: time the model here
+    if cluster.cores_per_node is not None and calibrate is True:  # the processes at hand: time the model here
         sizes = tuple(max(1, min(size, global_batch_size)) for size in CALIBRATION_MICRO_BATCHES)
         calibration = measure(spec, settings, base_profile, device_rates(cluster, "float32"),
                               micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,

@@ -141,6 +141,14 @@ def explain(candidate: Candidate, best: Candidate) -> str:
     return f"{slower:+.1%}: {_PARTS[name]} +{extra[name] * 1e3:.3g} ms"
 
 
+def _fits(prediction, usable: float) -> tuple[bool, str]:
+    """Whether the prediction's fullest device holds at most ``usable`` bytes, and why not."""
+    if prediction.max_memory <= usable:
+        return True, ""
+    return False, (f"does not fit: {prediction.max_memory / 2**30:.3g} GiB on its fullest device, "
+                   f"{usable / 2**30:.3g} GiB usable")
+
+
 def search(model: CostModel, space: SearchSpace, capacity_bytes: float, max_pp: int | None = None) -> list[Candidate]:
     """Price every layout; return the candidates best first (fitting ones first)."""
     priced: list[Candidate] = []
@@ -151,9 +159,7 @@ def search(model: CostModel, space: SearchSpace, capacity_bytes: float, max_pp: 
         except (LayoutError, ScheduleError, ValueError) as error:
             logger.debug("%s: %s", layout.key(), error)
             continue
-        fits = prediction.max_memory <= usable
-        why = "" if fits else (f"does not fit: {prediction.max_memory / 2**30:.3g} GiB on its fullest device, "
-                               f"{usable / 2**30:.3g} GiB usable")
+        fits, why = _fits(prediction, usable)
         priced.append(Candidate(layout, prediction, fits, why))
     if not priced:
         return []
@@ -171,6 +177,8 @@ def search(model: CostModel, space: SearchSpace, capacity_bytes: float, max_pp: 
             candidate.prediction = model.predict(candidate.layout, simulate_schedule=True)
         except ScheduleError as error:
             candidate.fits, candidate.why_not = False, f"its schedule cannot run: {error}"
+        else:  # priced on the run's own cuts now (a large model's first ranking may not have been)
+            candidate.fits, candidate.why_not = _fits(candidate.prediction, usable)
     simulated = sorted((c for c in chosen.values() if c.fits), key=_rank_key)
     rest = [c for c in fitting if id(c) not in chosen]
     unfit = sorted((c for c in priced if not c.fits), key=lambda c: c.prediction.max_memory)

@@ -150,42 +150,45 @@ def _stage_sums(costs: list[float], boundaries: list[int]) -> list[float]:
 def _min_max_start(costs: list[float], num_parts: int) -> list[int]:
     """Exact min-max partition of ``costs`` (left-to-right double sums), back-loaded.
 
-    The bottleneck is one of the contiguous-range sums, so binary search runs
-    over their sorted set with a greedy feasibility check. The partition is
-    built by filling the reversed list from the front (each part as full as the
-    bottleneck allows, one item left for every later part) and mirroring, so
-    the later stages take as much as they can, as in
-    :func:`merak.shard.partition.parameter_boundaries`.
+    The bottleneck is one of the contiguous-range sums: the smallest for which a greedy fill of the
+    reversed list needs at most ``num_parts`` parts. It is found without listing the n^2 sums: bisect
+    the real line down to two adjacent doubles, the upper one feasible; the greedy fill at that bound
+    has its largest part equal to the smallest feasible sum (no sum lies strictly between the bounds).
+    The partition is built by filling the reversed list from the front (each part as full as the
+    bottleneck allows, one item left for every later part) and mirroring, so the later stages take as
+    much as they can, as in :func:`merak.shard.partition.parameter_boundaries`.
     """
     num_items = len(costs)
     reversed_costs = costs[::-1]
-    candidates = set()
-    for start in range(num_items):
-        total = 0.0
-        for index in range(start, num_items):
-            total += reversed_costs[index]
-            candidates.add(total)
-    candidates = sorted(candidates)
 
-    def parts_needed(bottleneck: float) -> int:
-        parts, load = 1, 0.0
+    def greedy(bound: float) -> tuple[int, float]:
+        """(parts needed, largest part) when every part holds as much as ``bound`` allows."""
+        parts, load, largest = 1, 0.0, 0.0
         for cost in reversed_costs:
-            if cost > bottleneck:
-                return num_items + 1
-            if load + cost > bottleneck:
+            if cost > bound:
+                return num_items + 1, math.inf
+            if load + cost > bound:
+                largest = max(largest, load)
                 parts, load = parts + 1, 0.0 + cost
             else:
                 load += cost
-        return parts
+        return parts, max(largest, load)
 
-    low, high = 0, len(candidates) - 1  # the largest candidate (the total) always fits
-    while low < high:
-        middle = (low + high) // 2
-        if parts_needed(candidates[middle]) <= num_parts:
+    total = 0.0
+    for cost in reversed_costs:
+        total += cost
+    low, high = 0.0, total  # the total (one part) is a range sum; fewer parts never need more
+    if greedy(low)[0] <= num_parts:
+        high = low
+    while True:
+        middle = low + (high - low) / 2
+        if middle <= low or middle >= high:
+            break
+        if greedy(middle)[0] <= num_parts:
             high = middle
         else:
-            low = middle + 1
-    bottleneck = candidates[low]
+            low = middle
+    bottleneck = greedy(high)[1]
     mirrored = [0]
     for part in range(num_parts - 1):
         end, load = mirrored[-1], 0.0
@@ -202,6 +205,16 @@ def _score(forward: list[float], backward: list[float], boundaries: list[int],
            num_microbatches: int) -> float:
     return _simulate(_stage_sums(forward, boundaries), _stage_sums(backward, boundaries),
                      num_microbatches)
+
+
+def _compiled_score(forward: list[float], backward: list[float], boundaries: list[int],
+                    num_microbatches: int) -> float:
+    """:func:`_score` on the compiled simulation when it is built: the same time, and a planner prices
+    thousands of partitions of models with a thousand shards and as many microbatches."""
+    if _native is None:
+        return _score(forward, backward, boundaries, num_microbatches)
+    return _native.simulate_1f1b(_stage_sums(forward, boundaries), _stage_sums(backward, boundaries),
+                                 num_microbatches)
 
 
 def python_autopipe_boundaries(forward_costs: Sequence[float], backward_costs: Sequence[float],
@@ -311,8 +324,8 @@ def balance_other_stages(forward_costs: Sequence[float], backward_costs: Sequenc
     if after >= 2:
         balanced[critical + 1:] = [last + b for b in _even_partition(combined[last:], after)]
     num_microbatches = _as_microbatches(num_microbatches)
-    if _score(forward, backward, balanced, num_microbatches) <= _score(forward, backward, boundaries,
-                                                                        num_microbatches):
+    if _compiled_score(forward, backward, balanced, num_microbatches) \
+            <= _compiled_score(forward, backward, boundaries, num_microbatches):
         return balanced
     return boundaries
 
@@ -337,7 +350,7 @@ def cheapen_boundaries(forward_costs: Sequence[float], backward_costs: Sequence[
     num_microbatches = _as_microbatches(num_microbatches)
     boundaries = list(boundaries)
     combined = [f + b for f, b in zip(forward, backward)]
-    limit = _score(forward, backward, boundaries, num_microbatches) * (1 + tolerance)
+    limit = _compiled_score(forward, backward, boundaries, num_microbatches) * (1 + tolerance)
     for stage in range(1, len(boundaries) - 1):
         best = boundaries[stage]
         for position in range(boundaries[stage - 1] + 1, boundaries[stage + 1]):
@@ -345,7 +358,7 @@ def cheapen_boundaries(forward_costs: Sequence[float], backward_costs: Sequence[
                 continue
             moved = boundaries[:stage] + [position] + boundaries[stage + 1:]
             sums = _stage_sums(combined, moved[stage - 1:stage + 2])
-            if min(sums) > 0 and _score(forward, backward, moved, num_microbatches) <= limit:
+            if min(sums) > 0 and _compiled_score(forward, backward, moved, num_microbatches) <= limit:
                 best = position
         boundaries[stage] = best
     return boundaries

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from merak.autoplan.calibrate import Calibration, fit_scales
 from merak.shard.costs import MachineRates
@@ -69,3 +72,94 @@ def test_a_timing_is_the_median_of_its_runs_not_the_fastest(monkeypatch):
 
     monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock["now"])
     assert calibrate._typical_of(run, repeats=3, seconds=0.0) == 2.0
+
+
+class _TinyLM(torch.nn.Module):
+    """An embedding, a layer and a head: a later pipeline stage starts after the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 8)
+        self.layer = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 11)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.embed
+
+    def forward(self, input_ids):
+        return self.head(torch.tanh(self.layer(self.embed(input_ids))))
+
+
+def _tiny_recipe():
+    """A spec and settings that build :class:`_TinyLM` on a fixed batch (what ``_model_steps`` reads)."""
+    samples = [{"input_ids": torch.tensor([i % 11, (i + 3) % 11, (i + 5) % 11])} for i in range(8)]
+    spec = SimpleNamespace(
+        name="tiny", input_names=("input_ids",), build_model=lambda cfg: _TinyLM(),
+        prepare_data=lambda data_cfg, model_cfg: None, load_dataset=lambda prepared, model_cfg: samples,
+        collate=lambda rows: {"input_ids": torch.stack([row["input_ids"] for row in rows])},
+        loss_fn=lambda logits, batch: torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                                        batch["input_ids"].flatten()))
+    settings = SimpleNamespace(model_cfg={}, data_cfg={}, trainer=SimpleNamespace(seed=0, input_names=None))
+    return spec, settings
+
+
+def _gradients(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_the_split_backward_computes_what_a_later_stage_computes_whole():
+    import merak.autoplan.calibrate as calibrate
+
+    spec, settings = _tiny_recipe()
+    built = calibrate._model_steps(spec, settings, micro_batch_size=4)
+    built.step()
+    whole = _gradients(built.model)
+    assert whole["embed.weight"] is not None  # outside a stage's run the model runs whole
+    built.stage_step()
+    stage = _gradients(built.model)
+    assert stage["embed.weight"] is None  # a later stage starts after the embedding
+    built.split_step()
+    split = _gradients(built.model)
+    assert split["embed.weight"] is None
+    for name in ("layer.weight", "layer.bias", "head.weight", "head.bias"):
+        torch.testing.assert_close(split[name], stage[name])
+        torch.testing.assert_close(stage[name], whole[name])
+
+
+def test_the_split_factor_compares_backwards_without_their_forward(monkeypatch):
+    import merak.autoplan.calibrate as calibrate
+
+    built = calibrate._ModelSteps(model=torch.nn.Linear(1, 1), step=object(), stage_step="stage", split_step="split",
+                                  forward="forward")
+    times = {"stage": 0.010, "split": 0.014, "forward": 0.002}
+    monkeypatch.setattr(calibrate, "_typical_of", lambda function: times[function])
+    assert calibrate._split_factor(built) == pytest.approx((0.014 - 0.002) / (0.010 - 0.002))
+    times["split"] = 0.009  # faster than whole: noise, not a gain
+    assert calibrate._split_factor(built) == 1.0
+
+
+def test_a_model_without_input_embeddings_or_floating_inputs_is_not_split():
+    import merak.autoplan.calibrate as calibrate
+
+    spec, settings = _tiny_recipe()
+    spec.build_model = lambda cfg: torch.nn.Sequential(torch.nn.Embedding(11, 11))
+    built = calibrate._model_steps(spec, settings, micro_batch_size=2)
+    assert built.stage_step is None and built.split_step is None
+
+
+def test_the_sizes_are_timed_in_turns_and_each_keeps_its_median(monkeypatch):
+    import merak.autoplan.calibrate as calibrate
+
+    calls: list[str] = []
+    small, large = (lambda: calls.append("small")), (lambda: calls.append("large"))
+    # The machine is twice as slow in the first turn as in the others: timed in turns, both sizes see it.
+    speed = {"small": [2.0, 1.0, 1.0], "large": [8.0, 4.0, 4.0]}
+
+    def timed(step) -> float:
+        step()
+        name = calls[-1]
+        return speed[name][sum(c == name for c in calls[2:]) - 1]
+
+    monkeypatch.setattr(calibrate, "_timed", timed)
+    assert calibrate._sizes_in_turns([small, large], rounds=3) == [1.0, 4.0]
+    assert calls == ["small", "large"] + ["small", "large"] * 3  # a warm-up each, then one run each per turn

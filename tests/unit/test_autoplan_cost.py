@@ -438,3 +438,95 @@ def test_tied_weights_on_two_stages_sum_their_gradients_after_the_backward():
     assert untied.breakdown["tied_comm_s"] == 0.0
     assert piped.step_s == pytest.approx(untied.step_s + piped.breakdown["tied_comm_s"])
     assert model.predict(layout()).breakdown["tied_comm_s"] == 0.0  # one stage holds both readers
+
+
+# --- what the calibration measured on CPU processes ------------------------------------------------------------
+
+
+def eight_on_two_cores(calibration: Calibration = Calibration(), profile: GraphProfile | None = None) -> CostModel:
+    """A cost model of ``profile`` (default: the synthetic one) on 8 CPU processes sharing 2 cores."""
+    cluster = dataclasses.replace(this_machine(8, measure=False), cores_per_node=2)
+    profile = profile or synthetic_profile()
+    return CostModel(lambda tp, sequence_parallel: profile, cluster, calibration=calibration)
+
+
+def test_timed_step_scalars_price_the_end_of_a_step_among_as_many_processes():
+    timed = Calibration(processes=8, all_reduce_s=0.014, step_scalars_s=0.003)
+    model = eight_on_two_cores(timed)
+    assert model.predict(layout(dp=8)).breakdown["sync_s"] == pytest.approx(0.003)
+    assert model.predict(layout(dp=2, pp=4)).breakdown["sync_s"] == pytest.approx(0.003)
+    # Four processes are not what was timed: two small all-reduces over the (calibrated) link instead.
+    four = model.predict(layout(dp=4)).breakdown["sync_s"]
+    assert four == pytest.approx(2 * all_reduce_seconds(8, 4, model.cluster.intra_node))
+    assert four != pytest.approx(0.003, rel=0.1)
+
+
+def test_zero_reduce_scatters_gradients_and_gathers_the_updated_weights():
+    params = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT
+    gpu, link = gpu_model(), preset("h100-80").intra_node
+    plain = gpu.predict(layout(dp=8)).breakdown["dp_comm_s"]
+    assert plain == pytest.approx(all_reduce_seconds(params * 4, 8, link))
+    # NCCL: a reduce-scatter and an all-gather move what one all-reduce does.
+    assert gpu.predict(layout(dp=8, zero_stage=1)).breakdown["dp_comm_s"] == pytest.approx(
+        2 * gather_seconds(params * 4, 8, link))
+    # Mixed precision reduces the float32 copies' gradients, and gathers the half-precision weights.
+    half = gpu_model(synthetic_profile(dtype_bytes=2))
+    assert half.predict(layout(dp=8)).breakdown["dp_comm_s"] == pytest.approx(plain)
+    assert half.predict(layout(dp=8, zero_stage=1)).breakdown["dp_comm_s"] == pytest.approx(
+        gather_seconds(params * 4, 8, link) + gather_seconds(params * 2, 8, link))
+    # Gloo reduce-scatters by a whole all-reduce: ZeRO adds an all-gather, half an all-reduce.
+    cpu = eight_on_two_cores()
+    assert cpu.predict(layout(dp=8, zero_stage=2)).breakdown["dp_comm_s"] == pytest.approx(
+        1.5 * cpu.predict(layout(dp=8)).breakdown["dp_comm_s"])
+
+
+def test_tensor_parallel_latency_shrinks_with_the_processes_busy():
+    message = 8  # bytes: the collectives cost their latency alone
+    plain = synthetic_profile()
+    split = synthetic_profile(forward_all_reduce=message, backward_all_reduce=message, tp=2)
+    hop = 0.001
+    timed = Calibration(processes=8, all_reduce_s=hop * 14)
+    cluster = dataclasses.replace(this_machine(8, measure=False), cores_per_node=2)
+    model = CostModel(lambda tp, sequence_parallel: split if tp > 1 else plain, cluster, calibration=timed)
+    collectives = 2 * LAYERS  # per microbatch: one in each layer's forward and one in its backward
+    # Every process busy: each ring step of the two ranks waits the measured hop.
+    crowded = model.predict(layout(dp=4, tp=2, num_microbatches=1)).breakdown["tp_comm_s"]
+    assert crowded == pytest.approx(collectives * 2 * hop, rel=1e-3)
+    # One microbatch through four stages keeps one stage (two processes) busy at a time.
+    quiet = model.predict(layout(tp=2, pp=4, num_microbatches=1)).breakdown["tp_comm_s"]
+    assert quiet == pytest.approx(collectives / 4 * 2 * hop * 2 / 8, rel=1e-3)
+    # An uncalibrated model prices the link's own latency whatever runs.
+    nominal = CostModel(lambda tp, sequence_parallel: split if tp > 1 else plain, cluster)
+    latency = nominal.cluster.intra_node.latency_us * 1e-6
+    assert nominal.predict(layout(tp=2, pp=4, num_microbatches=1)).breakdown["tp_comm_s"] == pytest.approx(
+        collectives / 4 * 2 * latency, rel=1e-3)
+
+
+def test_one_microbatch_keeps_one_pipeline_stage_busy_at_a_time():
+    two_cores = dataclasses.replace(this_machine(4, measure=False), cores_per_node=2)
+    model = CostModel(lambda tp, sequence_parallel: synthetic_profile(), two_cores)
+    single = model.pieces(layout())[0].forward  # the whole model's forward, alone
+    one = model.pieces(layout(pp=4, num_microbatches=1))
+    assert sum(piece.forward for piece in one) == pytest.approx(single)
+    # Many microbatches keep all four stages busy: they share the two cores.
+    many = model.pieces(layout(pp=4, num_microbatches=64))
+    busy = 4 * 64 / (4 + 63)
+    assert sum(piece.forward for piece in many) == pytest.approx(single * busy / 2)
+
+
+def test_zero_bubble_schedules_pay_the_split_backward_the_calibration_measured():
+    split = CostModel(lambda tp, sequence_parallel: synthetic_profile(), preset("h100-80"),
+                      calibration=Calibration(split_backward_factor=1.5))
+    whole = gpu_model()
+    pieces, plain = split.pieces(layout(pp=4)), whole.pieces(layout(pp=4))
+    # The first piece's inputs need no gradient: its backward runs whole.
+    assert pieces[0].split == pytest.approx(plain[0].backward)
+    for piece, reference in zip(pieces[1:], plain[1:]):
+        assert piece.backward == pytest.approx(reference.backward)
+        assert piece.split == pytest.approx(1.5 * reference.backward)
+    # Only the schedules that split pay it.
+    assert split.predict(layout(pp=4)).step_s == pytest.approx(whole.predict(layout(pp=4)).step_s)
+    zero_bubble = layout(pp=4, schedule="zb_h1")
+    assert split.predict(zero_bubble).step_s > whole.predict(zero_bubble).step_s * 1.2
+    assert split.predict(zero_bubble, simulate_schedule=False).breakdown["compute_s"] == pytest.approx(
+        8 * (pieces[-1].forward + pieces[-1].split))
