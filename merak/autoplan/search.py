@@ -136,7 +136,7 @@ def explain(candidate: Candidate, best: Candidate) -> str:
     extra = {name: candidate.prediction.breakdown.get(name, 0.0) - best.prediction.breakdown.get(name, 0.0)
              for name in _PARTS}
     name = max(extra, key=extra.get)
-    if extra[name] <= 0:
+    if extra[name] <= 0 or slower <= 0:  # ranked below only by the simplicity margin
         return f"{slower:+.1%}: as fast within the margin, but less simple"
     return f"{slower:+.1%}: {_PARTS[name]} +{extra[name] * 1e3:.3g} ms"
 
