@@ -11,14 +11,15 @@ per-operation overhead each really cost), a third size corrects larger microbatc
 timed in turns, so that a slow moment of the machine does not fall on one size alone). The optimizer
 step is timed the same way, and so is the backward split in two as zero-bubble schedules run it
 (input gradients first, weight gradients later: torch's split walks the autograd graph in Python and
-keeps the gradients between the halves, which costs more than one backward). Then as many processes as the run will start time the model all at
-once, each repetition started together as a synchronous step is: how much slower each is when they
-share the cores (more than the cores' count alone says: memory bandwidth and caches are shared too;
-between those repetitions one of them runs alone, so the slowdown is a ratio of times taken moments
-apart, as a shared machine's speed drifts by tens of percent within seconds), how long a small
-all-reduce takes among them (a collective waits for every process to be scheduled), and how long the
-scalar reductions that end every step take (gloo reduces one or two elements by another algorithm than
-a longer message: several times faster among many processes).
+keeps the gradients between the halves, which costs more than one backward). Then as many processes
+as the run will start time the model all at once, each repetition started together as a synchronous
+step is: how much slower each is when they share the cores (more than the cores' count alone says:
+memory bandwidth and caches are shared too; between those repetitions one of them runs alone, so the
+slowdown is a ratio of times taken moments apart, as a shared machine's speed drifts by tens of
+percent within seconds), how long a small all-reduce takes among them (a collective waits for every
+process to be scheduled), and how long the scalar reductions that end every step take (gloo reduces
+one or two elements by another algorithm than a longer message: several times faster among many
+processes).
 Only for models small enough to build here (GPU presets plan giant models from their rates alone).
 """
 
@@ -37,7 +38,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from merak.assemble import CallModel, default_input_names
@@ -343,11 +343,11 @@ def _gradient_all_reduces(model: torch.nn.Module) -> dict:
 
 def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int,
                        steps: int = REPEATS) -> dict:
-    """``processes`` processes running the model at once, ``steps`` times: ``step_s``, ``alone_s`` (one of them
-    alone, between those steps), ``all_reduce_s`` (a small one), ``step_scalars_s`` (a step's scalar
-    reductions), ``gradient_all_reduce_s`` and ``gradient_all_reduce_bytes``. A synchronous step (or collective) waits for the slowest process: each
-    time is the median over the repetitions of the slowest process's (processes sharing cores finish a
-    time slice apart, and which one is last varies)."""
+    """``processes`` processes running the model at once, ``steps`` times: ``step_s``, ``alone_s`` (one of them alone,
+    between those steps), ``all_reduce_s`` (a small one), ``step_scalars_s`` (a step's scalar reductions),
+    ``gradient_all_reduce_s`` and ``gradient_all_reduce_bytes``. A synchronous step (or collective) waits for
+    the slowest process: each time is the median over the repetitions of the slowest process's (processes
+    sharing cores finish a time slice apart, and which one is last varies)."""
     with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
         spawn_workers(_concurrent_worker, world_size=processes,
                       args=(spec, settings, micro_batch_size, threads, steps, out_dir),

@@ -66,8 +66,8 @@ ADAM_BYTES_PER_PARAMETER = 28  # read weight, gradient, two moments; write weigh
 STEP_SCALAR_REDUCTIONS = 2  # per step, over every process: the loss (for the log) and the gradient norm
 SCALAR_BYTES = 8
 SIMULATED_MICROBATCHES = 8  # a longer step is simulated at about this many and extended linearly
-SPLIT_BACKWARD_SCHEDULES = ("zb_h1",)
-QUICK_RUNTIME_CUTS_MOST_UNITS = 256  # those whose instruction lists split backwards in BackwardInput/Weight
+SPLIT_BACKWARD_SCHEDULES = ("zb_h1",)  # those whose instruction lists split backwards in BackwardInput/Weight
+QUICK_RUNTIME_CUTS_MOST_UNITS = 256  # larger models are ranked on the planner's own cuts first (_piece_bounds)
 
 
 class LayoutError(ValueError):
