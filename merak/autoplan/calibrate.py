@@ -230,22 +230,18 @@ def _model_steps(spec, settings, micro_batch_size: int, model: torch.nn.Module |
 
 class _StageInputs:
     """Within the block, the model runs from inputs that need gradients, as a later pipeline stage's do:
-    its floating-point inputs, else its input embeddings' output (detached there). ``leaves``: those of the
-    last run."""
+    its floating-point inputs, else its input embeddings' output (detached there, by a hook held only within
+    the block). ``leaves``: those of the last run."""
 
     def __init__(self, model: torch.nn.Module, batch, names) -> None:
         self.floating = [name for name in names
                          if isinstance(batch[name], torch.Tensor) and batch[name].is_floating_point()]
-        self.source, self.active, self.leaves = batch, False, []
+        self.source, self.leaves, self._hook = batch, [], None
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         self.embeddings = embeddings if not self.floating and isinstance(embeddings, torch.nn.Module) else None
-        if self.embeddings is not None:
-            self.embeddings.register_forward_hook(self._cut)
         self.available = bool(self.floating) or self.embeddings is not None
 
     def _cut(self, module, args, output):
-        if not self.active:
-            return None
         leaf = output.detach().requires_grad_()
         self.leaves.append(leaf)
         return leaf
@@ -262,11 +258,15 @@ class _StageInputs:
         return copy
 
     def __enter__(self) -> _StageInputs:
-        self.active, self.leaves = True, []
+        self.leaves = []
+        if self.embeddings is not None:
+            self._hook = self.embeddings.register_forward_hook(self._cut)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.active = False
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
 
 def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, steps: int, out_dir: str) -> None:
@@ -389,7 +389,7 @@ def _alone_worker(spec, settings, micro_batch_sizes: tuple[int, ...], threads: i
     first = _model_steps(spec, settings, micro_batch_sizes[0])
     if first is not None:
         built = [first] + [_model_steps(spec, settings, micro, first.model) for micro in micro_batch_sizes[1:]]
-        measured = _sizes_in_turns([b.step for b in built])
+        measured = _in_turns([b.step for b in built])
         for micro, seconds in zip(micro_batch_sizes, measured):
             logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward", spec.name, micro,
                         seconds * 1e3)
@@ -404,10 +404,10 @@ def _alone_worker(spec, settings, micro_batch_sizes: tuple[int, ...], threads: i
                        "split_backward_factor": split})
 
 
-def _sizes_in_turns(steps, rounds: int = ALONE_ROUNDS) -> list[float]:
+def _in_turns(steps, rounds: int = ALONE_ROUNDS) -> list[float]:
     """Each step's median time over ``rounds`` turns through all of them, each turn running a step for about
-    ``ALONE_SECONDS / rounds`` (at least once): the fit goes through these times, and on a shared machine
-    whose speed drifts within seconds one size timed in a slow moment would tilt the line."""
+    ``ALONE_SECONDS / rounds`` (at least once): the times are compared or fitted with each other, and on a
+    shared machine whose speed drifts within seconds one step timed in a slow moment would tilt them."""
     for step in steps:  # warm-up: allocator, lazy initialization
         step()
     times: list[list[float]] = [[] for _ in steps]
@@ -423,15 +423,11 @@ def _sizes_in_turns(steps, rounds: int = ALONE_ROUNDS) -> list[float]:
 def _split_factor(built: _ModelSteps) -> float:
     """The split backward's time over the whole backward's, each the step's less its forward's, from inputs
     that need gradients; timed in turns (the machine's speed drifts)."""
-    plain, split, forward = [], [], []
-    for _ in range(REPEATS):
-        plain.append(_typical_of(built.stage_step))
-        split.append(_typical_of(built.split_step))
-        forward.append(_typical_of(built.forward))
-    backward = statistics.median(plain) - statistics.median(forward)
+    plain, split, forward = _in_turns([built.stage_step, built.split_step, built.forward])
+    backward = plain - forward
     if backward <= 0:
         return 1.0
-    factor = (statistics.median(split) - statistics.median(forward)) / backward
+    factor = (split - forward) / backward
     logger.info("the backward split in two (zero-bubble schedules) takes %.2fx one backward", factor)
     return max(1.0, factor)
 
@@ -476,7 +472,7 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
                 alone["optimizer_s"] * 1e3)
     calibration = Calibration(work_scale=work_scale, launch_scale=launch_scale, size_factors=factors,
                               optimizer_seconds_per_parameter=alone["optimizer_s"] / max(alone["parameters"], 1),
-                              split_backward_factor=alone.get("split_backward_factor") or 1.0)
+                              split_backward_factor=alone["split_backward_factor"] or 1.0)
     if processes < 2:
         return calibration
     # At the second size: large enough to be typical, small enough for every process to run it quickly.

@@ -369,12 +369,10 @@ class CostModel:
         # Whose nominal rates a run's partitioner weighs the units with (merak.shard.costs).
         self.device_type = "cpu" if cluster.cores_per_node is not None else "cuda"
         self.optimizer_seconds_per_parameter = calibration.optimizer_seconds_per_parameter
-        self.hop_s: float | None = None  # the measured latency of one hop, when measured
         if calibration.all_reduce_s is not None and calibration.processes > 1:
             # A collective among processes that share the cores waits for each to be scheduled: the
             # latency of a hop is what the measured all-reduce took per ring step.
             hop = calibration.all_reduce_s / (2 * (calibration.processes - 1)) * 1e6
-            self.hop_s = hop * 1e-6
             link = cluster.intra_node
             cluster = dataclasses.replace(cluster, intra_node=dataclasses.replace(
                 link, latency_us=max(link.latency_us, hop)))
@@ -479,7 +477,7 @@ class CostModel:
         long as the others' time slices (gloo's small collectives among 2, 4 and 8 of 8 processes took
         about 0.3, 0.75 and 1.3 ms per hop here: in proportion to the processes taking part)."""
         processes = self.calibration.processes
-        if self.hop_s is None or processes < 2:
+        if self.calibration.all_reduce_s is None or processes < 2:
             return 1.0
         return min(1.0, max(2.0, busy) / processes)
 

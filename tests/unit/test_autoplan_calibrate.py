@@ -129,10 +129,15 @@ def test_the_split_backward_computes_what_a_later_stage_computes_whole():
 def test_the_split_factor_compares_backwards_without_their_forward(monkeypatch):
     import merak.autoplan.calibrate as calibrate
 
-    built = calibrate._ModelSteps(model=torch.nn.Linear(1, 1), step=object(), stage_step="stage", split_step="split",
-                                  forward="forward")
+    def stage() -> None: ...
+    def split() -> None: ...
+    def forward() -> None: ...
+
+    built = calibrate._ModelSteps(model=torch.nn.Linear(1, 1), step=object(), stage_step=stage, split_step=split,
+                                  forward=forward)
     times = {"stage": 0.010, "split": 0.014, "forward": 0.002}
-    monkeypatch.setattr(calibrate, "_typical_of", lambda function: times[function])
+    # Every run of a step takes its time: the three are timed in turns, each keeps its median.
+    monkeypatch.setattr(calibrate, "_timed", lambda function: times[function.__name__])
     assert calibrate._split_factor(built) == pytest.approx((0.014 - 0.002) / (0.010 - 0.002))
     times["split"] = 0.009  # faster than whole: noise, not a gain
     assert calibrate._split_factor(built) == 1.0
@@ -161,5 +166,5 @@ def test_the_sizes_are_timed_in_turns_and_each_keeps_its_median(monkeypatch):
         return speed[name][sum(c == name for c in calls[2:]) - 1]
 
     monkeypatch.setattr(calibrate, "_timed", timed)
-    assert calibrate._sizes_in_turns([small, large], rounds=3) == [1.0, 4.0]
+    assert calibrate._in_turns([small, large], rounds=3) == [1.0, 4.0]
     assert calls == ["small", "large"] + ["small", "large"] * 3  # a warm-up each, then one run each per turn
