@@ -304,15 +304,17 @@ class PipelineExecutor:
         else:
             tensors, grads = _grad_pairs(step.outputs.pop(key), step.grads.pop(key))
         inputs = step.inputs.pop(key, None)
-        if whole or self._is_first(chunk):
-            # The first stage has no input gradient to hurry: its BackwardInput does the whole backward.
+        leaves = [] if self._is_first(chunk) else [leaf for leaf in _tensor_leaves(inputs) if leaf.requires_grad]
+        if whole or not leaves:
+            # No input gradient to hurry (the first stage's inputs are data, and so are those of a stage fed
+            # only data, such as token ids passed on by a stage without weights): BackwardInput does the whole
+            # backward. torch's split would compute no weight gradient at all for such a stage.
             if tensors:
                 torch.autograd.backward(tensors, grads)
             if not whole:
                 step.split_done.add(key)
             input_grads = None if self._is_first(chunk) else _input_grads(inputs)
         else:
-            leaves = [leaf for leaf in _tensor_leaves(inputs) if leaf.requires_grad]
             weights = [p for p in self.stages[chunk].parameters() if p.requires_grad]
             grads_in, param_groups = stage_backward_input(tensors, grads, leaves, iter(weights))
             step.param_groups[key] = (weights, param_groups)

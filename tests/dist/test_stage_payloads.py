@@ -68,6 +68,25 @@ class Back(nn.Module):
         return self.out(torch.relu(self.mid(hidden)) + extras["skip"])
 
 
+class DataFront(nn.Module):
+    """A stage without parameters that passes the data on: the next stage's inputs need no gradient."""
+
+    def forward(self, batch):
+        return batch["x"]
+
+
+class WholeBack(nn.Module):
+    def __init__(self, net: SkipNet) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        return self.net(x)
+
+
+STAGES = {"front/back": lambda net: [Front(net), Back(net)], "data/whole": lambda net: [DataFront(), WholeBack(net)]}
+
+
 def mse_loss(output, batch):
     return F.mse_loss(output, batch["target"])
 
@@ -78,13 +97,13 @@ def build_dataset():
             for _ in range(64)]
 
 
-def _train(out_dir: str, schedule: str) -> None:
+def _train(out_dir: str, schedule: str, stages: str = "front/back") -> None:
     torch.set_num_threads(1)
     state = groups.init(pp=2, timeout_s=120)
     try:
         torch.manual_seed(0)
         net = SkipNet()
-        engine = PipelineEngine(model=net, stages=[Front(net), Back(net)], loss_fn=mse_loss, state=state,
+        engine = PipelineEngine(model=net, stages=STAGES[stages](net), loss_fn=mse_loss, state=state,
                                 schedule=schedule, num_microbatches=4, total_steps=STEPS, optimizer=OPTIONS)
         plan = BatchPlan(num_samples=64, micro_batch_size=2, num_microbatches=4, seed=3)
         loader = MicrobatchLoader(build_dataset(), plan)
@@ -118,10 +137,7 @@ def _reference() -> list[dict]:
     return records
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_mixed_payload_pipeline_matches_single_process(schedule, tmp_path):
-    spawn_workers(_train, world_size=2, args=(str(tmp_path), schedule))
+def _check_against_reference(tmp_path) -> None:
     reference = _reference()
     names = set()
     for rank in range(2):
@@ -131,3 +147,19 @@ def test_mixed_payload_pipeline_matches_single_process(schedule, tmp_path):
                 torch.testing.assert_close(grad, want["grads"][name], rtol=1e-5, atol=1e-7)
                 names.add(name)
     assert names == {n for n, _ in SkipNet().named_parameters()}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_mixed_payload_pipeline_matches_single_process(schedule, tmp_path):
+    spawn_workers(_train, world_size=2, args=(str(tmp_path), schedule))
+    _check_against_reference(tmp_path)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_a_stage_receiving_only_data_gets_its_weight_gradients(schedule, tmp_path):
+    """The second stage's inputs need no gradient (the first passes the data on): a zero-bubble schedule
+    must still compute its weights' gradients (torch's split backward alone computes none at all)."""
+    spawn_workers(_train, world_size=2, args=(str(tmp_path), schedule, "data/whole"))
+    _check_against_reference(tmp_path)
