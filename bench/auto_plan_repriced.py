@@ -98,10 +98,16 @@ def load_measurements(path: str | None) -> dict[str, list[tuple[Cluster, Calibra
     if path is None or not Path(path).exists():
         return {}
     saved = json.loads(Path(path).read_text(encoding="utf-8"))
-    return {key: [(Cluster.from_json(entry["cluster"]),
-                   Calibration(**{**entry["calibration"],
-                                  "size_factors": tuple(map(tuple, entry["calibration"]["size_factors"]))}))
+    return {key: [(Cluster.from_json(entry["cluster"]), _calibration(entry["calibration"]))
                   for entry in repeats] for key, repeats in saved.items()}
+
+
+def _calibration(saved: dict) -> Calibration:
+    """A saved calibration; one saved before the split backward's microbatch was kept timed it at the second
+    of its sizes."""
+    sizes = [size for size, _ in saved["size_factors"]]
+    return Calibration(**{"split_backward_micro_batch": sizes[min(1, len(sizes) - 1)] if sizes else 1, **saved,
+                          "size_factors": tuple(map(tuple, saved["size_factors"]))})
 
 
 def within(errors: list[float | None], tolerance: float) -> tuple[int, int]:

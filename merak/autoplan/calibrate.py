@@ -90,7 +90,9 @@ class Calibration:
         step_scalars_s: the scalar all-reduces that end a step (:data:`STEP_SCALAR_ELEMENTS`) among
             ``processes`` processes, together.
         split_backward_factor: a backward split into its input and weight halves (zero-bubble
-            schedules) over one backward, measured on the whole model.
+            schedules) over one backward, measured on the whole model at ``split_backward_micro_batch``.
+            What the split adds is autograd's walk of the graph in Python, a cost per operation: the cost
+            model spreads it over the pieces by their operations, not their compute.
     """
 
     work_scale: float = 1.0
@@ -104,6 +106,7 @@ class Calibration:
     gradient_all_reduce_bytes: int = 0
     step_scalars_s: float | None = None
     split_backward_factor: float = 1.0
+    split_backward_micro_batch: int = 1
 
     def seconds(self, rates: MachineRates, flops: float, bytes_moved: float, ops: float) -> float:
         """The calibrated time of ``flops``, ``bytes_moved`` and ``ops`` at ``rates``."""
@@ -472,7 +475,8 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
                 alone["optimizer_s"] * 1e3)
     calibration = Calibration(work_scale=work_scale, launch_scale=launch_scale, size_factors=factors,
                               optimizer_seconds_per_parameter=alone["optimizer_s"] / max(alone["parameters"], 1),
-                              split_backward_factor=alone["split_backward_factor"] or 1.0)
+                              split_backward_factor=alone["split_backward_factor"] or 1.0,
+                              split_backward_micro_batch=sizes[min(1, len(sizes) - 1)])
     if processes < 2:
         return calibration
     # At the second size: large enough to be typical, small enough for every process to run it quickly.

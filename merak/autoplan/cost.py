@@ -291,6 +291,7 @@ class _UnitTable:
     """One profile's per-unit costs at one microbatch, as prefix sums: any piece is priced in O(1)."""
 
     forward: list[float]  # prefix sums of compute seconds (calibrated, no CPU sharing)
+    ops: list[float]  # prefix sums of the operations run
     tp_forward: list[float]  # prefix sums of the tensor-parallel collectives' seconds, latency left out ...
     tp_backward: list[float]
     tp_forward_hops: list[float]  # ... and of their hops, each paying the link's latency
@@ -381,6 +382,24 @@ class CostModel:
         self._tables: dict[tuple[int, bool, int], _UnitTable] = {}
         self._bounds: dict[tuple, list[int]] = {}
         self._simulations: dict[tuple, tuple[list[float], tuple | None]] = {}
+        self._split_per_op: float | None = None
+
+    def _split_seconds_per_op(self) -> float:
+        """What splitting the backward adds per operation (zero-bubble schedules): the calibration's factor
+        applied to the whole model's backward where it was timed, spread evenly over the model's operations
+        (the split walks autograd's graph in Python: a stage of many small operations pays far more than its
+        share of the compute, a stage of one large product hardly anything)."""
+        if self._split_per_op is None:
+            calibration = self.calibration
+            self._split_per_op = 0.0
+            if calibration.split_backward_factor > 1.0:
+                at = Layout(dp=1, tp=1, pp=1, micro_batch_size=calibration.split_backward_micro_batch,
+                            num_microbatches=1)
+                table = self._table(at)
+                backward = table.forward[-1] * BACKWARD_FLOPS_FACTOR + table.loss_backward
+                if table.ops[-1] > 0:
+                    self._split_per_op = (calibration.split_backward_factor - 1.0) * backward / table.ops[-1]
+        return self._split_per_op
 
     def _table(self, layout: Layout) -> _UnitTable:
         key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size)
@@ -406,7 +425,7 @@ class CostModel:
         edges = [*starts, len(profile)]
         layer_saved = [(a, sum(profile.saved_bytes[a:b])) for a, b in zip(edges, edges[1:])]
         table = _UnitTable(
-            forward=_prefix(forward), tp_forward=_prefix(tp_forward), tp_backward=_prefix(tp_backward),
+            forward=_prefix(forward), ops=_prefix(profile.ops), tp_forward=_prefix(tp_forward), tp_backward=_prefix(tp_backward),
             tp_forward_hops=_prefix(tp_forward_hops), tp_backward_hops=_prefix(tp_backward_hops),
             params=_prefix(profile.params), saved=_prefix(profile.saved_bytes), kept=_prefix(kept),
             layer_saved=layer_saved,
@@ -464,6 +483,21 @@ class CostModel:
         per_node = min(layout.world_size, devices_per_node) / layout.world_size
         return max(1.0, layout.dp * layout.tp * busy_stages * per_node)
 
+    @staticmethod
+    def _stage_busy(layout: Layout, stage_work: Sequence[float], devices_per_node: int) -> list[float]:
+        """Per pipeline stage, the processes of a node running while it computes: its own replicas, and each
+        other stage for the share of the step it overlaps with this one (its work over the step's span, past
+        the first of the M microbatches: one microbatch alone passes the stages one after another). A stage
+        that is busy all along (the slowest) is thus running beside every other stage's work, while the
+        slowest shares its cores with the others only when they compute. Stages of equal work give
+        :meth:`_busy` for each."""
+        busiest, total, microbatches = max(stage_work), sum(stage_work), layout.num_microbatches
+        span = total + (microbatches - 1) * busiest
+        per_node = min(layout.world_size, devices_per_node) / layout.world_size
+        return [max(1.0, layout.dp * layout.tp * per_node
+                    * (1 + ((total - own) * (microbatches - 1) / span if busiest > 0 else layout.pp - 1)))
+                for own in stage_work]
+
     def _share(self, busy: float) -> float:
         """Each process's share of its device: on a CPU node the ``busy`` processes share the cores."""
         if self.cluster.cores_per_node is None:
@@ -498,12 +532,31 @@ class CostModel:
             work[index % layout.pp] += (table.forward[last] - table.forward[first]) * (1 + BACKWARD_FLOPS_FACTOR)
         work[(count - 1) % layout.pp] += table.loss_forward + table.loss_backward
         busy = self._busy(layout, work, self.cluster.devices_per_node)
-        slowdown, latency_scale = 1 / self._share(busy), self._latency_scale(busy)
-        tp_latency = _group_links(self.cluster, 1, layout.tp, 1)[0].latency_us * 1e-6 * latency_scale
+        # Each stage computes, and waits for its collectives' hops, beside the processes running meanwhile:
+        # first as their compute says, then as the pieces priced so say (a stage slowed by its collectives or
+        # by the split backward's walk of the graph runs beside the others for longer).
+        pieces = self._priced_pieces(layout, table, spans, self._stage_busy(layout, work, self.cluster.devices_per_node))
+        stage_work = [sum(_work(pieces[c * layout.pp + s], layout) for c in range(layout.chunks))
+                      for s in range(layout.pp)]
+        pieces = self._priced_pieces(layout, table, spans,
+                                     self._stage_busy(layout, stage_work, self.cluster.devices_per_node))
+        return pieces, 1 / self._share(busy), self._latency_scale(busy)
+
+    def _priced_pieces(self, layout: Layout, table: _UnitTable, spans: Sequence[tuple[int, int]],
+                       stage_busy: Sequence[float]) -> list[VirtualStage]:
+        """The pieces between ``spans``' bounds, each stage's slowed and its hops waited as ``stage_busy`` (the
+        processes running while it computes) says."""
+        count = len(spans)
+        hop = _group_links(self.cluster, 1, layout.tp, 1)[0].latency_us * 1e-6
+        stage_slowdown = [1 / self._share(b) for b in stage_busy]
+        stage_latency = [hop * self._latency_scale(b) for b in stage_busy]
+        bounds = [first for first, _ in spans] + [spans[-1][1]]
         pieces = []
         for index, (first, last) in enumerate(spans):
             is_last = index == count - 1
-            compute = (table.forward[last] - table.forward[first]) * slowdown
+            stage = index % layout.pp
+            piece_slowdown, tp_latency = stage_slowdown[stage], stage_latency[stage]
+            compute = (table.forward[last] - table.forward[first]) * piece_slowdown
             tp_f = table.tp_forward[last] - table.tp_forward[first] \
                 + (table.tp_forward_hops[last] - table.tp_forward_hops[first]) * tp_latency
             tp_b = table.tp_backward[last] - table.tp_backward[first] \
@@ -512,11 +565,13 @@ class CostModel:
             largest = max((saved for start, saved in table.layer_saved if first <= start < last),
                           default=round(table.saved[last] - table.saved[first]))
             loss_saved = table.output_bytes if is_last else 0
-            backward = compute * BACKWARD_FLOPS_FACTOR + (table.loss_backward * slowdown if is_last else 0.0)
-            # The first piece's inputs need no gradient: its backward runs whole whatever the schedule.
-            split = backward * (self.calibration.split_backward_factor if index > 0 else 1.0)
+            backward = compute * BACKWARD_FLOPS_FACTOR + (table.loss_backward * piece_slowdown if is_last else 0.0)
+            # A piece fed the model's inputs (the first, or one after pieces without units) needs no input
+            # gradient: its backward runs whole whatever the schedule.
+            split = backward + ((table.ops[last] - table.ops[first]) * self._split_seconds_per_op() * piece_slowdown
+                                if first > 0 else 0.0)
             pieces.append(VirtualStage(
-                forward=compute + tp_f + (table.loss_forward * slowdown if is_last else 0.0),
+                forward=compute + tp_f + (table.loss_forward * piece_slowdown if is_last else 0.0),
                 backward=backward + tp_b, split_backward=split + tp_b,
                 recompute=compute + tp_f,
                 send_bytes=0 if is_last else table.crossing[last],
@@ -524,7 +579,7 @@ class CostModel:
                 saved=round(table.saved[last] - table.saved[first]) + loss_saved,
                 kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b,
                 tied=_tied_in(table.shared, bounds, index)))
-        return pieces, slowdown, latency_scale
+        return pieces
 
     def _sync_seconds(self, layout: Layout) -> float:
         """The scalars every step reduces over all processes (the loss, the gradient norm): as the

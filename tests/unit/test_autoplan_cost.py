@@ -514,19 +514,32 @@ def test_one_microbatch_keeps_one_pipeline_stage_busy_at_a_time():
     assert sum(piece.forward for piece in many) == pytest.approx(single * busy / 2)
 
 
-def test_zero_bubble_schedules_pay_the_split_backward_the_calibration_measured():
-    split = CostModel(lambda tp, sequence_parallel: synthetic_profile(), preset("h100-80"),
-                      calibration=Calibration(split_backward_factor=1.5))
-    whole = gpu_model()
-    pieces, plain = split.pieces(layout(pp=4)), whole.pieces(layout(pp=4))
+def test_zero_bubble_schedules_pay_the_split_backward_by_operations():
+    base = synthetic_profile()
+    # The first half of the layers runs twice as many operations per unit as the second, for the same FLOPs.
+    units = len(base)
+    profile = dataclasses.replace(base, ops=tuple(0 if k in (0, units - 1) else 20 if k <= units // 2 else 10
+                                                  for k in range(units)))
+    h100 = preset("h100-80")
+    split = CostModel(lambda tp, sequence_parallel: profile, h100,
+                      calibration=Calibration(split_backward_factor=1.5, split_backward_micro_batch=1))
+    whole = CostModel(lambda tp, sequence_parallel: profile, h100)
+    chosen = layout(pp=4)
+    pieces, plain = split.pieces(chosen), whole.pieces(chosen)
+    bounds = split._piece_bounds(chosen, split._table(chosen))
+    # The split's extra is half the whole model's backward (as timed), spread over the pieces by operations.
+    added = 0.5 * sum(piece.backward for piece in plain)
+    operations = [sum(profile.ops[first:last]) for first, last in zip(bounds, bounds[1:])]
     # The first piece's inputs need no gradient: its backward runs whole.
     assert pieces[0].split == pytest.approx(plain[0].backward)
-    for piece, reference in zip(pieces[1:], plain[1:]):
+    for piece, reference, ops in zip(pieces[1:], plain[1:], operations[1:]):
         assert piece.backward == pytest.approx(reference.backward)
-        assert piece.split == pytest.approx(1.5 * reference.backward)
+        assert piece.split == pytest.approx(reference.backward + added * ops / sum(profile.ops))
+    assert pieces[1].split - plain[1].backward > 1.5 * (pieces[-1].split - plain[-1].backward)
     # Only the schedules that split pay it.
-    assert split.predict(layout(pp=4)).step_s == pytest.approx(whole.predict(layout(pp=4)).step_s)
+    assert split.predict(chosen).step_s == pytest.approx(whole.predict(chosen).step_s)
     zero_bubble = layout(pp=4, schedule="zb_h1")
-    assert split.predict(zero_bubble).step_s > whole.predict(zero_bubble).step_s * 1.2
-    assert split.predict(zero_bubble, simulate_schedule=False).breakdown["compute_s"] == pytest.approx(
-        8 * (pieces[-1].forward + pieces[-1].split))
+    assert split.predict(zero_bubble).step_s > whole.predict(zero_bubble).step_s * 1.1
+    quick = split.predict(zero_bubble, simulate_schedule=False).breakdown["compute_s"]
+    busiest = max(pieces, key=lambda piece: piece.forward + piece.split)
+    assert quick == pytest.approx(8 * (busiest.forward + busiest.split))
