@@ -425,7 +425,8 @@ class CostModel:
         edges = [*starts, len(profile)]
         layer_saved = [(a, sum(profile.saved_bytes[a:b])) for a, b in zip(edges, edges[1:])]
         table = _UnitTable(
-            forward=_prefix(forward), ops=_prefix(profile.ops), tp_forward=_prefix(tp_forward), tp_backward=_prefix(tp_backward),
+            forward=_prefix(forward), ops=_prefix(profile.ops),
+            tp_forward=_prefix(tp_forward), tp_backward=_prefix(tp_backward),
             tp_forward_hops=_prefix(tp_forward_hops), tp_backward_hops=_prefix(tp_backward_hops),
             params=_prefix(profile.params), saved=_prefix(profile.saved_bytes), kept=_prefix(kept),
             layer_saved=layer_saved,
@@ -535,11 +536,11 @@ class CostModel:
         # Each stage computes, and waits for its collectives' hops, beside the processes running meanwhile:
         # first as their compute says, then as the pieces priced so say (a stage slowed by its collectives or
         # by the split backward's walk of the graph runs beside the others for longer).
-        pieces = self._priced_pieces(layout, table, spans, self._stage_busy(layout, work, self.cluster.devices_per_node))
+        per_node = self.cluster.devices_per_node
+        pieces = self._priced_pieces(layout, table, spans, self._stage_busy(layout, work, per_node))
         stage_work = [sum(_work(pieces[c * layout.pp + s], layout) for c in range(layout.chunks))
                       for s in range(layout.pp)]
-        pieces = self._priced_pieces(layout, table, spans,
-                                     self._stage_busy(layout, stage_work, self.cluster.devices_per_node))
+        pieces = self._priced_pieces(layout, table, spans, self._stage_busy(layout, stage_work, per_node))
         return pieces, 1 / self._share(busy), self._latency_scale(busy)
 
     def _priced_pieces(self, layout: Layout, table: _UnitTable, spans: Sequence[tuple[int, int]],
