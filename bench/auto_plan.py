@@ -34,6 +34,7 @@ The results JSON is rewritten after every recipe/world.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -351,13 +352,13 @@ def plan(recipe: str, model: str, world: int, args: argparse.Namespace):
                 "%d trials in %.1f s chose %s", recipe, model, world, planned - started, len(report.candidates),
                 sum(bool(c.fits) for c in report.candidates), len(report.best_per_grid()), report.best.layout.key(),
                 len(outcome.trials), time.perf_counter() - planned, outcome.chosen.layout.key())
-    return report, outcome
+    return report, outcome, cluster
 
 
 def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace) -> dict:
     """Plan one recipe/world, run its layouts, compare."""
     try:
-        report, outcome = plan(recipe, model, world, args)
+        report, outcome, cluster = plan(recipe, model, world, args)
     except Exception as error:  # a planner failure is a result: the other recipes/worlds go on
         logger.exception("%s:%s world %d: planning failed", recipe, model, world)
         return {"recipe": recipe, "model": model, "world": world, "error": f"planning failed: {error!r}",
@@ -391,7 +392,10 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
             "best_predicted": report.best.layout.key(),
             "best_predicted_is_fastest": predicted_best["first_choice_is_fastest"],
             "best_predicted_slower_pct": predicted_best["first_choice_slower_pct"],
-            "rows": rows, **first_choice_check(rows, outcome.chosen.layout.key())}
+            "rows": rows, **first_choice_check(rows, outcome.chosen.layout.key()),
+            # What the planner measured (bench/auto_plan_repriced.py prices later cost models with it).
+            "measured_on": {"cluster": cluster.to_json(),
+                            "calibration": dataclasses.asdict(report.cost_model.calibration)}}
 
 
 def log_row(row: dict) -> None:

@@ -9,16 +9,17 @@ measurement on a shared machine) and prices the file's layouts with
 Only the planner may have changed since the measurements: the training code must be the one that
 ran them.
 
-``--calibrations FILE`` keeps the measurements (the calibration, and the cluster's rates and link, also
-timed each time): the first run writes them, later runs price with the same ones, so that two versions
-of the cost model are compared on the same measurements (a fresh calibration moves a prediction by up
-to tens of percent on a shared machine).
+A group whose sweep recorded what its planner measured (``measured_on``) is priced first on that, unless
+``--calibrations`` holds its own. ``--calibrations FILE`` keeps the measurements (the calibration, and
+the cluster's rates and link, also timed each time): the first run writes them, later runs price with
+the same ones, so that two versions of the cost model are compared on the same measurements (a fresh
+calibration moves a prediction by up to tens of percent on a shared machine).
 
 Reported per recipe/world and overall: how many predicted steps lie within 15 % of the measured,
 how many fullest stages within 10 %, and how far apart the repeats put each layout (the spread due
 to the calibration alone).
 
-    .venv/bin/python bench/auto_plan_repriced.py [--against bench/results/auto_plan.json] [--repeats 2]
+    .venv/bin/python bench/auto_plan_repriced.py [--against bench/results/auto_plan.json ...] [--repeats 2]
                                                  [--recipes gpt:toy] [--worlds 4] [--out FILE]
                                                  [--calibrations FILE]
 """
@@ -49,7 +50,8 @@ logger = logging.getLogger("bench.auto_plan_repriced")
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--against", default="bench/results/auto_plan.json", help="an auto_plan.py results JSON")
+    parser.add_argument("--against", nargs="+", default=["bench/results/auto_plan.json"],
+                        help="auto_plan.py results JSONs (a later file's recipe/world replaces an earlier's)")
     parser.add_argument("--repeats", type=int, default=2, help="plans (calibrations) per recipe/world")
     parser.add_argument("--recipes", nargs="+", default=None, metavar="RECIPE:MODEL", help="only these pairs")
     parser.add_argument("--worlds", type=int, nargs="+", default=None, help="only these world sizes")
@@ -102,12 +104,39 @@ def load_measurements(path: str | None) -> dict[str, list[tuple[Cluster, Calibra
                   for entry in repeats] for key, repeats in saved.items()}
 
 
+def sweep_measurements(group: dict) -> list[tuple[Cluster, Calibration]]:
+    """The cluster and calibration the sweep planned this group with, if it recorded them."""
+    measured = group.get("measured_on")
+    return [(Cluster.from_json(measured["cluster"]), _calibration(measured["calibration"]))] if measured else []
+
+
 def _calibration(saved: dict) -> Calibration:
     """A saved calibration; one saved before the split backward's microbatch was kept timed it at the second
     of its sizes."""
     sizes = [size for size, _ in saved["size_factors"]]
     return Calibration(**{"split_backward_micro_batch": sizes[min(1, len(sizes) - 1)] if sizes else 1, **saved,
                           "size_factors": tuple(map(tuple, saved["size_factors"]))})
+
+
+def measured_groups(paths: list[str]) -> dict:
+    """The sweeps' results as one: their groups by recipe/model/world, a later file's replacing an earlier's
+    (a recipe measured again); every file must share the first's global batch."""
+    merged: dict = {}
+    for path in paths:
+        results = json.loads(Path(path).read_text(encoding="utf-8"))
+        if merged and results["args"]["global_batch"] != merged["args"]["global_batch"]:
+            raise SystemExit(f"{path}: global batch {results['args']['global_batch']}, the first file's is "
+                             f"{merged['args']['global_batch']}")
+        merged.setdefault("args", results["args"])
+        groups = merged.setdefault("groups", [])
+        for group in results["groups"]:
+            same = [i for i, g in enumerate(groups)
+                    if (g["recipe"], g["model"], g["world"]) == (group["recipe"], group["model"], group["world"])]
+            if same:
+                groups[same[0]] = group
+            else:
+                groups.append(group)
+    return merged
 
 
 def within(errors: list[float | None], tolerance: float) -> tuple[int, int]:
@@ -129,7 +158,7 @@ def group_summary(repeats: list[list[dict]]) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     common.setup_logging()
-    earlier = json.loads(Path(args.against).read_text(encoding="utf-8"))
+    earlier = measured_groups(args.against)
     global_batch = earlier["args"]["global_batch"]
     saved = load_measurements(args.calibrations)
     used: dict[str, list[tuple[Cluster, Calibration]]] = {}
@@ -140,7 +169,7 @@ def main(argv=None) -> int:
         key = f"{group['recipe']}:{group['model']}:{group['world']}"
         for repeat in range(args.repeats):
             started = time.perf_counter()
-            given = saved.get(key, [])
+            given = saved.get(key) or sweep_measurements(group)
             priced, measured = reprice(group, global_batch, given[repeat] if repeat < len(given) else None)
             repeats.append(priced)
             used.setdefault(key, []).append(measured)

@@ -514,6 +514,20 @@ def test_one_microbatch_keeps_one_pipeline_stage_busy_at_a_time():
     assert sum(piece.forward for piece in many) == pytest.approx(single * busy / 2)
 
 
+def test_a_small_stage_runs_beside_the_slowest_all_along():
+    """Processes running while a stage computes: its own, and each other stage for its share of the step."""
+    chosen = layout(tp=2, pp=2, num_microbatches=4)
+    span = 1 + 3 + 3 * 3  # sum(w) + (M - 1) max(w)
+    small, slowest = CostModel._stage_busy(chosen, [1.0, 3.0], 4)
+    assert small == pytest.approx(2 * (1 + 3 * 3 / span))
+    assert slowest == pytest.approx(2 * (1 + 1 * 3 / span))
+    # One microbatch passes the stages one after another.
+    assert CostModel._stage_busy(layout(tp=2, pp=2, num_microbatches=1), [1.0, 3.0], 4) == [2.0, 2.0]
+    # Stages of equal work: each sees the step's average.
+    equal = layout(pp=4, num_microbatches=8)
+    assert CostModel._stage_busy(equal, [1.0] * 4, 4) == pytest.approx([CostModel._busy(equal, [1.0] * 4, 4)] * 4)
+
+
 def test_zero_bubble_schedules_pay_the_split_backward_by_operations():
     base = synthetic_profile()
     # The first half of the layers runs twice as many operations per unit as the second, for the same FLOPs.
