@@ -538,6 +538,8 @@ class CostModel:
         # by the split backward's walk of the graph runs beside the others for longer).
         per_node = self.cluster.devices_per_node
         pieces = self._priced_pieces(layout, table, spans, self._stage_busy(layout, work, per_node))
+        if self.cluster.cores_per_node is None:  # accelerators: nothing is shared, nothing to price again
+            return pieces, 1.0, self._latency_scale(busy)
         stage_work = [sum(_work(pieces[c * layout.pp + s], layout) for c in range(layout.chunks))
                       for s in range(layout.pp)]
         pieces = self._priced_pieces(layout, table, spans, self._stage_busy(layout, stage_work, per_node))

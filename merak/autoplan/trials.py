@@ -12,7 +12,9 @@ Each trial is a real run of the recipe (``parallel.trial_steps`` steps, more for
 ``parallel.trial_seconds`` are timed; checkpoints and evaluation off, its own scratch run directory);
 its time is the median step past the warm-up. The layouts
 measured within :data:`RERUN_WITHIN` of the fastest run once more, in the opposite order, and keep
-their faster run. A trial that fails is recorded with its error and left out of the choice. The
+their faster run; the fastest is chosen unless a layout the planner ranked higher came within
+:data:`TRIAL_TIE` of it (less than a step varies from run to run: the planner breaks such ties). A trial
+that fails is recorded with its error and left out of the choice. The
 measured over predicted times also give one factor that fits the cost model to this machine
 (:attr:`TrialOutcome.step_scale`).
 """
@@ -46,6 +48,10 @@ TRIAL_MOST_STEPS = 60
 TRIAL_WARMUP = 3  # first steps left out of a trial's time (allocator, caches, lazy initialization)
 TRIAL_WINDOW = 2.0  # only layouts predicted at most this many times slower than the best are tried
 RERUN_WITHIN = 0.15  # layouts measured this close to the fastest are run once more
+# A trial must beat a layout the planner ranked higher by more than this to replace it: a few percent is
+# less than a step time here varies from run to run (the same layout measured minutes apart: 7.6 % apart,
+# the median of 45), and the ranking of near-equal layouts is the planner's to break.
+TRIAL_TIE = 0.03
 
 Train = Callable[[DictConfig], dict]  # runs a composed config to its end (merak.runner.run for one recipe)
 
@@ -188,8 +194,9 @@ def run_trials(candidates: list[Candidate], cfg: DictConfig, train: Train, *, co
                steps: int = TRIAL_STEPS, seconds: float = TRIAL_SECONDS) -> TrialOutcome:
     """Try the leading candidates (:func:`trial_candidates`) for :func:`trial_steps` steps each, then once
     more, in the opposite order, those within :data:`RERUN_WITHIN` of the fastest (two layouts that close
-    can swap places from one run to the next); choose the fastest measured. The best prediction when none
-    could be measured, or when only one grid is in the running (nothing tried)."""
+    can swap places from one run to the next); choose the fastest measured, or the planner's higher-ranked
+    layout measured within :data:`TRIAL_TIE` of it. The best prediction when none could be measured, or when
+    only one grid is in the running (nothing tried)."""
     leading = trial_candidates(candidates, count)
     if len(leading) < 2:  # nothing to choose between
         return TrialOutcome(trials=[], chosen=candidates[0])
@@ -205,9 +212,17 @@ def run_trials(candidates: list[Candidate], cfg: DictConfig, train: Train, *, co
             logger.info("trying %s again (%.1f ms per step, within %.0f %% of the fastest)",
                         trial.candidate.layout.key(), trial.measured_step_s * 1e3, RERUN_WITHIN * 100)
             measure(train, cfg, trial, trial_steps(trial.candidate, steps, seconds))
-    measured = [t for t in tried if t.measured_step_s is not None]
-    best = min(measured, key=lambda t: t.measured_step_s).candidate if measured else candidates[0]
-    return TrialOutcome(trials=tried, chosen=best)
+    return TrialOutcome(trials=tried, chosen=_chosen(tried) or candidates[0])
+
+
+def _chosen(trials: list[Trial]) -> Candidate | None:
+    """The planner's highest-ranked layout measured within :data:`TRIAL_TIE` of the fastest (``trials`` are in
+    its ranking order); None when none was measured."""
+    measured = [t for t in trials if t.measured_step_s is not None]
+    if not measured:
+        return None
+    fastest = min(t.measured_step_s for t in measured)
+    return next(t.candidate for t in measured if t.measured_step_s <= fastest * (1 + TRIAL_TIE))
 
 
 def _close_to_fastest(trials: list[Trial]) -> list[Trial]:

@@ -19,6 +19,7 @@ from merak.autoplan.search import Candidate
 from merak.autoplan.table import format_table
 from merak.autoplan.trials import (
     TRIAL_MOST_STEPS,
+    TRIAL_TIE,
     TRIAL_WARMUP,
     Trial,
     layout_config,
@@ -141,6 +142,16 @@ def test_layouts_close_to_the_fastest_run_again_in_the_opposite_order():
     assert outcome.chosen is RANKED[4]
     assert [len(t.runs) for t in outcome.trials] == [1, 2, 2]
     assert [t.measured_step_s for t in outcome.trials] == [0.30, 0.20, 0.19]
+
+
+def test_a_layout_ranked_higher_within_the_tie_margin_of_the_fastest_stays():
+    # (4, 1, 1) is 2.5 % faster than the planner's first choice: within run-to-run noise, the ranking decides.
+    training = FakeTraining({(2, 1, 2): 0.205, (4, 1, 1): 0.20, (1, 1, 4): 0.30})
+    assert run_trials(RANKED, BASE_CFG, training, count=3, steps=6).chosen is RANKED[0]
+    # 5 % is more than the margin: the trial decides.
+    training = FakeTraining({(2, 1, 2): 0.21, (4, 1, 1): 0.20, (1, 1, 4): 0.30})
+    assert run_trials(RANKED, BASE_CFG, training, count=3, steps=6).chosen is RANKED[2]
+    assert 0.205 <= 0.20 * (1 + TRIAL_TIE) < 0.21
 
 
 def test_a_failed_trial_is_recorded_and_left_out():
