@@ -9,7 +9,10 @@ every measurement taken in three rounds:
 - an all-reduce, a reduce-scatter and an all-gather of a model's gradients (``--elements`` float32):
   gloo's reduce-scatter costs a whole all-reduce, its all-gather half of one;
 - the processor time a process spends blocked in a receive and in a barrier for 2 s (gloo waits
-  without spinning: a stage waiting for its input leaves the cores to the others).
+  without spinning: a stage waiting for its input leaves the cores to the others);
+- a pair's small all-reduce (1024 float32, as a tensor-parallel pair's) between about a millisecond of
+  compute each, while 0, 2, 4 or 6 other processes compute all along (the mean of 300): a collective
+  waits for each process to be scheduled, longer the more processes run beside it.
 
     .venv/bin/python bench/gloo_collectives.py [--worlds 4 8] [--elements 205480] [--out FILE]
 """
@@ -43,6 +46,9 @@ REPEATS = 20
 MESSAGES = ((1, torch.float64), (2, torch.float64), (64, torch.float32), (1024, torch.float32),
             (4096, torch.float32))
 BLOCKED_SECONDS = 2.0
+PAIR_ROUNDS = 300  # all-reduces of the pair per count of computing neighbours
+PAIR_COMPUTE_S = 1e-3
+ALL_REDUCE_PAIR_ELEMENTS = 1024
 
 
 def _median_time(function, repeats: int = REPEATS, barrier: bool = False) -> float:
@@ -80,6 +86,40 @@ def _blocked_cpu(rank: int) -> dict:
     return out
 
 
+def _compute_for(seconds: float, matrix: torch.Tensor) -> None:
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        matrix @ matrix
+
+
+def _pair_beside_computing(rank: int, size: int) -> dict[str, float]:
+    """Ranks 0 and 1 alternate about a millisecond of compute with an all-reduce among them while ``others``
+    further ranks compute all along (the rest wait at a barrier): the all-reduce's mean time per count."""
+    pair = dist.new_group([0, 1])
+    matrix, message = torch.randn(64, 64), torch.zeros(ALL_REDUCE_PAIR_ELEMENTS)
+    out = {}
+    for others in range(0, size - 1, 2):
+        dist.barrier()
+        if rank < 2:
+            dist.all_reduce(message, group=pair)  # warm-up
+            spent = 0.0
+            for _ in range(PAIR_ROUNDS):
+                _compute_for(PAIR_COMPUTE_S, matrix)
+                started = time.perf_counter()
+                dist.all_reduce(message, group=pair)
+                spent += time.perf_counter() - started
+            out[str(others)] = spent / PAIR_ROUNDS
+            dist.barrier()
+        elif rank < 2 + others:
+            # Compute until the pair is done: the barrier's completion is polled between slices.
+            done = dist.barrier(async_op=True)
+            while not done.is_completed():
+                _compute_for(PAIR_COMPUTE_S, matrix)
+        else:
+            dist.barrier()
+    return out
+
+
 def _worker(elements: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -98,8 +138,10 @@ def _worker(elements: int, out_dir: str) -> None:
                                ("gradients all_gather", lambda: collectives.all_gather_single(full, part))):
             result.setdefault(name, []).append(_median_time(function, repeats=10, barrier=True))
     blocked = _blocked_cpu(rank)
+    pair = _pair_beside_computing(rank, size)
     dist.destroy_process_group()
     if rank == 0:
+        result["pair all_reduce beside computing"] = pair
         Path(out_dir, "times.json").write_text(json.dumps(result), encoding="utf-8")
     if rank == 1:
         Path(out_dir, "blocked.json").write_text(json.dumps(blocked), encoding="utf-8")
@@ -122,13 +164,18 @@ def main(argv=None) -> int:
             spawn_workers(_worker, world_size=world, args=(args.elements, out_dir), env={"OMP_NUM_THREADS": "1"})
             times = json.loads(Path(out_dir, "times.json").read_text(encoding="utf-8"))
             blocked = json.loads(Path(out_dir, "blocked.json").read_text(encoding="utf-8"))
+        pair = times.pop("pair all_reduce beside computing")
         results[world] = {"ms": {k: [round(v * 1e3, 3) for v in vs] for k, vs in times.items()},
-                          "blocked_cpu_s": blocked}
+                          "blocked_cpu_s": blocked,
+                          "pair_all_reduce_ms_by_processes_computing_beside": {k: round(v * 1e3, 3)
+                                                                              for k, v in pair.items()}}
         print(f"{world} processes (ms, per round):")
         for name, values in results[world]["ms"].items():
             print(f"  {name:34s} {' '.join(f'{v:7.2f}' for v in values)}")
         print(f"  processor time blocked {BLOCKED_SECONDS:.0f} s: " +
               ", ".join(f"{k} {v:.3f} s" for k, v in blocked.items()))
+        print("  a pair's all-reduce between 1 ms of compute, by processes computing beside it: " +
+              ", ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in pair.items()))
     common.write_json(args.out, {"benchmark": "gloo_collectives", "command": " ".join(sys.argv),
                                  "machine": common.machine_facts(), "results": results})
     return 0
