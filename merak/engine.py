@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ from merak.pipeline.stage import (
 )
 
 logger = logging.getLogger(__name__)
+
+# The start of the warning torch's LR schedulers give when the optimizer did not step before them.
+LR_SCHEDULER_BEFORE_OPTIMIZER = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
 
 
 @dataclass(frozen=True)
@@ -405,7 +409,12 @@ class PipelineEngine:
         self._last_outcome = self.optimizer.step(max_grad_norm=self.options.max_grad_norm,
                                                  loss=self.executor.step_loss())
         if not self._last_outcome.skipped:  # a skipped step leaves the schedule where it was
-            self.lr_scheduler.step()
+            with warnings.catch_warnings():
+                # A rank owning no parameters (a pipeline stage left empty) steps no optimizer; its schedule
+                # still advances with everyone's, without torch's warning that the optimizer did not step.
+                if not self.optimizer.owns_parameters:
+                    warnings.filterwarnings("ignore", message=re.escape(LR_SCHEDULER_BEFORE_OPTIMIZER))
+                self.lr_scheduler.step()
 
     # -- introspection -----------------------------------------------------------
 
