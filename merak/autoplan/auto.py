@@ -3,10 +3,10 @@
 The recipe's config selects ``parallel: auto`` (``merak/conf/parallel/auto.yaml``) and, optionally,
 a ``cluster`` (``cluster=h100-80 cluster.nodes=64``; default: this machine). The planner ranks
 every layout for ``trainer.global_batch_size`` on the processes at hand; on this machine it then
-trains the leading layouts for a few steps each and takes the fastest (``parallel.trials``,
-:mod:`merak.autoplan.trials`). It writes ``plan.json`` to the run directory, logs the table, and
-returns the config with the chosen degrees and trainer settings, which then runs (or, with
-``dry_run=true``, is only partitioned and reported: no trials).
+trains the leading layouts for a few steps each and takes the fastest, or one it ranked higher within
+3 % of it (``parallel.trials``, :mod:`merak.autoplan.trials`). It writes ``plan.json`` to the run
+directory, logs the table, and returns the config with the chosen degrees and trainer settings, which
+then runs (or, with ``dry_run=true``, is only partitioned and reported: no trials).
 """
 
 from __future__ import annotations
