@@ -394,8 +394,12 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
             "best_predicted_slower_pct": predicted_best["first_choice_slower_pct"],
             "rows": rows, **first_choice_check(rows, outcome.chosen.layout.key()),
             # What the planner measured (bench/auto_plan_repriced.py prices later cost models with it).
-            "measured_on": {"cluster": cluster.to_json(),
-                            "calibration": dataclasses.asdict(report.cost_model.calibration)}}
+            "measured_on": measurement_json(cluster, report.cost_model.calibration)}
+
+
+def measurement_json(cluster, calibration) -> dict:
+    """What a plan measured (the cluster's rates and link, the calibration), as the results JSON keeps it."""
+    return {"cluster": cluster.to_json(), "calibration": dataclasses.asdict(calibration)}
 
 
 def log_row(row: dict) -> None:

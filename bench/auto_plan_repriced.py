@@ -27,7 +27,6 @@ to the calibration alone).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import statistics
@@ -38,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # first: sets OMP_NUM_THREADS before torch starts threads
-from auto_plan import MEMORY_TOLERANCE_PCT, STEP_TOLERANCE_PCT, error_pct
+from auto_plan import MEMORY_TOLERANCE_PCT, STEP_TOLERANCE_PCT, error_pct, measurement_json
 
 from merak.autoplan.calibrate import Calibration
 from merak.autoplan.cluster import Cluster, load_cluster
@@ -100,43 +99,36 @@ def load_measurements(path: str | None) -> dict[str, list[tuple[Cluster, Calibra
     if path is None or not Path(path).exists():
         return {}
     saved = json.loads(Path(path).read_text(encoding="utf-8"))
-    return {key: [(Cluster.from_json(entry["cluster"]), _calibration(entry["calibration"]))
-                  for entry in repeats] for key, repeats in saved.items()}
+    return {key: [_measurement(entry) for entry in repeats] for key, repeats in saved.items()}
 
 
 def sweep_measurements(group: dict) -> list[tuple[Cluster, Calibration]]:
     """The cluster and calibration the sweep planned this group with, if it recorded them."""
-    measured = group.get("measured_on")
-    return [(Cluster.from_json(measured["cluster"]), _calibration(measured["calibration"]))] if measured else []
+    return [_measurement(group["measured_on"])] if group.get("measured_on") else []
 
 
-def _calibration(saved: dict) -> Calibration:
-    """A saved calibration; one saved before the split backward's microbatch was kept timed it at the second
-    of its sizes."""
-    sizes = [size for size, _ in saved["size_factors"]]
-    return Calibration(**{"split_backward_micro_batch": sizes[min(1, len(sizes) - 1)] if sizes else 1, **saved,
-                          "size_factors": tuple(map(tuple, saved["size_factors"]))})
+def _measurement(saved: dict) -> tuple[Cluster, Calibration]:
+    """A saved cluster and calibration (:func:`auto_plan.measurement_json`); a calibration saved before the
+    split backward's microbatch was kept timed it at the second of its sizes."""
+    calibration = saved["calibration"]
+    sizes = [size for size, _ in calibration["size_factors"]]
+    return Cluster.from_json(saved["cluster"]), Calibration(**{
+        "split_backward_micro_batch": sizes[min(1, len(sizes) - 1)] if sizes else 1, **calibration,
+        "size_factors": tuple(map(tuple, calibration["size_factors"]))})
 
 
 def measured_groups(paths: list[str]) -> dict:
     """The sweeps' results as one: their groups by recipe/model/world, a later file's replacing an earlier's
-    (a recipe measured again); every file must share the first's global batch."""
-    merged: dict = {}
+    in its place (a recipe measured again); every file must share the first's global batch."""
+    args, groups = None, {}
     for path in paths:
         results = json.loads(Path(path).read_text(encoding="utf-8"))
-        if merged and results["args"]["global_batch"] != merged["args"]["global_batch"]:
+        if args is not None and results["args"]["global_batch"] != args["global_batch"]:
             raise SystemExit(f"{path}: global batch {results['args']['global_batch']}, the first file's is "
-                             f"{merged['args']['global_batch']}")
-        merged.setdefault("args", results["args"])
-        groups = merged.setdefault("groups", [])
-        for group in results["groups"]:
-            same = [i for i, g in enumerate(groups)
-                    if (g["recipe"], g["model"], g["world"]) == (group["recipe"], group["model"], group["world"])]
-            if same:
-                groups[same[0]] = group
-            else:
-                groups.append(group)
-    return merged
+                             f"{args['global_batch']}")
+        args = args or results["args"]
+        groups.update({(g["recipe"], g["model"], g["world"]): g for g in results["groups"]})
+    return {"args": args, "groups": list(groups.values())}
 
 
 def within(errors: list[float | None], tolerance: float) -> tuple[int, int]:
@@ -167,9 +159,9 @@ def main(argv=None) -> int:
         name = f"{group['recipe']}:{group['model']} world {group['world']}"
         repeats = []
         key = f"{group['recipe']}:{group['model']}:{group['world']}"
+        given = saved.get(key) or sweep_measurements(group)
         for repeat in range(args.repeats):
             started = time.perf_counter()
-            given = saved.get(key) or sweep_measurements(group)
             priced, measured = reprice(group, global_batch, given[repeat] if repeat < len(given) else None)
             repeats.append(priced)
             used.setdefault(key, []).append(measured)
@@ -189,8 +181,8 @@ def main(argv=None) -> int:
               f"{g['memory_within'][0]}/{g['memory_within'][1]}")
     if args.calibrations and not saved:
         common.write_json(args.calibrations, {
-            key: [{"cluster": cluster.to_json(), "calibration": dataclasses.asdict(calibration)}
-                  for cluster, calibration in measured] for key, measured in used.items()})
+            key: [measurement_json(cluster, calibration) for cluster, calibration in measured]
+            for key, measured in used.items()})
     hits, count = totals["memory_within"]
     print(f"all: steps within {STEP_TOLERANCE_PCT:.0f} % {', '.join(f'{a}/{b}' for a, b in totals['step_within'])}; "
           f"fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % {hits}/{count}")

@@ -382,24 +382,20 @@ class CostModel:
         self._tables: dict[tuple[int, bool, int], _UnitTable] = {}
         self._bounds: dict[tuple, list[int]] = {}
         self._simulations: dict[tuple, tuple[list[float], tuple | None]] = {}
-        self._split_per_op: float | None = None
 
+    @functools.cached_property
     def _split_seconds_per_op(self) -> float:
         """What splitting the backward adds per operation (zero-bubble schedules): the calibration's factor
         applied to the whole model's backward where it was timed, spread evenly over the model's operations
         (the split walks autograd's graph in Python: a stage of many small operations pays far more than its
         share of the compute, a stage of one large product hardly anything)."""
-        if self._split_per_op is None:
-            calibration = self.calibration
-            self._split_per_op = 0.0
-            if calibration.split_backward_factor > 1.0:
-                at = Layout(dp=1, tp=1, pp=1, micro_batch_size=calibration.split_backward_micro_batch,
-                            num_microbatches=1)
-                table = self._table(at)
-                backward = table.forward[-1] * BACKWARD_FLOPS_FACTOR + table.loss_backward
-                if table.ops[-1] > 0:
-                    self._split_per_op = (calibration.split_backward_factor - 1.0) * backward / table.ops[-1]
-        return self._split_per_op
+        calibration = self.calibration
+        if calibration.split_backward_factor <= 1.0:
+            return 0.0
+        table = self._table(Layout(dp=1, tp=1, pp=1, micro_batch_size=calibration.split_backward_micro_batch,
+                                   num_microbatches=1))
+        backward = table.forward[-1] * BACKWARD_FLOPS_FACTOR + table.loss_backward
+        return (calibration.split_backward_factor - 1.0) * backward / table.ops[-1] if table.ops[-1] > 0 else 0.0
 
     def _table(self, layout: Layout) -> _UnitTable:
         key = (layout.tp, layout.sequence_parallel, layout.micro_batch_size)
@@ -526,34 +522,30 @@ class CostModel:
         between them scales (:meth:`_latency_scale`)."""
         table = self._table(layout)
         bounds = self._piece_bounds(layout, table, exact)
-        count = len(bounds) - 1
-        spans = list(zip(bounds, bounds[1:]))
         work = [0.0] * layout.pp
-        for index, (first, last) in enumerate(spans):
+        for index, (first, last) in enumerate(itertools.pairwise(bounds)):
             work[index % layout.pp] += (table.forward[last] - table.forward[first]) * (1 + BACKWARD_FLOPS_FACTOR)
-        work[(count - 1) % layout.pp] += table.loss_forward + table.loss_backward
+        work[(len(bounds) - 2) % layout.pp] += table.loss_forward + table.loss_backward
         busy = self._busy(layout, work, self.cluster.devices_per_node)
         # Each stage computes, and waits for its collectives' hops, beside the processes running meanwhile:
-        # first as their compute says, then as the pieces priced so say (a stage slowed by its collectives or
-        # by the split backward's walk of the graph runs beside the others for longer).
+        # first as their compute says; on a CPU node again as the pieces priced so say (a stage slowed by its
+        # collectives or by the split backward's walk of the graph runs beside the others for longer).
         per_node = self.cluster.devices_per_node
-        pieces = self._priced_pieces(layout, table, spans, self._stage_busy(layout, work, per_node))
-        if self.cluster.cores_per_node is None:  # accelerators: nothing is shared, nothing to price again
-            return pieces, 1.0, self._latency_scale(busy)
-        stage_work = [sum(_work(pieces[c * layout.pp + s], layout) for c in range(layout.chunks))
-                      for s in range(layout.pp)]
-        pieces = self._priced_pieces(layout, table, spans, self._stage_busy(layout, stage_work, per_node))
+        pieces = self._priced_pieces(layout, table, bounds, self._stage_busy(layout, work, per_node))
+        if self.cluster.cores_per_node is not None:
+            pieces = self._priced_pieces(layout, table, bounds,
+                                         self._stage_busy(layout, _stage_work(pieces, layout), per_node))
         return pieces, 1 / self._share(busy), self._latency_scale(busy)
 
-    def _priced_pieces(self, layout: Layout, table: _UnitTable, spans: Sequence[tuple[int, int]],
+    def _priced_pieces(self, layout: Layout, table: _UnitTable, bounds: Sequence[int],
                        stage_busy: Sequence[float]) -> list[VirtualStage]:
-        """The pieces between ``spans``' bounds, each stage's slowed and its hops waited as ``stage_busy`` (the
+        """The pieces between ``bounds``, each stage's slowed and its hops waited as ``stage_busy`` (the
         processes running while it computes) says."""
+        spans = list(itertools.pairwise(bounds))
         count = len(spans)
         hop = _group_links(self.cluster, 1, layout.tp, 1)[0].latency_us * 1e-6
         stage_slowdown = [1 / self._share(b) for b in stage_busy]
         stage_latency = [hop * self._latency_scale(b) for b in stage_busy]
-        bounds = [first for first, _ in spans] + [spans[-1][1]]
         pieces = []
         for index, (first, last) in enumerate(spans):
             is_last = index == count - 1
@@ -571,7 +563,7 @@ class CostModel:
             backward = compute * BACKWARD_FLOPS_FACTOR + (table.loss_backward * piece_slowdown if is_last else 0.0)
             # A piece fed the model's inputs (the first, or one after pieces without units) needs no input
             # gradient: its backward runs whole whatever the schedule.
-            split = backward + ((table.ops[last] - table.ops[first]) * self._split_seconds_per_op() * piece_slowdown
+            split = backward + ((table.ops[last] - table.ops[first]) * self._split_seconds_per_op * piece_slowdown
                                 if first > 0 else 0.0)
             pieces.append(VirtualStage(
                 forward=compute + tp_f + (table.loss_forward * piece_slowdown if is_last else 0.0),
@@ -682,7 +674,7 @@ class CostModel:
                        + self._activation_bytes(layout, pieces, s, lists, counts) for s in range(pp))
         if lists is None:
             step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link) + max(tied_seconds) + sync
-        per_microbatch = [sum(_work(pieces[c * pp + s], layout) for c in range(chunks)) for s in range(pp)]
+        per_microbatch = _stage_work(pieces, layout)
         busiest = max(range(pp), key=per_microbatch.__getitem__)
         work = per_microbatch[busiest] * layout.num_microbatches
         mine = [pieces[c * pp + busiest] for c in range(chunks)]
@@ -738,13 +730,18 @@ def _work(piece: VirtualStage, layout: Layout) -> float:
     return piece.forward + backward + (piece.recompute if layout.recompute else 0.0)
 
 
+def _stage_work(pieces: Sequence[VirtualStage], layout: Layout) -> list[float]:
+    """Per pipeline stage, the seconds per microbatch of its pieces (:func:`_work`)."""
+    return [sum(_work(pieces[c * layout.pp + s], layout) for c in range(layout.chunks)) for s in range(layout.pp)]
+
+
 def quick_step_seconds(pieces: Sequence[VirtualStage], layout: Layout, dp_seconds: Sequence[float],
                        optimizer_seconds: Sequence[float], p2p_link: Link) -> float:
     """The schedule simulator's result in closed form, for ranking many candidates before simulating the
     best: M times the busiest stage, plus the fill and drain of the other stages (shortened by
     interleaving, about a third with the zero-bubble split), plus the transfers, reduction and step."""
     pp, chunks, microbatches = layout.pp, layout.chunks, layout.num_microbatches
-    work = [sum(_work(pieces[c * pp + s], layout) for c in range(chunks)) for s in range(pp)]
+    work = _stage_work(pieces, layout)
     fill = (pp - 1) * (sum(work) / pp) / chunks
     if layout.schedule == "zb_h1":
         fill /= 3

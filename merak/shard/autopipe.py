@@ -174,10 +174,7 @@ def _min_max_start(costs: list[float], num_parts: int) -> list[int]:
                 load += cost
         return parts, max(largest, load)
 
-    total = 0.0
-    for cost in reversed_costs:
-        total += cost
-    low, high = 0.0, total  # the total (one part) is a range sum; fewer parts never need more
+    low, high = 0.0, sum(reversed_costs)  # the total (one part) is a range sum; fewer parts never need more
     if greedy(low)[0] <= num_parts:
         high = low
     while True:

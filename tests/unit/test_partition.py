@@ -469,12 +469,11 @@ def test_native_matches_python():
             simulate_1f1b(stage_forward, stage_backward, num_microbatches)
 
 
-
 def _smallest_feasible_range_sum(costs: list[float], num_parts: int) -> float:
     """The min-max bottleneck by listing every contiguous sum of the reversed costs (left to right, as the
     search sums them) and taking the smallest a greedy fill of ``num_parts`` parts can keep."""
     reversed_costs = costs[::-1]
-    sums = sorted({_left_sum(reversed_costs[start:end])
+    sums = sorted({sum(reversed_costs[start:end])
                    for start in range(len(costs)) for end in range(start + 1, len(costs) + 1)})
 
     def parts(bound: float) -> int:
@@ -491,13 +490,6 @@ def _smallest_feasible_range_sum(costs: list[float], num_parts: int) -> float:
     return next(s for s in sums if parts(s) <= num_parts)
 
 
-def _left_sum(values: list[float]) -> float:
-    total = 0.0
-    for value in values:
-        total += value
-    return total
-
-
 def test_min_max_start_finds_the_smallest_feasible_range_sum_without_listing_them():
     rng = random.Random(7)
     for trial in range(400):
@@ -508,5 +500,5 @@ def test_min_max_start_finds_the_smallest_feasible_range_sum_without_listing_the
                  else rng.random() * 10 ** rng.randint(-6, 6) for _ in range(count)]
         bounds = autopipe._min_max_start(costs, parts)
         assert bounds[0] == 0 and bounds[-1] == count and len(bounds) == parts + 1
-        reversed_sums = [_left_sum(costs[a:b][::-1]) for a, b in itertools.pairwise(bounds)]
+        reversed_sums = [sum(costs[a:b][::-1]) for a, b in itertools.pairwise(bounds)]
         assert max(reversed_sums) == _smallest_feasible_range_sum(costs, parts)
