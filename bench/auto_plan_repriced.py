@@ -10,7 +10,8 @@ Only the planner may have changed since the measurements: the training code must
 ran them.
 
 A group whose sweep recorded what its planner measured (``measured_on``) is priced first on that, unless
-``--calibrations`` holds its own. ``--calibrations FILE`` keeps the measurements (the calibration, and
+``--calibrations`` holds its own or ``--fresh`` asks for a new measurement (what the sweep recorded lacks
+what the calibration measures since). ``--calibrations FILE`` keeps the measurements (the calibration, and
 the cluster's rates and link, also timed each time): the first run writes them, later runs price with
 the same ones, so that two versions of the cost model are compared on the same measurements (a fresh
 calibration moves a prediction by up to tens of percent on a shared machine).
@@ -21,7 +22,7 @@ to the calibration alone).
 
     .venv/bin/python bench/auto_plan_repriced.py [--against bench/results/auto_plan.json ...] [--repeats 2]
                                                  [--recipes gpt:toy] [--worlds 4] [--out FILE]
-                                                 [--calibrations FILE]
+                                                 [--calibrations FILE] [--fresh]
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default="bench/results/auto_plan_repriced.json", help="results JSON ('' for none)")
     parser.add_argument("--calibrations", default=None,
                         help="a JSON of calibrations: used when it exists, else written with this run's")
+    parser.add_argument("--fresh", action="store_true",
+                        help="calibrate afresh rather than on what the sweep recorded (--calibrations still wins)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
@@ -108,13 +111,18 @@ def sweep_measurements(group: dict) -> list[tuple[Cluster, Calibration]]:
 
 
 def _measurement(saved: dict) -> tuple[Cluster, Calibration]:
-    """A saved cluster and calibration (:func:`auto_plan.measurement_json`); a calibration saved before the
-    split backward's microbatch was kept timed it at the second of its sizes."""
-    calibration = saved["calibration"]
+    """A saved cluster and calibration (:func:`auto_plan.measurement_json`). A calibration saved before these
+    were kept: the split backward's microbatch was the second of its sizes, and the gradients' reduction
+    was timed among all its processes only (``gradient_all_reduce_s``)."""
+    calibration = dict(saved["calibration"])
     sizes = [size for size, _ in calibration["size_factors"]]
+    calibration.setdefault("split_backward_micro_batch", sizes[min(1, len(sizes) - 1)] if sizes else 1)
+    whole = calibration.pop("gradient_all_reduce_s", None)
+    if whole is not None:
+        calibration.setdefault("gradient_all_reduces", [(calibration["processes"], whole)])
     return Cluster.from_json(saved["cluster"]), Calibration(**{
-        "split_backward_micro_batch": sizes[min(1, len(sizes) - 1)] if sizes else 1, **calibration,
-        "size_factors": tuple(map(tuple, calibration["size_factors"]))})
+        **calibration, "size_factors": tuple(map(tuple, calibration["size_factors"])),
+        "gradient_all_reduces": tuple(map(tuple, calibration.get("gradient_all_reduces", ())))})
 
 
 def measured_groups(paths: list[str]) -> dict:
@@ -159,7 +167,7 @@ def main(argv=None) -> int:
         name = f"{group['recipe']}:{group['model']} world {group['world']}"
         repeats = []
         key = f"{group['recipe']}:{group['model']}:{group['world']}"
-        given = saved.get(key) or sweep_measurements(group)
+        given = saved.get(key) or ([] if args.fresh else sweep_measurements(group))
         for repeat in range(args.repeats):
             started = time.perf_counter()
             priced, measured = reprice(group, global_batch, given[repeat] if repeat < len(given) else None)

@@ -19,7 +19,12 @@ slowdown is a ratio of times taken moments apart, as a shared machine's speed dr
 percent within seconds), how long a small all-reduce takes among them (a collective waits for every
 process to be scheduled), and how long the scalar reductions that end every step take (gloo reduces
 one or two elements by another algorithm than a longer message: several times faster among many
-processes).
+processes), and what ends a step on every process at about the same time: merak's reduction of the
+model's gradients in groups of each size the run could use, every group at once (gloo's copies and sums
+share the cores: a pair's reduction of the same bytes beside three other pairs takes far longer than the
+link's bandwidth says), and the clip and optimizer step, all processes stepping together (an optimizer
+step streams its state through memory: four processes on two cores each took over four times as long
+as one alone here, more than their compute's slowdown).
 Only for models small enough to build here (GPU presets plan giant models from their rates alone).
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import math
@@ -44,6 +50,8 @@ from merak.assemble import CallModel, default_input_names
 from merak.autoplan.profile import GraphProfile
 from merak.compat.allocator import keep_freed_memory
 from merak.distributed.launch import spawn_workers
+from merak.optim.clip import global_grad_norm
+from merak.optim.grad_sync import all_reduce_tensors, ensure_grads
 from merak.report import write_json_atomic
 from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates
 
@@ -62,9 +70,10 @@ ALL_REDUCES = 20
 # A step's end as the trainer runs it: the loss's all-reduce (one float64) and the gradient norm's with the
 # loss's finiteness (two float64; merak.optim.clip), over every process.
 STEP_SCALAR_ELEMENTS = (1, 2)
-# The gradients' all-reduce is timed at their size, capped (a larger one takes proportionally longer).
+# The gradients' reduction is timed at their size, capped (a larger one takes proportionally longer).
 GRADIENT_ALL_REDUCE_MOST_BYTES = 64 << 20
 GRADIENT_ALL_REDUCES = 5
+CONCURRENT_OPTIMIZER_STEPS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +87,19 @@ class Calibration:
             (launch and framework overhead).
         size_factors: ``(microbatch, measured over fitted time)`` at every size timed: where the fit
             through the two smallest sizes misses larger ones (caches outgrown, larger matrices faster).
-        optimizer_seconds_per_parameter: the optimizer step's time per parameter.
+        optimizer_seconds_per_parameter: the optimizer step's time per parameter, one process alone.
         processes: how many processes ran the model at once for ``concurrent_slowdown``.
         concurrent_slowdown: their step time over one process's alone (cores shared, memory
             bandwidth and caches too).
         all_reduce_s: one small all-reduce among ``processes`` processes (the latency of a collective
             when every core has more than one process to run).
-        gradient_all_reduce_s: one all-reduce of ``gradient_all_reduce_bytes`` (the model's gradients,
-            capped) among ``processes`` processes: gloo's copies and sums share the cores too, so a
-            large collective takes far longer than the link's bandwidth alone says.
+        gradient_all_reduces: ``(group size, seconds)``: merak's all-reduce of ``gradient_all_reduce_bytes``
+            of the model's gradients (capped) in groups of that size, every group of ``processes``
+            processes at once, for each size dividing ``processes``: gloo's copies and sums share the
+            cores too, so a large collective takes far longer than the link's bandwidth alone says.
+        concurrent_optimizer_seconds_per_parameter: the clip and the optimizer step per parameter with all
+            ``processes`` stepping at once (what ends a step: streaming the optimizer's state through
+            memory shared by all of them).
         step_scalars_s: the scalar all-reduces that end a step (:data:`STEP_SCALAR_ELEMENTS`) among
             ``processes`` processes, together.
         split_backward_factor: a backward split into its input and weight halves (zero-bubble
@@ -102,8 +115,9 @@ class Calibration:
     processes: int = 1
     concurrent_slowdown: float = 1.0
     all_reduce_s: float | None = None
-    gradient_all_reduce_s: float | None = None
+    gradient_all_reduces: tuple[tuple[int, float], ...] = ()
     gradient_all_reduce_bytes: int = 0
+    concurrent_optimizer_seconds_per_parameter: float | None = None
     step_scalars_s: float | None = None
     split_backward_factor: float = 1.0
     split_backward_micro_batch: int = 1
@@ -275,7 +289,7 @@ class _StageInputs:
 def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, steps: int, out_dir: str) -> None:
     """One of the processes timing the model all at once, ``steps`` times, each started together (as the
     steps of a synchronous run are), rank 0 timing it alone between them; then small all-reduces among
-    them and all-reduces of its gradients."""
+    them, reductions of its gradients in groups, and its clip and optimizer step."""
     torch.set_num_threads(threads)
     _as_training_does(settings)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=CONCURRENT_TIMEOUT_S))
@@ -298,12 +312,13 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
             dist.all_reduce(message)
         all_reduce = (time.perf_counter() - started) / ALL_REDUCES
         scalars = _step_scalar_reductions()
-        gradients = _gradient_all_reduces(model)
+        gradients = _gradient_all_reduces(model, rank, int(os.environ["WORLD_SIZE"]))
+        optimizer = _optimizer_steps(model)
     finally:
         dist.destroy_process_group()
     write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"),
                       {"step_s": times, "alone_s": alone, "all_reduce_s": all_reduce, "step_scalars_s": scalars,
-                       **gradients})
+                       "optimizer_s": optimizer, **gradients})
 
 
 def _timed(function) -> float:
@@ -327,44 +342,89 @@ def _step_scalar_reductions() -> float:
     return statistics.median(times)
 
 
-def _gradient_all_reduces(model: torch.nn.Module) -> dict:
-    """Times of ``GRADIENT_ALL_REDUCES`` all-reduces of the model's gradient bytes (capped), each started
-    together, as a data-parallel run reduces its gradients after a backward."""
-    nbytes = min(sum(p.numel() for p in model.parameters()) * 4, GRADIENT_ALL_REDUCE_MOST_BYTES)
-    flat = torch.zeros(max(1, nbytes // 4))
+def group_sizes(processes: int) -> list[int]:
+    """The sizes of data-parallel groups (and the tied weights' pairs) a run of ``processes`` could use."""
+    return [size for size in range(2, processes + 1) if processes % size == 0]
+
+
+def _capped_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's gradients in order, up to :data:`GRADIENT_ALL_REDUCE_MOST_BYTES` (at least one)."""
+    grads, total = [], 0
+    for gradient in ensure_grads(model.parameters()):
+        nbytes = gradient.numel() * gradient.element_size()
+        if grads and total + nbytes > GRADIENT_ALL_REDUCE_MOST_BYTES:
+            break
+        grads.append(gradient)
+        total += nbytes
+    return grads
+
+
+def _gradient_all_reduces(model: torch.nn.Module, rank: int, processes: int) -> dict:
+    """Times of ``GRADIENT_ALL_REDUCES`` of merak's reductions of the model's gradients (capped) in groups of
+    each of :func:`group_sizes`, every group at once and each repetition started together, as a run's
+    data-parallel groups reduce their gradients after a backward."""
+    grads = _capped_gradients(model)
+    times = {}
+    for size in group_sizes(processes):
+        # Every process creates every group, in the same order (torch.distributed's rule).
+        groups = [dist.new_group(list(range(first, first + size))) if size < processes else None
+                  for first in range(0, processes, size)]
+        reduce = functools.partial(all_reduce_tensors, grads, group=groups[rank // size], scale=1 / size)
+        reduce()  # warm-up: gloo's buffers for this size
+        runs = []
+        for _ in range(GRADIENT_ALL_REDUCES):
+            dist.barrier()
+            runs.append(_timed(reduce))
+        times[str(size)] = runs
     dist.barrier()
-    dist.all_reduce(flat)  # warm-up: gloo's buffers for this size
+    return {"gradient_all_reduces_s": times,
+            "gradient_all_reduce_bytes": sum(g.numel() * g.element_size() for g in grads)}
+
+
+def _optimizer_steps(model: torch.nn.Module) -> list[float]:
+    """Times of ``CONCURRENT_OPTIMIZER_STEPS`` clips and optimizer steps of the model, every process stepping
+    at once (each repetition started together, as a synchronous run's steps end)."""
+    grads = ensure_grads(model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+    def step() -> None:
+        global_grad_norm(grads, group=None, group_size=1)
+        torch._foreach_mul_(grads, 1.0)  # the clip's scaling: a pass over the gradients whatever the factor
+        optimizer.step()
+
+    step()  # warm-up: the optimizer's state
     times = []
-    for _ in range(GRADIENT_ALL_REDUCES):
+    for _ in range(CONCURRENT_OPTIMIZER_STEPS):
         dist.barrier()
-        started = time.perf_counter()
-        dist.all_reduce(flat)
-        times.append(time.perf_counter() - started)
+        times.append(_timed(step))
     dist.barrier()
-    return {"gradient_all_reduce_s": times, "gradient_all_reduce_bytes": flat.numel() * 4}
+    return times
 
 
 def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int,
                        steps: int = REPEATS) -> dict:
     """``processes`` processes running the model at once, ``steps`` times: ``step_s``, ``alone_s`` (one of them alone,
     between those steps), ``all_reduce_s`` (a small one), ``step_scalars_s`` (a step's scalar reductions),
-    ``gradient_all_reduce_s`` and ``gradient_all_reduce_bytes``. A synchronous step (or collective) waits for
-    the slowest process: each time is the median over the repetitions of the slowest process's (processes
-    sharing cores finish a time slice apart, and which one is last varies)."""
+    ``gradient_all_reduces_s`` (by group size), ``gradient_all_reduce_bytes`` and ``optimizer_s`` (the clip and
+    step, all at once). A synchronous step (or collective) waits for the slowest process: each time is the
+    median over the repetitions of the slowest process's (processes sharing cores finish a time slice apart,
+    and which one is last varies)."""
     with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
         spawn_workers(_concurrent_worker, world_size=processes,
                       args=(spec, settings, micro_batch_size, threads, steps, out_dir),
                       env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
                       store_timeout_s=CONCURRENT_TIMEOUT_S)
         reports = [json.loads(Path(out_dir, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
-    def slowest(key: str) -> float:
-        return statistics.median(max(times) for times in zip(*(r[key] for r in reports)))
+    def slowest(runs) -> float:
+        return statistics.median(max(times) for times in zip(*runs))
 
-    return {"step_s": slowest("step_s"), "alone_s": statistics.median(reports[0]["alone_s"]),
+    return {"step_s": slowest(r["step_s"] for r in reports), "alone_s": statistics.median(reports[0]["alone_s"]),
             "all_reduce_s": statistics.median(r["all_reduce_s"] for r in reports),
             "step_scalars_s": statistics.median(r["step_scalars_s"] for r in reports),
-            "gradient_all_reduce_s": slowest("gradient_all_reduce_s"),
-            "gradient_all_reduce_bytes": reports[0]["gradient_all_reduce_bytes"]}
+            "gradient_all_reduces_s": {int(size): slowest(r["gradient_all_reduces_s"][size] for r in reports)
+                                       for size in reports[0]["gradient_all_reduces_s"]},
+            "gradient_all_reduce_bytes": reports[0]["gradient_all_reduce_bytes"],
+            "optimizer_s": slowest(r["optimizer_s"] for r in reports)}
 
 
 def fit_scales(small: tuple[float, float, float], large: tuple[float, float, float] | None) -> tuple[float, float]:
@@ -486,12 +546,16 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
     steps = max(REPEATS, math.ceil(CONCURRENT_SECONDS / (alone_s * max(1.0, processes / max(cores, 1)))))
     concurrent = measure_concurrent(spec, settings, concurrent_size, processes, threads, steps)
     slowdown = concurrent["step_s"] / concurrent["alone_s"]
+    reductions = tuple(sorted(concurrent["gradient_all_reduces_s"].items()))
     logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone between them, %.1f ms); among them "
-                "a small all-reduce %.2f ms, a step's scalar reductions %.2f ms, one of the gradients (%.3g MB) "
-                "%.1f ms", processes, concurrent["step_s"] * 1e3, slowdown, concurrent["alone_s"] * 1e3,
-                concurrent["all_reduce_s"] * 1e3, concurrent["step_scalars_s"] * 1e3,
-                concurrent["gradient_all_reduce_bytes"] / 1e6, concurrent["gradient_all_reduce_s"] * 1e3)
-    return dataclasses.replace(calibration, processes=processes, concurrent_slowdown=slowdown,
-                               all_reduce_s=concurrent["all_reduce_s"], step_scalars_s=concurrent["step_scalars_s"],
-                               gradient_all_reduce_s=concurrent["gradient_all_reduce_s"],
-                               gradient_all_reduce_bytes=concurrent["gradient_all_reduce_bytes"])
+                "a small all-reduce %.2f ms, a step's scalar reductions %.2f ms, the gradients (%.3g MB) reduced "
+                "in groups of %s: %s ms; the clip and optimizer step %.1f ms", processes,
+                concurrent["step_s"] * 1e3, slowdown, concurrent["alone_s"] * 1e3, concurrent["all_reduce_s"] * 1e3,
+                concurrent["step_scalars_s"] * 1e3, concurrent["gradient_all_reduce_bytes"] / 1e6,
+                ", ".join(str(size) for size, _ in reductions),
+                ", ".join(f"{seconds * 1e3:.1f}" for _, seconds in reductions), concurrent["optimizer_s"] * 1e3)
+    return dataclasses.replace(
+        calibration, processes=processes, concurrent_slowdown=slowdown, all_reduce_s=concurrent["all_reduce_s"],
+        step_scalars_s=concurrent["step_scalars_s"], gradient_all_reduces=reductions,
+        gradient_all_reduce_bytes=concurrent["gradient_all_reduce_bytes"],
+        concurrent_optimizer_seconds_per_parameter=concurrent["optimizer_s"] / max(alone["parameters"], 1))

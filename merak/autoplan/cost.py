@@ -39,6 +39,7 @@ from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile
 from merak.distributed.topology import RankGrid
 from merak.pipeline.instructions import (
+    COMPUTE_TYPES,
     P2P_TYPES,
     Backward,
     BackwardInput,
@@ -138,15 +139,22 @@ def _slowed(link: Link, slowdown: float) -> Link:
     return link if slowdown == 1.0 else dataclasses.replace(link, bandwidth_gbs=link.bandwidth_gbs / slowdown)
 
 
-def _gradient_link(calibration: Calibration, link: Link) -> Link | None:
-    """The link whose ring all-reduce takes what the calibration's gradient all-reduce took among its
-    processes (None: not timed). Latency as ``link``'s, the rest of the time as bandwidth."""
-    size, seconds = calibration.processes, calibration.gradient_all_reduce_s
-    if seconds is None or size < 2 or calibration.gradient_all_reduce_bytes <= 0:
-        return None
-    steps = 2 * (size - 1)
-    moving = max(seconds - steps * link.latency_us * 1e-6, seconds / 2)
-    return dataclasses.replace(link, bandwidth_gbs=steps / size * calibration.gradient_all_reduce_bytes / moving / 1e9)
+def _reduction_links(calibration: Calibration, link: Link) -> dict[int, Link]:
+    """By group size, the link whose ring all-reduce takes what the calibration's reduction of the gradients
+    took in groups of that size (nothing timed: none). The latency is ``link``'s whole hop latency, the rest
+    of the time (at least half of it) bandwidth: the timed reductions started together from a barrier, while
+    a run's start as each process comes from its backward, their hops waiting for their receivers to be
+    scheduled as the small all-reduce's did (here five data-parallel layouts of small models came 3 to 15
+    points closer to their measured steps so than with the timing alone)."""
+    links = {}
+    for size, seconds in calibration.gradient_all_reduces:
+        if size < 2 or calibration.gradient_all_reduce_bytes <= 0:
+            continue
+        steps = 2 * (size - 1)
+        moving = max(seconds - steps * link.latency_us * 1e-6, seconds / 2)
+        links[size] = dataclasses.replace(
+            link, bandwidth_gbs=steps / size * calibration.gradient_all_reduce_bytes / moving / 1e9)
+    return links
 
 
 def _hops(all_reduced: float, gathered: float, size: int) -> int:
@@ -369,7 +377,6 @@ class CostModel:
         self.profiles, self.dtype, self.calibration, self.sharding = profiles, dtype, calibration, sharding
         # Whose nominal rates a run's partitioner weighs the units with (merak.shard.costs).
         self.device_type = "cpu" if cluster.cores_per_node is not None else "cuda"
-        self.optimizer_seconds_per_parameter = calibration.optimizer_seconds_per_parameter
         if calibration.all_reduce_s is not None and calibration.processes > 1:
             # A collective among processes that share the cores waits for each to be scheduled: the
             # latency of a hop is what the measured all-reduce took per ring step.
@@ -378,7 +385,7 @@ class CostModel:
             cluster = dataclasses.replace(cluster, intra_node=dataclasses.replace(
                 link, latency_us=max(link.latency_us, hop)))
         self.cluster = cluster
-        self.gradient_link = _gradient_link(calibration, cluster.intra_node)
+        self.reduction_links = _reduction_links(calibration, cluster.intra_node)
         self._tables: dict[tuple[int, bool, int], _UnitTable] = {}
         self._bounds: dict[tuple, list[int]] = {}
         self._simulations: dict[tuple, tuple[list[float], tuple | None]] = {}
@@ -530,12 +537,37 @@ class CostModel:
         # Each stage computes, and waits for its collectives' hops, beside the processes running meanwhile:
         # first as their compute says; on a CPU node again as the pieces priced so say (a stage slowed by its
         # collectives or by the split backward's walk of the graph runs beside the others for longer).
+        # Exactly (the layouts ranked first), the second time as the schedule simulated with those pieces
+        # overlaps the stages (a zero-bubble stage's weight gradients run beside the next stage's input
+        # gradients, even for one microbatch).
         per_node = self.cluster.devices_per_node
         pieces = self._priced_pieces(layout, table, bounds, self._stage_busy(layout, work, per_node))
         if self.cluster.cores_per_node is not None:
-            pieces = self._priced_pieces(layout, table, bounds,
-                                         self._stage_busy(layout, _stage_work(pieces, layout), per_node))
+            beside = self._simulated_stage_busy(layout, pieces) if exact and layout.pp > 1 \
+                else self._stage_busy(layout, _stage_work(pieces, layout), per_node)
+            pieces = self._priced_pieces(layout, table, bounds, beside)
         return pieces, 1 / self._share(busy), self._latency_scale(busy)
+
+    def _simulated_stage_busy(self, layout: Layout, pieces: Sequence[VirtualStage]) -> list[float]:
+        """:meth:`_stage_busy` from the schedule simulated with ``pieces``: each stage's own replicas, and each
+        other stage for the share of this one's compute during which it computes too (a long step simulated
+        at two short lengths and extended along that line, as :func:`simulated_pipeline` does)."""
+        pp, chunks, microbatches = layout.pp, layout.chunks, layout.num_microbatches
+        model = StageCostModel(pieces, pp, _group_links(self.cluster, layout.dp, layout.tp, pp)[2], layout.recompute)
+
+        def overlaps(length: int) -> list[tuple[float, float]]:
+            return compute_overlaps(simulate(_lists(layout.schedule, pp, chunks, length), model).timeline, pp)
+
+        short = _short_length(pp, chunks)
+        if microbatches <= short + pp:
+            measured = overlaps(microbatches)
+        else:
+            grow = (microbatches - short) / pp
+            measured = [tuple(a + (b - a) * grow for a, b in zip(first, second))
+                        for first, second in zip(overlaps(short), overlaps(short + pp))]
+        per_node = min(layout.world_size, self.cluster.devices_per_node) / layout.world_size
+        return [max(1.0, layout.dp * layout.tp * per_node * (1 + (beside / own if own > 0 else 0.0)))
+                for own, beside in measured]
 
     def _priced_pieces(self, layout: Layout, table: _UnitTable, bounds: Sequence[int],
                        stage_busy: Sequence[float]) -> list[VirtualStage]:
@@ -590,12 +622,24 @@ class CostModel:
 
     @staticmethod
     def _tied_seconds(layout: Layout, pieces: Sequence[VirtualStage], precision: Precision,
-                      pp_link: Link) -> list[float]:
+                      link: Link) -> list[float]:
         """Per stage, summing the gradients of its tied weights with the other stage holding them (the first
-        and last stage of a model whose head reuses its embedding): an all-reduce between the two over the
-        pipeline's link, after the backward."""
+        and last stage of a model whose head reuses its embedding): an all-reduce between the two over
+        ``link`` (the pipeline's, as :meth:`_reduction_link` prices a pair), after the backward."""
         return [all_reduce_seconds(sum(pieces[c * layout.pp + s].tied for c in range(layout.chunks))
-                                   * precision.gradient, 2, pp_link) for s in range(layout.pp)]
+                                   * precision.gradient, 2, link) for s in range(layout.pp)]
+
+    def _reduction_link(self, size: int, link: Link, slowdown: float, active: float) -> Link:
+        """The link a reduction of gradients among ``size`` processes over ``link`` runs at, while ``active``
+        processes of the node reduce at once. Within a node whose reductions were timed: as the timed size
+        nearest ``size`` took, faster in proportion when fewer processes than were timed crowd the cores.
+        Else ``link`` slowed as the processes' compute is."""
+        if not self.reduction_links or link != self.cluster.intra_node:
+            return _slowed(link, slowdown)
+        timed = self.reduction_links[min(self.reduction_links, key=lambda timed_size: (abs(timed_size - size),
+                                                                                          timed_size))]
+        cores = self.cluster.cores_per_node or 1
+        return _slowed(timed, max(1.0, active / cores) / max(1.0, self.calibration.processes / cores))
 
     def _data_parallel_seconds(self, layout: Layout, parameters: int, precision: Precision, link: Link) -> float:
         """A stage's data-parallel traffic after its backward: the all-reduce of its gradients, or with ZeRO
@@ -611,10 +655,18 @@ class CostModel:
         scatter = all_reduce_seconds if self.device_type == "cpu" else gather_seconds
         return scatter(gradient_bytes, dp, link) + gather_seconds(parameters * precision.weight, dp, link)
 
-    def _optimizer_seconds(self, parameters: float) -> float:
-        if self.optimizer_seconds_per_parameter is not None:
-            return parameters * self.optimizer_seconds_per_parameter
-        return parameters * ADAM_BYTES_PER_PARAMETER / (self.cluster.accelerator.memory_bandwidth_gbs * 1e9)
+    def _optimizer_seconds(self, layout: Layout, parameters: float, slowdown: float) -> float:
+        """The clip and optimizer step of ``parameters``: as timed with every process stepping at once when the
+        calibration ran as many processes as ``layout`` (every process ends its step at about the same
+        time), else as one process alone took, or the device's memory bandwidth says, slowed as the
+        processes' compute is."""
+        calibration = self.calibration
+        if calibration.concurrent_optimizer_seconds_per_parameter is not None \
+                and calibration.processes == layout.world_size:
+            return parameters * calibration.concurrent_optimizer_seconds_per_parameter
+        if calibration.optimizer_seconds_per_parameter is not None:
+            return parameters * calibration.optimizer_seconds_per_parameter * slowdown
+        return parameters * ADAM_BYTES_PER_PARAMETER / (self.cluster.accelerator.memory_bandwidth_gbs * 1e9) * slowdown
 
     def _state_bytes(self, layout: Layout, params: int, precision: Precision) -> int:
         dp = layout.dp
@@ -650,18 +702,18 @@ class CostModel:
         pieces, slowdown, latency_scale = self._pieces(layout, exact=simulate_schedule)
         precision = Precision.of(self._table(layout).dtype_bytes)
         _, dp_link, pp_link = _group_links(self.cluster, layout.dp, layout.tp, layout.pp)
-        # Within a node whose gradient all-reduce was timed, that timing prices it (the cores' sharing
-        # included); else the link, slowed as the processes' compute is.
-        dp_link = self.gradient_link if self.gradient_link is not None and dp_link == self.cluster.intra_node \
-            else _slowed(dp_link, slowdown)
+        # Every data-parallel group reduces at about the same time, and every replica's first and last stage
+        # pair sums its tied weights.
+        on_a_node = min(layout.world_size, self.cluster.devices_per_node) / layout.world_size
+        dp_link = self._reduction_link(layout.dp, dp_link, slowdown, layout.world_size * on_a_node)
+        tied_link = self._reduction_link(2, pp_link, slowdown, 2 * layout.dp * layout.tp * on_a_node)
         pp_link = _slowed(pp_link, slowdown)
         pp, chunks = layout.pp, layout.chunks
         stage_params = [sum(pieces[c * pp + s].params for c in range(chunks)) for s in range(pp)]
         dp_seconds = [self._data_parallel_seconds(layout, p, precision, dp_link) for p in stage_params]
-        tied_seconds = self._tied_seconds(layout, pieces, precision, pp_link)
+        tied_seconds = self._tied_seconds(layout, pieces, precision, tied_link)
         sync = self._sync_seconds(layout)
-        # The processes that share the cores step their optimizers at about the same time too.
-        optimizer_seconds = [self._optimizer_seconds(p / (layout.dp if layout.zero_stage else 1)) * slowdown
+        optimizer_seconds = [self._optimizer_seconds(layout, p / (layout.dp if layout.zero_stage else 1), slowdown)
                              for p in stage_params]
         lists = None
         if simulate_schedule:
@@ -702,6 +754,12 @@ def _stage_ends(lists, model: StageCostModel) -> list[float]:
     return ends
 
 
+def _short_length(pp: int, chunks: int) -> int:
+    """How many microbatches a long step is simulated at: whole groups of ``pp`` microbatches, past the
+    warm-up (interleaving warms up over about two groups)."""
+    return max(pp * (2 if chunks > 1 else 1), SIMULATED_MICROBATCHES) // pp * pp
+
+
 def simulated_pipeline(layout: Layout, model: StageCostModel) -> tuple[list[float], tuple | None]:
     """When each stage finishes its last instruction, and the instruction lists whose activations in flight
     are those of the layout.
@@ -712,8 +770,7 @@ def simulated_pipeline(layout: Layout, model: StageCostModel) -> tuple[list[floa
     GPipe keeps every microbatch in flight: its lists are not returned when shortened.
     """
     pp, chunks, microbatches = layout.pp, layout.chunks, layout.num_microbatches
-    # Whole groups of pp microbatches, past the warm-up (interleaving warms up over about two groups).
-    short = max(pp * (2 if chunks > 1 else 1), SIMULATED_MICROBATCHES) // pp * pp
+    short = _short_length(pp, chunks)
     if microbatches <= short + pp:
         lists = _lists(layout.schedule, pp, chunks, microbatches)
         return _stage_ends(lists, model), lists
@@ -722,6 +779,42 @@ def simulated_pipeline(layout: Layout, model: StageCostModel) -> tuple[list[floa
     second = _stage_ends(_lists(layout.schedule, pp, chunks, short + pp), model)
     ends = [a + (b - a) * (microbatches - short) / pp for a, b in zip(first, second)]
     return ends, None if layout.schedule == "gpipe" else lists
+
+
+def _computing(timeline, num_stages: int) -> list[list[tuple[float, float]]]:
+    """Per stage, the intervals of a simulated timeline during which it computes, merged and in order."""
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(num_stages)]
+    for event in sorted(timeline, key=lambda e: e.start):
+        if not isinstance(event.instruction, COMPUTE_TYPES) or event.end <= event.start:
+            continue
+        mine = spans[event.stage]
+        if mine and event.start <= mine[-1][1]:
+            mine[-1] = (mine[-1][0], max(mine[-1][1], event.end))
+        else:
+            mine.append((event.start, event.end))
+    return spans
+
+
+def _overlapping(first: Sequence[tuple[float, float]], second: Sequence[tuple[float, float]]) -> float:
+    """How long two ordered lists of disjoint intervals overlap."""
+    total, i, j = 0.0, 0, 0
+    while i < len(first) and j < len(second):
+        total += max(0.0, min(first[i][1], second[j][1]) - max(first[i][0], second[j][0]))
+        if first[i][1] < second[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def compute_overlaps(timeline, num_stages: int) -> list[tuple[float, float]]:
+    """Per stage of a simulated timeline, how long it computes, and how long the other stages compute while
+    it does (each one's overlap with it, summed: from nothing, when it computes alone, to ``num_stages - 1``
+    times its own, when all of them compute all along)."""
+    spans = _computing(timeline, num_stages)
+    return [(sum(end - start for start, end in mine),
+             sum(_overlapping(mine, other) for index, other in enumerate(spans) if index != stage))
+            for stage, mine in enumerate(spans)]
 
 
 def _work(piece: VirtualStage, layout: Layout) -> float:

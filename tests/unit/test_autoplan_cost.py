@@ -277,21 +277,53 @@ def test_data_parallel_reduction_uses_the_link_its_group_crosses():
     assert two_nodes > one_node
 
 
-def test_a_timed_gradient_all_reduce_prices_the_data_parallel_reduction():
+def test_timed_gradient_reductions_price_the_data_parallel_groups_of_their_size():
     gradient_bytes = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT * 4
     four_on_two_cores = dataclasses.replace(this_machine(4, measure=False), cores_per_node=2)
-    timed = Calibration(processes=4, concurrent_slowdown=2.5, all_reduce_s=0.006, gradient_all_reduce_s=0.25,
-                        gradient_all_reduce_bytes=gradient_bytes)
+    timed = Calibration(processes=4, concurrent_slowdown=2.5, all_reduce_s=0.006,
+                        gradient_all_reduces=((2, 0.2), (4, 0.25)), gradient_all_reduce_bytes=gradient_bytes)
     model = CostModel(lambda tp, sequence_parallel: synthetic_profile(), four_on_two_cores, calibration=timed)
     # As many processes as were timed, reducing as many bytes: the step pays what the timing took.
     assert model.predict(layout(dp=4)).breakdown["dp_comm_s"] == pytest.approx(0.25)
     hop = 0.006 / 6
+    # Pairs reduce at the pairs' timing (not the four's scaled down by the ring's formula): half the bytes
+    # of the model, each pipeline stage's, cost half of what moved in the timing past the hops' latency.
     pair = model.predict(layout(dp=2, pp=2)).breakdown["dp_comm_s"]
-    half_the_gradients = (0.25 - 6 * hop) / 1.5 * 0.5  # a ring of two moves 1/1.5 as much per byte
-    assert pair == pytest.approx(2 * hop + half_the_gradients, rel=0.05)
+    assert pair == pytest.approx(2 * hop + (0.2 - 2 * hop) * 0.5, rel=0.05)
+    four_only = CostModel(lambda tp, sequence_parallel: synthetic_profile(), four_on_two_cores,
+                          calibration=dataclasses.replace(timed, gradient_all_reduces=((4, 0.25),)))
+    ring = 2 * hop + (0.25 - 6 * hop) / 1.5 * 0.5  # a ring of two moves 1/1.5 as much per byte as one of four
+    assert four_only.predict(layout(dp=2, pp=2)).breakdown["dp_comm_s"] == pytest.approx(ring, rel=0.05)
     untimed = CostModel(lambda tp, sequence_parallel: synthetic_profile(), four_on_two_cores,
-                        calibration=dataclasses.replace(timed, gradient_all_reduce_s=None))
+                        calibration=dataclasses.replace(timed, gradient_all_reduces=()))
     assert untimed.predict(layout(dp=4)).breakdown["dp_comm_s"] != pytest.approx(0.25, rel=0.1)  # the link
+
+
+def test_tied_weights_pair_at_the_timed_pairs_reduction_fewer_crowding_the_cores():
+    count = 1 + LAYERS * UNITS_PER_LAYER + 1
+    tied = dataclasses.replace(synthetic_profile(), shared_params=((PARAMS_PER_UNIT, (1, count - 2)),))
+    gradient_bytes = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT * 4
+    hop = 0.014 / 14
+    timed = Calibration(processes=8, all_reduce_s=0.014, gradient_all_reduces=((2, 0.4), (4, 0.5), (8, 0.6)),
+                        gradient_all_reduce_bytes=gradient_bytes)
+    model = eight_on_two_cores(timed, tied)
+    # Four pairs at once, as all eight processes were timed: the tied share of the pairs' timing.
+    moving = (0.4 - 2 * hop) * PARAMS_PER_UNIT * 4 / gradient_bytes
+    assert model.predict(layout(dp=4, pp=2)).breakdown["tied_comm_s"] == pytest.approx(2 * hop + moving)
+    # One pair (two of eight processes, on two cores): the cores are not crowded, a quarter of the time.
+    assert model.predict(layout(pp=8)).breakdown["tied_comm_s"] == pytest.approx(2 * hop + moving / 4)
+
+
+def test_the_optimizer_step_is_priced_as_timed_with_every_process_stepping():
+    params = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT
+    alone = Calibration(processes=8, concurrent_slowdown=5.0, optimizer_seconds_per_parameter=1e-9)
+    together = dataclasses.replace(alone, concurrent_optimizer_seconds_per_parameter=6e-9)
+    assert eight_on_two_cores(together).predict(layout(dp=8)).breakdown["optimizer_s"] == pytest.approx(params * 6e-9)
+    assert eight_on_two_cores(together).predict(layout(dp=8, zero_stage=1)).breakdown["optimizer_s"] == \
+        pytest.approx(params * 6e-9 / 8)
+    # Untimed together: one process's time, slowed as the processes' compute is.
+    slowed = eight_on_two_cores(alone).predict(layout(dp=8)).breakdown["optimizer_s"]
+    assert slowed == pytest.approx(params * 1e-9 * 5.0)
 
 
 def test_every_step_reduces_its_loss_and_gradient_norm_over_all_processes():
@@ -508,10 +540,26 @@ def test_one_microbatch_keeps_one_pipeline_stage_busy_at_a_time():
     single = model.pieces(layout())[0].forward  # the whole model's forward, alone
     one = model.pieces(layout(pp=4, num_microbatches=1))
     assert sum(piece.forward for piece in one) == pytest.approx(single)
-    # Many microbatches keep all four stages busy: they share the two cores.
+    # Many microbatches keep all four stages busy: they share the two cores. While a stage computes, the
+    # others do for nearly all of it (more than the average over the step, whose fill and drain are idle).
     many = model.pieces(layout(pp=4, num_microbatches=64))
-    busy = 4 * 64 / (4 + 63)
-    assert sum(piece.forward for piece in many) == pytest.approx(single * busy / 2)
+    average = 4 * 64 / (4 + 63)
+    assert single * average / 2 < sum(piece.forward for piece in many) < single * 4 / 2
+    # Ranked quickly, the closed form: the average.
+    quick = model._pieces(layout(pp=4, num_microbatches=64), exact=False)[0]
+    assert sum(piece.forward for piece in quick) == pytest.approx(single * average / 2)
+
+
+def test_a_zero_bubble_stage_computes_beside_the_next_stages_weight_gradients():
+    """With one microbatch, 1F1B passes it through the stages one at a time; ZB-H1 runs the last stage's
+    weight gradients while the first computes its backward: that stage shares the cores then."""
+    two_cores = dataclasses.replace(this_machine(4, measure=False), cores_per_node=2)
+    model = CostModel(lambda tp, sequence_parallel: synthetic_profile(), two_cores)
+    alone = model.pieces(layout(tp=2))[0].forward / 2  # half the model on each of two tensor ranks
+    one_by_one = model.pieces(layout(tp=2, pp=2, num_microbatches=1))
+    assert one_by_one[0].forward == pytest.approx(alone, rel=1e-3)
+    zero_bubble = model.pieces(layout(tp=2, pp=2, num_microbatches=1, schedule="zb_h1"))
+    assert zero_bubble[0].forward > 1.2 * one_by_one[0].forward
 
 
 def test_a_small_stage_runs_beside_the_slowest_all_along():

@@ -1,0 +1,74 @@
+"""The calibration's timing of what ends a step, among gloo processes: merak's gradient reduction in groups of
+each size, every group at once, and the clip and optimizer step with every process stepping."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from merak.autoplan import calibrate
+from merak.distributed.launch import spawn_workers
+
+pytestmark = pytest.mark.dist
+
+WORLD = 4
+
+
+def _model(rank: int) -> nn.Module:
+    """A small model whose gradients differ by rank (rank + 1 times one rank-free pattern)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 3))
+    for index, param in enumerate(model.parameters()):
+        param.grad = (rank + 1) * torch.arange(param.numel(), dtype=torch.float32).reshape(param.shape) + index
+    return model
+
+
+def _worker(out_dir: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    try:
+        model = _model(rank)
+        reductions = calibrate._gradient_all_reduces(model, rank, WORLD)
+        weights_before = [p.detach().clone() for p in model.parameters()]
+        steps = calibrate._optimizer_steps(model)
+        moved = all(not torch.equal(before, p) for before, p in zip(weights_before, model.parameters()))
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump({**reductions, "optimizer_s": steps, "moved": moved,
+                   "grads": [p.grad.flatten().tolist() for p in model.parameters()]}, handle)
+
+
+@pytest.mark.timeout(120)
+def test_gradients_are_reduced_in_every_group_size_and_the_optimizer_steps(tmp_path):
+    spawn_workers(_worker, world_size=WORLD, args=(str(tmp_path),), start_method="fork")
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert calibrate.group_sizes(WORLD) == [2, 4]
+    for report in reports:
+        assert sorted(report["gradient_all_reduces_s"]) == ["2", "4"]
+        assert all(len(runs) == calibrate.GRADIENT_ALL_REDUCES and min(runs) > 0
+                   for runs in report["gradient_all_reduces_s"].values())
+        assert report["gradient_all_reduce_bytes"] == sum(p.numel() for p in _model(0).parameters()) * 4
+        assert len(report["optimizer_s"]) == calibrate.CONCURRENT_OPTIMIZER_STEPS and min(report["optimizer_s"]) > 0
+        assert report["moved"]
+    # Each reduction averaged within its group: the pairs (0, 1) and (2, 3) first, then all four, so every
+    # rank ends with the mean over all ranks (a mean of means of equal groups), (1+2+3+4)/4 = 2.5 times the
+    # pattern, as a data-parallel group's reduction leaves it.
+    expected = [(2.5 * torch.arange(p.numel(), dtype=torch.float32) + index).tolist()
+                for index, p in enumerate(_model(0).parameters())]
+    for report in reports:
+        for got, want in zip(report["grads"], expected):
+            assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_group_sizes_divide_the_processes():
+    assert calibrate.group_sizes(1) == []
+    assert calibrate.group_sizes(2) == [2]
+    assert calibrate.group_sizes(6) == [2, 3, 6]
+    assert calibrate.group_sizes(8) == [2, 4, 8]
