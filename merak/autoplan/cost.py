@@ -536,10 +536,10 @@ class CostModel:
         busy = self._busy(layout, work, self.cluster.devices_per_node)
         # Each stage computes, and waits for its collectives' hops, beside the processes running meanwhile:
         # first as their compute says; on a CPU node again as the pieces priced so say (a stage slowed by its
-        # collectives or by the split backward's walk of the graph runs beside the others for longer).
-        # Exactly (the layouts ranked first), the second time as the schedule simulated with those pieces
-        # overlaps the stages (a zero-bubble stage's weight gradients run beside the next stage's input
-        # gradients, even for one microbatch).
+        # collectives or by the split backward's walk of the graph runs beside the others for longer), for
+        # the layouts priced exactly as the schedule simulated with those pieces overlaps the stages (a
+        # zero-bubble stage's weight gradients run beside the previous stage's backward even for one
+        # microbatch).
         per_node = self.cluster.devices_per_node
         pieces = self._priced_pieces(layout, table, bounds, self._stage_busy(layout, work, per_node))
         if self.cluster.cores_per_node is not None:

@@ -19,12 +19,15 @@ from merak.autoplan.cost import (
     LayoutError,
     _in_flight_peak,
     all_reduce_seconds,
+    compute_overlaps,
     gather_seconds,
     quick_step_seconds,
 )
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile
+from merak.pipeline.instructions import Forward, SendActivation
 from merak.pipeline.schedules import build_schedule
+from merak.pipeline.simulate import TimelineEvent
 
 LAYERS = 8
 UNITS_PER_LAYER = 3
@@ -548,6 +551,17 @@ def test_one_microbatch_keeps_one_pipeline_stage_busy_at_a_time():
     # Ranked quickly, the closed form: the average.
     quick = model._pieces(layout(pp=4, num_microbatches=64), exact=False)[0]
     assert sum(piece.forward for piece in quick) == pytest.approx(single * average / 2)
+
+
+def test_compute_overlaps_sum_each_other_stage_computing_meanwhile():
+    def compute(stage, start, end):
+        return TimelineEvent(stage=stage, instruction=Forward(microbatch=0), start=start, end=end)
+
+    timeline = [compute(0, 0.0, 2.0), compute(0, 2.0, 3.0), compute(0, 5.0, 6.0),  # 0-3 (joined) and 5-6
+                compute(1, 1.0, 5.5),
+                TimelineEvent(stage=2, instruction=SendActivation(microbatch=0), start=0.0, end=6.0),  # no compute
+                compute(2, 2.5, 2.5)]  # nothing computed
+    assert compute_overlaps(timeline, 3) == [(4.0, 2.5), (4.5, 2.5), (0.0, 0.0)]
 
 
 def test_a_zero_bubble_stage_computes_beside_the_next_stages_weight_gradients():
