@@ -21,10 +21,9 @@ process to be scheduled), and how long the scalar reductions that end every step
 one or two elements by another algorithm than a longer message: several times faster among many
 processes), and what ends a step on every process at about the same time: merak's reduction of the
 model's gradients in groups of each size the run could use, every group at once (gloo's copies and sums
-share the cores: a pair's reduction of the same bytes beside three other pairs takes far longer than the
-link's bandwidth says), and the clip and optimizer step, all processes stepping together (an optimizer
-step streams its state through memory: four processes on two cores each took over four times as long
-as one alone here, more than their compute's slowdown).
+share the cores: a reduction takes far longer than the link's bandwidth says), and the clip and
+optimizer step, all processes stepping together (an optimizer step streams its state through memory:
+gpt:toy's clip and step took 17 ms with four processes stepping on two cores, its step alone 5 ms).
 Only for models small enough to build here (GPU presets plan giant models from their rates alone).
 """
 
@@ -312,7 +311,7 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
             dist.all_reduce(message)
         all_reduce = (time.perf_counter() - started) / ALL_REDUCES
         scalars = _step_scalar_reductions()
-        gradients = _gradient_all_reduces(model, rank, int(os.environ["WORLD_SIZE"]))
+        gradients = _gradient_all_reduces(model)
         optimizer = _optimizer_steps(model)
     finally:
         dist.destroy_process_group()
@@ -359,11 +358,12 @@ def _capped_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     return grads
 
 
-def _gradient_all_reduces(model: torch.nn.Module, rank: int, processes: int) -> dict:
+def _gradient_all_reduces(model: torch.nn.Module) -> dict:
     """Times of ``GRADIENT_ALL_REDUCES`` of merak's reductions of the model's gradients (capped) in groups of
-    each of :func:`group_sizes`, every group at once and each repetition started together, as a run's
-    data-parallel groups reduce their gradients after a backward."""
+    each of :func:`group_sizes` of the processes, every group at once and each repetition started together,
+    as a run's data-parallel groups reduce their gradients after a backward."""
     grads = _capped_gradients(model)
+    rank, processes = dist.get_rank(), dist.get_world_size()
     times = {}
     for size in group_sizes(processes):
         # Every process creates every group, in the same order (torch.distributed's rule).

@@ -30,7 +30,7 @@ import bisect
 import dataclasses
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from merak.autoplan.calibrate import BACKWARD_FLOPS_FACTOR, Calibration
@@ -144,8 +144,8 @@ def _reduction_links(calibration: Calibration, link: Link) -> dict[int, Link]:
     took in groups of that size (nothing timed: none). The latency is ``link``'s whole hop latency, the rest
     of the time (at least half of it) bandwidth: the timed reductions started together from a barrier, while
     a run's start as each process comes from its backward, their hops waiting for their receivers to be
-    scheduled as the small all-reduce's did (here five data-parallel layouts of small models came 3 to 15
-    points closer to their measured steps so than with the timing alone)."""
+    scheduled as the small all-reduce's did (on the sweep of BENCHMARKS.md section 13, 31 of 45 steps within
+    15 % so, 30 with the timing alone)."""
     links = {}
     for size, seconds in calibration.gradient_all_reduces:
         if size < 2 or calibration.gradient_all_reduce_bytes <= 0:
@@ -484,8 +484,7 @@ class CostModel:
         ``sum(w) + (M - 1) max(w)``: a single microbatch keeps one stage busy at a time)."""
         busiest, total, microbatches = max(stage_work), sum(stage_work), layout.num_microbatches
         busy_stages = total * microbatches / (total + (microbatches - 1) * busiest) if busiest > 0 else layout.pp
-        per_node = min(layout.world_size, devices_per_node) / layout.world_size
-        return max(1.0, layout.dp * layout.tp * busy_stages * per_node)
+        return max(1.0, layout.dp * layout.tp * busy_stages * _on_a_node(layout, devices_per_node))
 
     @staticmethod
     def _stage_busy(layout: Layout, stage_work: Sequence[float], devices_per_node: int) -> list[float]:
@@ -497,10 +496,8 @@ class CostModel:
         :meth:`_busy` for each."""
         busiest, total, microbatches = max(stage_work), sum(stage_work), layout.num_microbatches
         span = total + (microbatches - 1) * busiest
-        per_node = min(layout.world_size, devices_per_node) / layout.world_size
-        return [max(1.0, layout.dp * layout.tp * per_node
-                    * (1 + ((total - own) * (microbatches - 1) / span if busiest > 0 else layout.pp - 1)))
-                for own in stage_work]
+        return _running_beside(layout, devices_per_node, [(total - own) * (microbatches - 1) / span
+                                                          if busiest > 0 else layout.pp - 1 for own in stage_work])
 
     def _share(self, busy: float) -> float:
         """Each process's share of its device: on a CPU node the ``busy`` processes share the cores."""
@@ -550,24 +547,17 @@ class CostModel:
 
     def _simulated_stage_busy(self, layout: Layout, pieces: Sequence[VirtualStage]) -> list[float]:
         """:meth:`_stage_busy` from the schedule simulated with ``pieces``: each stage's own replicas, and each
-        other stage for the share of this one's compute during which it computes too (a long step simulated
-        at two short lengths and extended along that line, as :func:`simulated_pipeline` does)."""
-        pp, chunks, microbatches = layout.pp, layout.chunks, layout.num_microbatches
+        other stage for the share of this one's compute during which it computes too."""
+        pp, chunks = layout.pp, layout.chunks
         model = StageCostModel(pieces, pp, _group_links(self.cluster, layout.dp, layout.tp, pp)[2], layout.recompute)
 
-        def overlaps(length: int) -> list[tuple[float, float]]:
-            return compute_overlaps(simulate(_lists(layout.schedule, pp, chunks, length), model).timeline, pp)
+        def overlaps(length: int) -> list[float]:  # own, beside, own, beside, ... by stage
+            timeline = simulate(_lists(layout.schedule, pp, chunks, length), model).timeline
+            return [seconds for stage in compute_overlaps(timeline, pp) for seconds in stage]
 
-        short = _short_length(pp, chunks)
-        if microbatches <= short + pp:
-            measured = overlaps(microbatches)
-        else:
-            grow = (microbatches - short) / pp
-            measured = [tuple(a + (b - a) * grow for a, b in zip(first, second))
-                        for first, second in zip(overlaps(short), overlaps(short + pp))]
-        per_node = min(layout.world_size, self.cluster.devices_per_node) / layout.world_size
-        return [max(1.0, layout.dp * layout.tp * per_node * (1 + (beside / own if own > 0 else 0.0)))
-                for own, beside in measured]
+        flat = _along_the_step(layout, overlaps)
+        return _running_beside(layout, self.cluster.devices_per_node,
+                               [beside / own if own > 0 else 0.0 for own, beside in zip(flat[0::2], flat[1::2])])
 
     def _priced_pieces(self, layout: Layout, table: _UnitTable, bounds: Sequence[int],
                        stage_busy: Sequence[float]) -> list[VirtualStage]:
@@ -704,7 +694,7 @@ class CostModel:
         _, dp_link, pp_link = _group_links(self.cluster, layout.dp, layout.tp, layout.pp)
         # Every data-parallel group reduces at about the same time, and every replica's first and last stage
         # pair sums its tied weights.
-        on_a_node = min(layout.world_size, self.cluster.devices_per_node) / layout.world_size
+        on_a_node = _on_a_node(layout, self.cluster.devices_per_node)
         dp_link = self._reduction_link(layout.dp, dp_link, slowdown, layout.world_size * on_a_node)
         tied_link = self._reduction_link(2, pp_link, slowdown, 2 * layout.dp * layout.tp * on_a_node)
         pp_link = _slowed(pp_link, slowdown)
@@ -754,31 +744,47 @@ def _stage_ends(lists, model: StageCostModel) -> list[float]:
     return ends
 
 
+def _on_a_node(layout: Layout, devices_per_node: int) -> float:
+    """The share of the layout's processes that one node holds."""
+    return min(layout.world_size, devices_per_node) / layout.world_size
+
+
+def _running_beside(layout: Layout, devices_per_node: int, others: Sequence[float]) -> list[float]:
+    """Per pipeline stage, the processes of a node running while it computes: its own replicas, and as many
+    again for each other stage computing meanwhile (``others``: their count, in shares of the stage's
+    compute time)."""
+    return [max(1.0, layout.dp * layout.tp * _on_a_node(layout, devices_per_node) * (1 + beside)) for beside in others]
+
+
 def _short_length(pp: int, chunks: int) -> int:
     """How many microbatches a long step is simulated at: whole groups of ``pp`` microbatches, past the
     warm-up (interleaving warms up over about two groups)."""
     return max(pp * (2 if chunks > 1 else 1), SIMULATED_MICROBATCHES) // pp * pp
 
 
-def simulated_pipeline(layout: Layout, model: StageCostModel) -> tuple[list[float], tuple | None]:
-    """When each stage finishes its last instruction, and the instruction lists whose activations in flight
-    are those of the layout.
+def _along_the_step(layout: Layout, measure: Callable[[int], list[float]]) -> list[float]:
+    """``measure(num_microbatches)`` of the layout's schedule. Past the warm-up (at most pp microbatches)
+    every schedule here repeats the same pattern per group of ``pp`` microbatches, so what a step adds up
+    grows linearly with M: a long step is measured at two short lengths and extended along that line."""
+    pp, microbatches = layout.pp, layout.num_microbatches
+    short = _short_length(pp, layout.chunks)
+    if microbatches <= short + pp:
+        return measure(microbatches)
+    grow = (microbatches - short) / pp
+    return [a + (b - a) * grow for a, b in zip(measure(short), measure(short + pp))]
 
-    Past the warm-up (at most pp microbatches) every schedule here repeats the same pattern per group of
-    ``pp`` microbatches, so the step grows linearly with M: a long step is simulated at two short lengths
-    and extended along that line (the lists of the shorter one hold as many microbatches in flight).
-    GPipe keeps every microbatch in flight: its lists are not returned when shortened.
-    """
+
+def simulated_pipeline(layout: Layout, model: StageCostModel) -> tuple[list[float], tuple | None]:
+    """When each stage finishes its last instruction (:func:`_along_the_step`), and the instruction lists
+    whose activations in flight are those of the layout (a long step's: those of the shorter length
+    simulated, which hold as many microbatches in flight; none for GPipe, which keeps every microbatch in
+    flight)."""
     pp, chunks, microbatches = layout.pp, layout.chunks, layout.num_microbatches
+    ends = _along_the_step(layout, lambda length: _stage_ends(_lists(layout.schedule, pp, chunks, length), model))
     short = _short_length(pp, chunks)
     if microbatches <= short + pp:
-        lists = _lists(layout.schedule, pp, chunks, microbatches)
-        return _stage_ends(lists, model), lists
-    lists = _lists(layout.schedule, pp, chunks, short)
-    first = _stage_ends(lists, model)
-    second = _stage_ends(_lists(layout.schedule, pp, chunks, short + pp), model)
-    ends = [a + (b - a) * (microbatches - short) / pp for a, b in zip(first, second)]
-    return ends, None if layout.schedule == "gpipe" else lists
+        return ends, _lists(layout.schedule, pp, chunks, microbatches)
+    return ends, None if layout.schedule == "gpipe" else _lists(layout.schedule, pp, chunks, short)
 
 
 def _computing(timeline, num_stages: int) -> list[list[tuple[float, float]]]:

@@ -34,7 +34,7 @@ def _worker(out_dir: str) -> None:
     rank = dist.get_rank()
     try:
         model = _model(rank)
-        reductions = calibrate._gradient_all_reduces(model, rank, WORLD)
+        reductions = calibrate._gradient_all_reduces(model)
         weights_before = [p.detach().clone() for p in model.parameters()]
         steps = calibrate._optimizer_steps(model)
         moved = all(not torch.equal(before, p) for before, p in zip(weights_before, model.parameters()))
