@@ -408,13 +408,16 @@ class PipelineEngine:
     def _optimizer_step(self) -> None:
         self._last_outcome = self.optimizer.step(max_grad_norm=self.options.max_grad_norm,
                                                  loss=self.executor.step_loss())
-        if not self._last_outcome.skipped:  # a skipped step leaves the schedule where it was
-            with warnings.catch_warnings():
-                # A rank owning no parameters (a pipeline stage left empty) steps no optimizer; its schedule
-                # still advances with everyone's, without torch's warning that the optimizer did not step.
-                if not self.optimizer.owns_parameters:
-                    warnings.filterwarnings("ignore", message=re.escape(LR_SCHEDULER_BEFORE_OPTIMIZER))
-                self.lr_scheduler.step()
+        if self._last_outcome.skipped:  # a skipped step leaves the schedule where it was
+            return
+        if self.optimizer.owns_parameters:
+            self.lr_scheduler.step()
+            return
+        # A rank owning no parameters (a pipeline stage left empty) steps no optimizer; its schedule still
+        # advances with everyone's, without torch's warning that the optimizer did not step.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=re.escape(LR_SCHEDULER_BEFORE_OPTIMIZER))
+            self.lr_scheduler.step()
 
     # -- introspection -----------------------------------------------------------
 
