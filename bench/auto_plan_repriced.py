@@ -122,7 +122,8 @@ def _measurement(saved: dict) -> tuple[Cluster, Calibration]:
         calibration.setdefault("gradient_all_reduces", [(calibration["processes"], whole)])
     return Cluster.from_json(saved["cluster"]), Calibration(**{
         **calibration, "size_factors": tuple(map(tuple, calibration["size_factors"])),
-        "gradient_all_reduces": tuple(map(tuple, calibration.get("gradient_all_reduces", ())))})
+        "gradient_all_reduces": tuple(map(tuple, calibration.get("gradient_all_reduces", ()))),
+        "zero_step_differences": tuple(map(tuple, calibration.get("zero_step_differences", ())))})
 
 
 def measured_groups(paths: list[str]) -> dict:

@@ -23,8 +23,11 @@ processes), and what ends a step on every process at about the same time: merak'
 model's gradients in groups of each size the run could use, every group at once (gloo's copies and sums
 share the cores: a reduction takes far longer than the link's bandwidth says), and the clip and
 optimizer step, all processes stepping together (an optimizer step streams its state through memory:
-gpt:toy's clip and step took 17 ms with four processes stepping on two cores, its step alone 5 ms).
-Only for models small enough to build here (GPU presets plan giant models from their rates alone).
+gpt:toy's clip and step took 17 ms with four processes stepping on two cores, its step alone 5 ms), and
+that end as merak's optimizer runs it without ZeRO and with ZeRO-1, in turns (ZeRO's bookkeeping of padded
+buckets costs more than its bytes say: bert:toy's ZeRO-1 step on four processes ended 18 ms after its
+backward where its collectives' bytes said 6). Only for models small enough to build here (GPU presets plan
+giant models from their rates alone).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ from merak.autoplan.profile import GraphProfile
 from merak.compat.allocator import keep_freed_memory
 from merak.distributed.launch import spawn_workers
 from merak.optim.clip import global_grad_norm
+from merak.optim.distributed import DistributedOptimizer, ZeroOptions
 from merak.optim.grad_sync import all_reduce_tensors, ensure_grads
+from merak.optim.schedule import make_optimizer
 from merak.report import write_json_atomic
 from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates
 
@@ -63,7 +68,8 @@ ALONE_SECONDS = 0.5  # a size is timed again while its runs took less than this 
 ALONE_MOST = 12  # ... at most this many times
 ALONE_ROUNDS = 3  # the microbatch sizes are timed in this many turns
 CONCURRENT_TIMEOUT_S = 120.0
-CONCURRENT_SECONDS = 2.0  # of the processes running the model at once (a few repetitions are noisy)
+CONCURRENT_SECONDS = 2.0  # of the processes running the model at once (a few repetitions are noisy) ...
+CONCURRENT_REPEATS = 5  # ... at least this many times (gpt:demo's slowdown among 8 from 3: 4.9x to 5.9x)
 ALL_REDUCE_ELEMENTS = 1024
 ALL_REDUCES = 20
 # A step's end as the trainer runs it: the loss's all-reduce (one float64) and the gradient norm's with the
@@ -73,6 +79,7 @@ STEP_SCALAR_ELEMENTS = (1, 2)
 GRADIENT_ALL_REDUCE_MOST_BYTES = 64 << 20
 GRADIENT_ALL_REDUCES = 5
 CONCURRENT_OPTIMIZER_STEPS = 5
+ZERO_STEP_ENDS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +106,11 @@ class Calibration:
         concurrent_optimizer_seconds_per_parameter: the clip and the optimizer step per parameter with all
             ``processes`` stepping at once (what ends a step: streaming the optimizer's state through
             memory shared by all of them).
+        zero_step_differences: ``(group size, seconds)``: a step's end with ZeRO-1 (the gradients' reduce-scatter,
+            the update of each process's share, the weights' all-gather) less the end without ZeRO (their
+            all-reduce and the whole update), as merak's optimizer runs them on ``gradient_all_reduce_bytes`` of
+            gradients in groups of that size, every group at once (ZeRO's padded buckets and copies cost more
+            than the bytes it moves say, and among processes sharing the cores more than the update it saves).
         step_scalars_s: the scalar all-reduces that end a step (:data:`STEP_SCALAR_ELEMENTS`) among
             ``processes`` processes, together.
         split_backward_factor: a backward split into its input and weight halves (zero-bubble
@@ -117,6 +129,7 @@ class Calibration:
     gradient_all_reduces: tuple[tuple[int, float], ...] = ()
     gradient_all_reduce_bytes: int = 0
     concurrent_optimizer_seconds_per_parameter: float | None = None
+    zero_step_differences: tuple[tuple[int, float], ...] = ()
     step_scalars_s: float | None = None
     split_backward_factor: float = 1.0
     split_backward_micro_batch: int = 1
@@ -313,11 +326,12 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
         scalars = _step_scalar_reductions()
         gradients = _gradient_all_reduces(model)
         optimizer = _optimizer_steps(model)
+        zero = _zero_step_ends(model)
     finally:
         dist.destroy_process_group()
     write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"),
                       {"step_s": times, "alone_s": alone, "all_reduce_s": all_reduce, "step_scalars_s": scalars,
-                       "optimizer_s": optimizer, **gradients})
+                       "optimizer_s": optimizer, "zero_step_ends_s": zero, **gradients})
 
 
 def _timed(function) -> float:
@@ -346,16 +360,33 @@ def group_sizes(processes: int) -> list[int]:
     return [size for size in range(2, processes + 1) if processes % size == 0]
 
 
-def _capped_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The model's gradients in order, up to :data:`GRADIENT_ALL_REDUCE_MOST_BYTES` (at least one)."""
-    grads, total = [], 0
-    for gradient in ensure_grads(model.parameters()):
-        nbytes = gradient.numel() * gradient.element_size()
-        if grads and total + nbytes > GRADIENT_ALL_REDUCE_MOST_BYTES:
+def _capped_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The model's parameters in order, their gradients up to :data:`GRADIENT_ALL_REDUCE_MOST_BYTES` (at least
+    one), each with a gradient."""
+    params, total = [], 0
+    for param in model.parameters():
+        nbytes = param.numel() * param.element_size()
+        if params and total + nbytes > GRADIENT_ALL_REDUCE_MOST_BYTES:
             break
-        grads.append(gradient)
+        params.append(param)
         total += nbytes
-    return grads
+    ensure_grads(params)
+    return params
+
+
+def _capped_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients of :func:`_capped_parameters`."""
+    return [param.grad for param in _capped_parameters(model)]
+
+
+def _own_group(size: int):
+    """This process's group of ``size`` consecutive ranks (None: all of them). Every process creates every group
+    of that size, in the same order (torch.distributed's rule)."""
+    rank, processes = dist.get_rank(), dist.get_world_size()
+    if size == processes:
+        return None
+    groups = [dist.new_group(list(range(first, first + size))) for first in range(0, processes, size)]
+    return groups[rank // size]
 
 
 def _gradient_all_reduces(model: torch.nn.Module) -> dict:
@@ -363,13 +394,9 @@ def _gradient_all_reduces(model: torch.nn.Module) -> dict:
     each of :func:`group_sizes` of the processes, every group at once and each repetition started together,
     as a run's data-parallel groups reduce their gradients after a backward."""
     grads = _capped_gradients(model)
-    rank, processes = dist.get_rank(), dist.get_world_size()
     times = {}
-    for size in group_sizes(processes):
-        # Every process creates every group, in the same order (torch.distributed's rule).
-        groups = [dist.new_group(list(range(first, first + size))) if size < processes else None
-                  for first in range(0, processes, size)]
-        reduce = functools.partial(all_reduce_tensors, grads, group=groups[rank // size], scale=1 / size)
+    for size in group_sizes(dist.get_world_size()):
+        reduce = functools.partial(all_reduce_tensors, grads, group=_own_group(size), scale=1 / size)
         reduce()  # warm-up: gloo's buffers for this size
         runs = []
         for _ in range(GRADIENT_ALL_REDUCES):
@@ -379,6 +406,46 @@ def _gradient_all_reduces(model: torch.nn.Module) -> dict:
     dist.barrier()
     return {"gradient_all_reduces_s": times,
             "gradient_all_reduce_bytes": sum(g.numel() * g.element_size() for g in grads)}
+
+
+def _zero_step_ends(model: torch.nn.Module) -> dict[str, list[list[float]]]:
+    """By group size, ``ZERO_STEP_ENDS`` pairs of times of a step's end as merak's optimizer runs it (reducing
+    the model's gradients, capped, over the group, then the clip and update) without ZeRO and with ZeRO-1
+    (scattering the reduced gradients, each process updating its share, gathering the weights), every group
+    at once and each time started together: ZeRO's padded buckets, copies and two collectives against one
+    all-reduce and the whole update. The pairs are timed in turns, moments apart (the machine's speed
+    drifts within seconds)."""
+    params = _capped_parameters(model)
+    gradients = [param.grad.clone() for param in params]
+    rank, processes = dist.get_rank(), dist.get_world_size()
+    times = {}
+    for size in group_sizes(processes):
+        group = _own_group(size)
+        ends = [DistributedOptimizer(params, dp_group=group, dp_size=size, dp_rank=rank % size, norm_group=None,
+                                     norm_group_size=1, counted=[True] * len(params), zero=ZeroOptions(stage=stage),
+                                     make_optimizer=_calibration_optimizer)
+                for stage in (0, 1)]
+        pairs = []
+        for _ in range(1 + ZERO_STEP_ENDS):  # the first: warm-up (the optimizers' state, gloo's buffers)
+            pair = []
+            for optimizer in ends:
+                for param, gradient in zip(params, gradients):
+                    param.grad = gradient.clone()
+                dist.barrier()
+                started = time.perf_counter()
+                optimizer.reduce_gradients()
+                optimizer.step(max_grad_norm=1.0)
+                pair.append(time.perf_counter() - started)
+            pairs.append(pair)
+        times[str(size)] = pairs[1:]
+    dist.barrier()
+    return times
+
+
+def _calibration_optimizer(pairs) -> torch.optim.Optimizer:
+    """AdamW, as recipes train, with a learning rate that leaves the weights about as they are."""
+    return make_optimizer(pairs, kind="adamw_torch", learning_rate=1e-6, weight_decay=0.0, betas=(0.9, 0.999),
+                          eps=1e-8)
 
 
 def _optimizer_steps(model: torch.nn.Module) -> list[float]:
@@ -404,27 +471,44 @@ def _optimizer_steps(model: torch.nn.Module) -> list[float]:
 def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, threads: int,
                        steps: int = REPEATS) -> dict:
     """``processes`` processes running the model at once, ``steps`` times: ``step_s``, ``alone_s`` (one of them alone,
-    between those steps), ``all_reduce_s`` (a small one), ``step_scalars_s`` (a step's scalar reductions),
-    ``gradient_all_reduces_s`` (by group size), ``gradient_all_reduce_bytes`` and ``optimizer_s`` (the clip and
-    step, all at once). A synchronous step (or collective) waits for the slowest process: each time is the
-    median over the repetitions of the slowest process's (processes sharing cores finish a time slice apart,
-    and which one is last varies)."""
+    between those steps), ``slowdown`` (the median of each such step over the alone one after it: timed moments
+    apart, a drift of the machine's speed hardly tilts it), ``all_reduce_s`` (a small one), ``step_scalars_s``
+    (a step's scalar reductions), ``gradient_all_reduces_s`` (by group size), ``gradient_all_reduce_bytes``,
+    ``optimizer_s`` (the clip and step, all at once) and ``zero_step_differences_s`` (by group size: ZeRO-1's
+    step end over the plain one). A synchronous step (or collective) waits for the slowest process: each time
+    is the median over the repetitions of the slowest process's (processes sharing cores finish a time slice
+    apart, and which one is last varies)."""
     with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
         spawn_workers(_concurrent_worker, world_size=processes,
                       args=(spec, settings, micro_batch_size, threads, steps, out_dir),
                       env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"},
                       store_timeout_s=CONCURRENT_TIMEOUT_S)
         reports = [json.loads(Path(out_dir, f"rank{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
+
     def slowest(runs) -> float:
         return statistics.median(max(times) for times in zip(*runs))
 
-    return {"step_s": slowest(r["step_s"] for r in reports), "alone_s": statistics.median(reports[0]["alone_s"]),
+    together = [max(times) for times in zip(*(r["step_s"] for r in reports))]
+    return {"step_s": statistics.median(together), "alone_s": statistics.median(reports[0]["alone_s"]),
+            "slowdown": statistics.median(step / alone for step, alone in zip(together, reports[0]["alone_s"])),
             "all_reduce_s": statistics.median(r["all_reduce_s"] for r in reports),
             "step_scalars_s": statistics.median(r["step_scalars_s"] for r in reports),
             "gradient_all_reduces_s": {int(size): slowest(r["gradient_all_reduces_s"][size] for r in reports)
                                        for size in reports[0]["gradient_all_reduces_s"]},
             "gradient_all_reduce_bytes": reports[0]["gradient_all_reduce_bytes"],
-            "optimizer_s": slowest(r["optimizer_s"] for r in reports)}
+            "optimizer_s": slowest(r["optimizer_s"] for r in reports),
+            "zero_step_differences_s": {int(size): _zero_difference([r["zero_step_ends_s"][size] for r in reports])
+                                        for size in reports[0]["zero_step_ends_s"]}}
+
+
+def _zero_difference(pairs_by_rank: list[list[list[float]]]) -> float:
+    """The median over repetitions of ZeRO-1's step end over the one without ZeRO, each the slowest process's
+    (the step waits for it)."""
+    differences = []
+    for pairs in zip(*pairs_by_rank):
+        plain, zero = (max(times) for times in zip(*pairs))
+        differences.append(zero - plain)
+    return statistics.median(differences)
 
 
 def fit_scales(small: tuple[float, float, float], large: tuple[float, float, float] | None) -> tuple[float, float]:
@@ -543,19 +627,22 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
     concurrent_size = sizes[1] if len(sizes) > 1 else sizes[0]
     alone_s = points[sizes.index(concurrent_size)][2]
     # Enough repetitions for about CONCURRENT_SECONDS if the processes share the cores evenly.
-    steps = max(REPEATS, math.ceil(CONCURRENT_SECONDS / (alone_s * max(1.0, processes / max(cores, 1)))))
+    steps = max(CONCURRENT_REPEATS, math.ceil(CONCURRENT_SECONDS / (alone_s * max(1.0, processes / max(cores, 1)))))
     concurrent = measure_concurrent(spec, settings, concurrent_size, processes, threads, steps)
-    slowdown = concurrent["step_s"] / concurrent["alone_s"]
+    slowdown = concurrent["slowdown"]
     reductions = tuple(sorted(concurrent["gradient_all_reduces_s"].items()))
+    zero = tuple(sorted(concurrent["zero_step_differences_s"].items()))
     logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone between them, %.1f ms); among them "
                 "a small all-reduce %.2f ms, a step's scalar reductions %.2f ms, the gradients (%.3g MB) reduced "
-                "in groups of %s: %s ms; the clip and optimizer step %.1f ms", processes,
+                "in groups of %s: %s ms (ZeRO-1's step end %s ms more); the clip and optimizer step %.1f ms",
+                processes,
                 concurrent["step_s"] * 1e3, slowdown, concurrent["alone_s"] * 1e3, concurrent["all_reduce_s"] * 1e3,
                 concurrent["step_scalars_s"] * 1e3, concurrent["gradient_all_reduce_bytes"] / 1e6,
                 ", ".join(str(size) for size, _ in reductions),
-                ", ".join(f"{seconds * 1e3:.1f}" for _, seconds in reductions), concurrent["optimizer_s"] * 1e3)
+                ", ".join(f"{seconds * 1e3:.1f}" for _, seconds in reductions),
+                ", ".join(f"{seconds * 1e3:.1f}" for _, seconds in zero), concurrent["optimizer_s"] * 1e3)
     return dataclasses.replace(
         calibration, processes=processes, concurrent_slowdown=slowdown, all_reduce_s=concurrent["all_reduce_s"],
         step_scalars_s=concurrent["step_scalars_s"], gradient_all_reduces=reductions,
-        gradient_all_reduce_bytes=concurrent["gradient_all_reduce_bytes"],
+        gradient_all_reduce_bytes=concurrent["gradient_all_reduce_bytes"], zero_step_differences=zero,
         concurrent_optimizer_seconds_per_parameter=concurrent["optimizer_s"] / max(alone["parameters"], 1))

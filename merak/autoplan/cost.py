@@ -642,14 +642,34 @@ class CostModel:
         gradient_bytes = parameters * (precision.master or precision.gradient)
         if layout.zero_stage == 0:
             return all_reduce_seconds(gradient_bytes, dp, link)
+        timed = self._zero_step_difference(layout, gradient_bytes)
+        if timed is not None:
+            return max(0.0, all_reduce_seconds(gradient_bytes, dp, link) + timed)
         scatter = all_reduce_seconds if self.device_type == "cpu" else gather_seconds
         return scatter(gradient_bytes, dp, link) + gather_seconds(parameters * precision.weight, dp, link)
 
+    def _zero_step_difference(self, layout: Layout, gradient_bytes: float) -> float | None:
+        """What ZeRO adds to the end of a step of ``gradient_bytes`` of gradients over the end without it (the
+        whole update included, see :meth:`_optimizer_seconds`): as the calibration timed it in groups of the
+        size nearest ``layout.dp``, in proportion to the bytes, when it ran as many processes as the layout
+        (every group ends its step at once); None: not timed so. ZeRO-2 scatters the same gradients during
+        the backward, one bucket at a time as gloo's collectives block: priced as ZeRO-1."""
+        calibration = self.calibration
+        if not calibration.zero_step_differences or calibration.gradient_all_reduce_bytes <= 0 \
+                or calibration.processes != layout.world_size:
+            return None
+        timed = dict(calibration.zero_step_differences)
+        nearest = min(timed, key=lambda size: (abs(size - layout.dp), size))
+        return timed[nearest] * gradient_bytes / calibration.gradient_all_reduce_bytes
+
     def _optimizer_seconds(self, layout: Layout, parameters: float, slowdown: float) -> float:
-        """The clip and optimizer step of ``parameters``: as timed with every process stepping at once when the
-        calibration ran as many processes as ``layout`` (every process ends its step at about the same
-        time), else as one process alone took, or the device's memory bandwidth says, slowed as the
-        processes' compute is."""
+        """The clip and optimizer step of a stage of ``parameters`` (with ZeRO each process updates its share,
+        unless the calibration timed ZeRO's whole end against the plain one: :meth:`_zero_step_difference`):
+        as timed with every process stepping at once when the calibration ran as many processes as
+        ``layout`` (every process ends its step at about the same time), else as one process alone took, or
+        the device's memory bandwidth says, slowed as the processes' compute is."""
+        if layout.zero_stage and self._zero_step_difference(layout, 1.0) is None:
+            parameters /= layout.dp
         calibration = self.calibration
         if calibration.concurrent_optimizer_seconds_per_parameter is not None \
                 and calibration.processes == layout.world_size:
@@ -703,8 +723,7 @@ class CostModel:
         dp_seconds = [self._data_parallel_seconds(layout, p, precision, dp_link) for p in stage_params]
         tied_seconds = self._tied_seconds(layout, pieces, precision, tied_link)
         sync = self._sync_seconds(layout)
-        optimizer_seconds = [self._optimizer_seconds(layout, p / (layout.dp if layout.zero_stage else 1), slowdown)
-                             for p in stage_params]
+        optimizer_seconds = [self._optimizer_seconds(layout, p, slowdown) for p in stage_params]
         lists = None
         if simulate_schedule:
             ends, lists = self._simulated(layout, pieces, pp_link)

@@ -1,5 +1,6 @@
 """The calibration's timing of what ends a step, among gloo processes: merak's gradient reduction in groups of
-each size, every group at once, and the clip and optimizer step with every process stepping."""
+each size, every group at once, the clip and optimizer step with every process stepping, and merak's optimizer
+ending a step without ZeRO and with ZeRO-1."""
 
 from __future__ import annotations
 
@@ -37,12 +38,17 @@ def _worker(out_dir: str) -> None:
         reductions = calibrate._gradient_all_reduces(model)
         weights_before = [p.detach().clone() for p in model.parameters()]
         steps = calibrate._optimizer_steps(model)
+        grads = [p.grad.flatten().tolist() for p in model.parameters()]
         moved = all(not torch.equal(before, p) for before, p in zip(weights_before, model.parameters()))
+        weights_before = [p.detach().clone() for p in model.parameters()]
+        zero = calibrate._zero_step_ends(model)
+        zero_moved = all(not torch.equal(before, p) for before, p in zip(weights_before, model.parameters()))
+        weights = [p.detach().flatten().tolist() for p in model.parameters()]
     finally:
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
-        json.dump({**reductions, "optimizer_s": steps, "moved": moved,
-                   "grads": [p.grad.flatten().tolist() for p in model.parameters()]}, handle)
+        json.dump({**reductions, "optimizer_s": steps, "moved": moved, "zero_step_ends_s": zero,
+                   "zero_moved": zero_moved, "weights": weights, "grads": grads}, handle)
 
 
 @pytest.mark.timeout(120)
@@ -72,3 +78,28 @@ def test_group_sizes_divide_the_processes():
     assert calibrate.group_sizes(2) == [2]
     assert calibrate.group_sizes(6) == [2, 3, 6]
     assert calibrate.group_sizes(8) == [2, 4, 8]
+
+
+@pytest.mark.timeout(120)
+def test_zero_and_plain_step_ends_are_timed_in_turns_in_every_group_size(tmp_path):
+    spawn_workers(_worker, world_size=WORLD, args=(str(tmp_path),), start_method="fork")
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    for report in reports:
+        assert sorted(report["zero_step_ends_s"]) == ["2", "4"]
+        for pairs in report["zero_step_ends_s"].values():
+            assert len(pairs) == calibrate.ZERO_STEP_ENDS
+            assert all(len(pair) == 2 and min(pair) > 0 for pair in pairs)
+        assert report["zero_moved"]
+    # Both optimizers updated the weights from gradients reduced over their groups (ZeRO-1 gathering each
+    # process's share back): the ranks of a pair hold the same weights.
+    for first, second in ((0, 1), (2, 3)):
+        for mine, theirs in zip(reports[first]["weights"], reports[second]["weights"]):
+            assert mine == pytest.approx(theirs, rel=1e-6)
+
+
+def test_the_zero_difference_is_the_median_over_repetitions_of_the_slowest_processes():
+    # Two ranks, three repetitions of (plain, ZeRO-1): the slowest rank decides each, then the median.
+    rank0 = [[1.0, 3.0], [2.0, 2.5], [1.0, 1.5]]
+    rank1 = [[1.5, 2.0], [1.0, 4.0], [1.0, 1.0]]
+    # Repetitions: max(1, 1.5)=1.5 vs max(3, 2)=3 -> 1.5; 2 vs 4 -> 2; 1 vs 1.5 -> 0.5.
+    assert calibrate._zero_difference([rank0, rank1]) == pytest.approx(1.5)

@@ -329,6 +329,38 @@ def test_the_optimizer_step_is_priced_as_timed_with_every_process_stepping():
     assert slowed == pytest.approx(params * 1e-9 * 5.0)
 
 
+def test_zero_ends_a_step_as_the_plain_end_and_the_timed_difference_of_its_group_size():
+    params = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT
+    gradient_bytes = params * 4
+    timed = Calibration(processes=8, all_reduce_s=0.014, gradient_all_reduces=((2, 0.4), (4, 0.5), (8, 0.6)),
+                        gradient_all_reduce_bytes=gradient_bytes, concurrent_optimizer_seconds_per_parameter=6e-9,
+                        zero_step_differences=((2, 0.3), (4, 0.2), (8, 0.1)))
+    model = eight_on_two_cores(timed)
+    plain = model.predict(layout(dp=8)).breakdown
+    zero = model.predict(layout(dp=8, zero_stage=1)).breakdown
+    # The difference was timed against the whole update: ZeRO's update is priced whole, its end the plain
+    # reduction and the difference of eight processes.
+    assert zero["optimizer_s"] == pytest.approx(plain["optimizer_s"]) == pytest.approx(params * 6e-9)
+    assert zero["dp_comm_s"] == pytest.approx(plain["dp_comm_s"] + 0.1)
+    # Groups of four, each pipeline stage half the gradients: half the fours' difference.
+    halves = model.predict(layout(dp=4, pp=2, zero_stage=1)).breakdown["dp_comm_s"] \
+        - model.predict(layout(dp=4, pp=2)).breakdown["dp_comm_s"]
+    assert halves == pytest.approx(0.2 / 2, rel=0.05)
+    # ZeRO-2 moves the same gradients: priced as ZeRO-1.
+    assert model.predict(layout(dp=8, zero_stage=2)).breakdown["dp_comm_s"] == pytest.approx(zero["dp_comm_s"])
+    # A difference larger than the reduction saves: never below nothing.
+    saving = eight_on_two_cores(dataclasses.replace(timed, zero_step_differences=((8, -10.0),)))
+    assert saving.predict(layout(dp=8, zero_stage=1)).breakdown["dp_comm_s"] == 0.0
+    # Not timed (or timed among other processes than the layout's): the bytes over the link, each process
+    # updating its share.
+    untimed = eight_on_two_cores(dataclasses.replace(timed, zero_step_differences=()))
+    assert untimed.predict(layout(dp=8, zero_stage=1)).breakdown["optimizer_s"] == pytest.approx(params * 6e-9 / 8)
+    four = CostModel(lambda tp, sequence_parallel: synthetic_profile(),
+                     dataclasses.replace(this_machine(4, measure=False), cores_per_node=2), calibration=timed)
+    assert four.predict(layout(dp=4, zero_stage=1)).breakdown["optimizer_s"] != pytest.approx(
+        four.predict(layout(dp=4)).breakdown["optimizer_s"])
+
+
 def test_every_step_reduces_its_loss_and_gradient_norm_over_all_processes():
     model = gpu_model()
     cluster = preset("h100-80")
