@@ -87,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trial-steps", type=int, default=TRIAL_STEPS, help="steps of each trial")
     parser.add_argument("--limit", type=int, default=None,
                         help="at most this many layouts per recipe/world (the first choice always among them)")
+    parser.add_argument("--zero", action="store_true",
+                        help="also every grid's best with dp > 1 again with ZeRO-1 (checks ZeRO's pricing: the "
+                             "grids' bests seldom shard on CPU)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per training run")
     parser.add_argument("--out", default="bench/results/auto_plan.json", help="results JSON ('' for none)")
     parser.add_argument("--report", metavar="RESULTS_JSON", default=None,
@@ -118,12 +121,14 @@ def setup_output() -> None:
 # -- the layouts -----------------------------------------------------------------------------------------------
 
 
-def layouts_to_measure(report, chosen, limit: int | None) -> list:
+def layouts_to_measure(report, chosen, limit: int | None, zero: bool = False) -> list:
     """The first choice (the trials' choice), then every grid's best candidate by predicted step time, each
-    layout once."""
+    layout once; with ``zero``, then each of those with dp > 1 and without ZeRO again with ZeRO-1."""
     picked, keys = [], set()
     grid_bests = sorted(report.best_per_grid().values(), key=lambda c: c.predicted_step_s)
-    for candidate in [chosen, report.best, *grid_bests]:
+    sharded = [report.price(dataclasses.replace(c.layout, zero_stage=1)) for c in grid_bests
+               if zero and c.layout.dp > 1 and c.layout.zero_stage == 0]
+    for candidate in [chosen, report.best, *grid_bests, *sharded]:
         key = candidate.layout.key()
         if key not in keys:
             keys.add(key)
@@ -363,7 +368,7 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
         logger.exception("%s:%s world %d: planning failed", recipe, model, world)
         return {"recipe": recipe, "model": model, "world": world, "error": f"planning failed: {error!r}",
                 "rows": []}
-    layouts = layouts_to_measure(report, outcome.chosen, args.limit)
+    layouts = layouts_to_measure(report, outcome.chosen, args.limit, args.zero)
     scale = outcome.step_scale
     trialled = {t.candidate.layout.key(): t.measured_step_s for t in outcome.trials}
     timings = {}
