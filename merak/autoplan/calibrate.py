@@ -69,7 +69,7 @@ ALONE_MOST = 12  # ... at most this many times
 ALONE_ROUNDS = 3  # the microbatch sizes are timed in this many turns
 CONCURRENT_TIMEOUT_S = 120.0
 CONCURRENT_SECONDS = 2.0  # of the processes running the model at once (a few repetitions are noisy) ...
-CONCURRENT_REPEATS = 5  # ... at least this many times (gpt:demo's slowdown among 8 from 3: 4.9x to 5.9x)
+CONCURRENT_REPEATS = 5  # ... at least this many times (gpt:demo among 8, from 3: 4.9x to 5.9x)
 ALL_REDUCE_ELEMENTS = 1024
 ALL_REDUCES = 20
 # A step's end as the trainer runs it: the loss's all-reduce (one float64) and the gradient norm's with the

@@ -144,8 +144,8 @@ def _reduction_links(calibration: Calibration, link: Link) -> dict[int, Link]:
     took in groups of that size (nothing timed: none). The latency is ``link``'s whole hop latency, the rest
     of the time (at least half of it) bandwidth: the timed reductions started together from a barrier, while
     a run's start as each process comes from its backward, their hops waiting for their receivers to be
-    scheduled as the small all-reduce's did (on the sweep of BENCHMARKS.md section 13, 31 of 45 steps within
-    15 % so, 30 with the timing alone)."""
+    scheduled as the small all-reduce's did (on the sweep of 04:02 UTC in BENCHMARKS.md section 13, 31 of 45
+    steps within 15 % so, 30 with the timing alone)."""
     links = {}
     for size, seconds in calibration.gradient_all_reduces:
         if size < 2 or calibration.gradient_all_reduce_bytes <= 0:
