@@ -301,7 +301,8 @@ class _StageInputs:
 def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, steps: int, out_dir: str) -> None:
     """One of the processes timing the model all at once, ``steps`` times, each started together (as the
     steps of a synchronous run are), rank 0 timing it alone between them; then small all-reduces among
-    them, reductions of its gradients in groups, and its clip and optimizer step."""
+    them, reductions of its gradients in groups, its clip and optimizer step, and merak's optimizer ending a
+    step without and with ZeRO-1."""
     torch.set_num_threads(threads)
     _as_training_does(settings)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=CONCURRENT_TIMEOUT_S))
