@@ -79,7 +79,8 @@ STEP_SCALAR_ELEMENTS = (1, 2)
 GRADIENT_ALL_REDUCE_MOST_BYTES = 64 << 20
 GRADIENT_ALL_REDUCES = 5
 CONCURRENT_OPTIMIZER_STEPS = 5
-ZERO_STEP_ENDS = 5
+ZERO_STEP_ENDS = (5, 15)  # pairs timed per group size: at least, at most, ...
+ZERO_STEP_ENDS_SECONDS = 2.0  # ... about this long in all (a difference of two noisy times needs many)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,12 +411,12 @@ def _gradient_all_reduces(model: torch.nn.Module) -> dict:
 
 
 def _zero_step_ends(model: torch.nn.Module) -> dict[str, list[list[float]]]:
-    """By group size, ``ZERO_STEP_ENDS`` pairs of times of a step's end as merak's optimizer runs it (reducing
-    the model's gradients, capped, over the group, then the clip and update) without ZeRO and with ZeRO-1
-    (scattering the reduced gradients, each process updating its share, gathering the weights), every group
-    at once and each time started together: ZeRO's padded buckets, copies and two collectives against one
-    all-reduce and the whole update. The pairs are timed in turns, moments apart (the machine's speed
-    drifts within seconds)."""
+    """By group size, pairs of times of a step's end as merak's optimizer runs it (reducing the model's
+    gradients, capped, over the group, then the clip and update) without ZeRO and with ZeRO-1 (scattering the
+    reduced gradients, each process updating its share, gathering the weights), every group at once and each
+    time started together: ZeRO's padded buckets, copies and two collectives against one all-reduce and the
+    whole update. The pairs are timed in turns, moments apart (the machine's speed drifts within seconds), as
+    many as take about :data:`ZERO_STEP_ENDS_SECONDS` within :data:`ZERO_STEP_ENDS`."""
     params = _capped_parameters(model)
     gradients = [param.grad.clone() for param in params]
     rank, processes = dist.get_rank(), dist.get_world_size()
@@ -426,21 +427,33 @@ def _zero_step_ends(model: torch.nn.Module) -> dict[str, list[list[float]]]:
                                      norm_group_size=1, counted=[True] * len(params), zero=ZeroOptions(stage=stage),
                                      make_optimizer=_calibration_optimizer)
                 for stage in (0, 1)]
-        pairs = []
-        for _ in range(1 + ZERO_STEP_ENDS):  # the first: warm-up (the optimizers' state, gloo's buffers)
-            pair = []
-            for optimizer in ends:
-                for param, gradient in zip(params, gradients):
-                    param.grad = gradient.clone()
-                dist.barrier()
-                started = time.perf_counter()
-                optimizer.reduce_gradients()
-                optimizer.step(max_grad_norm=1.0)
-                pair.append(time.perf_counter() - started)
-            pairs.append(pair)
-        times[str(size)] = pairs[1:]
+        _step_end_pair(ends, params, gradients)  # warm-up: the optimizers' state, gloo's buffers
+        pairs = [_step_end_pair(ends, params, gradients)]
+        # Every process must time as many pairs: the count follows the slowest process's first pair.
+        first = torch.tensor([sum(pairs[0])], dtype=torch.float64)
+        dist.all_reduce(first, op=dist.ReduceOp.MAX)
+        fewest, most = ZERO_STEP_ENDS
+        count = min(most, max(fewest, math.ceil(ZERO_STEP_ENDS_SECONDS / max(float(first), 1e-9))))
+        pairs += [_step_end_pair(ends, params, gradients) for _ in range(count - 1)]
+        times[str(size)] = pairs
     dist.barrier()
     return times
+
+
+def _step_end_pair(optimizers: list[DistributedOptimizer], params: list[torch.nn.Parameter],
+                   gradients: list[torch.Tensor]) -> list[float]:
+    """The time of each optimizer's reduction and step of ``gradients`` (copied into ``params``' gradients),
+    each started together on every process."""
+    seconds = []
+    for optimizer in optimizers:
+        for param, gradient in zip(params, gradients):
+            param.grad = gradient.clone()
+        dist.barrier()
+        started = time.perf_counter()
+        optimizer.reduce_gradients()
+        optimizer.step(max_grad_norm=1.0)
+        seconds.append(time.perf_counter() - started)
+    return seconds
 
 
 def _calibration_optimizer(pairs) -> torch.optim.Optimizer:

@@ -84,10 +84,12 @@ def test_group_sizes_divide_the_processes():
 def test_zero_and_plain_step_ends_are_timed_in_turns_in_every_group_size(tmp_path):
     spawn_workers(_worker, world_size=WORLD, args=(str(tmp_path),), start_method="fork")
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    fewest, most = calibrate.ZERO_STEP_ENDS
     for report in reports:
         assert sorted(report["zero_step_ends_s"]) == ["2", "4"]
-        for pairs in report["zero_step_ends_s"].values():
-            assert len(pairs) == calibrate.ZERO_STEP_ENDS
+        for size, pairs in report["zero_step_ends_s"].items():
+            # As many pairs on every process (each pair's collectives need all of them).
+            assert fewest <= len(pairs) <= most and len(pairs) == len(reports[0]["zero_step_ends_s"][size])
             assert all(len(pair) == 2 and min(pair) > 0 for pair in pairs)
         assert report["zero_moved"]
     # Both optimizers updated the weights from gradients reduced over their groups (ZeRO-1 gathering each
