@@ -655,12 +655,17 @@ class CostModel:
         (every group ends its step at once); None: not timed so. ZeRO-2 scatters the same gradients during
         the backward, one bucket at a time as gloo's collectives block: priced as ZeRO-1."""
         calibration = self.calibration
-        if not calibration.zero_step_differences or calibration.gradient_all_reduce_bytes <= 0 \
-                or calibration.processes != layout.world_size:
+        if not self._zero_timed(layout):
             return None
         timed = dict(calibration.zero_step_differences)
         nearest = min(timed, key=lambda size: (abs(size - layout.dp), size))
         return timed[nearest] * gradient_bytes / calibration.gradient_all_reduce_bytes
+
+    def _zero_timed(self, layout: Layout) -> bool:
+        """Whether the calibration timed ZeRO's step end among as many processes as ``layout`` has."""
+        calibration = self.calibration
+        return bool(calibration.zero_step_differences) and calibration.gradient_all_reduce_bytes > 0 \
+            and calibration.processes == layout.world_size
 
     def _optimizer_seconds(self, layout: Layout, parameters: float, slowdown: float) -> float:
         """The clip and optimizer step of a stage of ``parameters`` (with ZeRO each process updates its share,
@@ -668,7 +673,7 @@ class CostModel:
         as timed with every process stepping at once when the calibration ran as many processes as
         ``layout`` (every process ends its step at about the same time), else as one process alone took, or
         the device's memory bandwidth says, slowed as the processes' compute is."""
-        if layout.zero_stage and self._zero_step_difference(layout, 1.0) is None:
+        if layout.zero_stage and not self._zero_timed(layout):
             parameters /= layout.dp
         calibration = self.calibration
         if calibration.concurrent_optimizer_seconds_per_parameter is not None \
