@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import itertools
 import json
 import logging
 import math
@@ -66,7 +67,10 @@ BACKWARD_FLOPS_FACTOR = 2.0  # a backward does twice a forward's matrix work
 REPEATS = 3
 ALONE_SECONDS = 0.5  # a size is timed again while its runs took less than this in all ...
 ALONE_MOST = 12  # ... at most this many times
-ALONE_ROUNDS = 3  # the microbatch sizes are timed in this many turns
+ALONE_ROUNDS = 3  # the microbatch sizes are timed in this many turns, ...
+ALONE_MOST_ROUNDS = 6  # ... more (at most this many) until the last ALONE_ROUNDS of them agree: ...
+ALONE_TURNS_AGREE = 1.25  # ... every size's slowest turn within this factor of its fastest
+LOAD_SECONDS = 0.1  # loading a microbatch is timed for about this long per size
 CONCURRENT_TIMEOUT_S = 120.0
 CONCURRENT_SECONDS = 2.0  # of the processes running the model at once (a few repetitions are noisy) ...
 CONCURRENT_REPEATS = 5  # ... at least this many times (gpt:demo among 8, from 3: 4.9x to 5.9x)
@@ -114,6 +118,10 @@ class Calibration:
             than the bytes it moves say, and among processes sharing the cores more than the update it saves).
         step_scalars_s: the scalar all-reduces that end a step (:data:`STEP_SCALAR_ELEMENTS`) among
             ``processes`` processes, together.
+        microbatch_load_seconds: ``(microbatch, seconds)``: reading and collating a microbatch of that many
+            samples from the recipe's dataset, one process alone, at every size timed (a step's first stage
+            loads its microbatches before it computes: a small model with a masking collator spends a tenth
+            of its step there).
         split_backward_factor: a backward split into its input and weight halves (zero-bubble
             schedules) over one backward, measured on the whole model at ``split_backward_micro_batch``.
             What the split adds is autograd's walk of the graph in Python, a cost per operation: the cost
@@ -132,6 +140,7 @@ class Calibration:
     concurrent_optimizer_seconds_per_parameter: float | None = None
     zero_step_differences: tuple[tuple[int, float], ...] = ()
     step_scalars_s: float | None = None
+    microbatch_load_seconds: tuple[tuple[int, float], ...] = ()
     split_backward_factor: float = 1.0
     split_backward_micro_batch: int = 1
 
@@ -154,6 +163,20 @@ class Calibration:
             if where <= right:
                 return low + (high - low) * (where - left) / (right - left)
         return factors[-1]
+
+    def load_seconds(self, micro_batch_size: int) -> float:
+        """Loading one microbatch of ``micro_batch_size`` samples, one process alone: linear in the size
+        between the timed sizes, along the nearest two beyond them (in proportion to the size when one was
+        timed); nothing when none was."""
+        points = self.microbatch_load_seconds
+        if not points:
+            return 0.0
+        if len(points) == 1:
+            size, seconds = points[0]
+            return seconds * micro_batch_size / size
+        (left, low), (right, high) = next(
+            (pair for pair in itertools.pairwise(points) if micro_batch_size <= pair[1][0]), points[-2:])
+        return max(0.0, low + (high - low) * (micro_batch_size - left) / (right - left))
 
     def slowdown(self, busy: float, cores: int) -> float | None:
         """The step time of ``busy`` processes computing at once on ``cores`` cores over one alone (None: not
@@ -209,6 +232,7 @@ class _ModelSteps:
     # tensor to start from)
     split_step: object | None  # the same, the backward split as zero-bubble schedules split it
     forward: object  # forward and loss alone
+    load: object  # reading and collating the microbatch, as the trainer's loader does on a first stage
 
 
 def _model_steps(spec, settings, micro_batch_size: int, model: torch.nn.Module | None = None) -> _ModelSteps | None:
@@ -235,6 +259,9 @@ def _model_steps(spec, settings, micro_batch_size: int, model: torch.nn.Module |
         model.zero_grad(set_to_none=True)
         spec.loss_fn(runner(batch), batch).backward()
 
+    def load() -> None:
+        spec.collate([dataset[i % len(dataset)] for i in range(micro_batch_size)])
+
     def forward() -> None:
         with torch.no_grad():
             spec.loss_fn(runner(batch), batch)
@@ -255,7 +282,7 @@ def _model_steps(spec, settings, micro_batch_size: int, model: torch.nn.Module |
 
     found = stage_inputs.available
     return _ModelSteps(model=model, step=step, forward=forward, stage_step=stage_step if found else None,
-                       split_step=split_step if found else None)
+                       split_step=split_step if found else None, load=load)
 
 
 class _StageInputs:
@@ -546,14 +573,15 @@ def _alone_worker(spec, settings, micro_batch_sizes: tuple[int, ...], threads: i
     when the model is too large to build here)."""
     torch.set_num_threads(threads)
     _as_training_does(settings)
-    measured, optimizer_seconds, count, split = [], None, 0, None
+    measured, loads, optimizer_seconds, count, split = [], [], None, 0, None
     first = _model_steps(spec, settings, micro_batch_sizes[0])
     if first is not None:
         built = [first] + [_model_steps(spec, settings, micro, first.model) for micro in micro_batch_sizes[1:]]
         measured = _in_turns([b.step for b in built])
-        for micro, seconds in zip(micro_batch_sizes, measured):
-            logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward", spec.name, micro,
-                        seconds * 1e3)
+        loads = [_typical_of(b.load, seconds=LOAD_SECONDS) for b in built]
+        for micro, seconds, load in zip(micro_batch_sizes, measured, loads):
+            logger.info("timed %s at microbatch %d: %.1f ms for forward, loss and backward, %.2f ms to load",
+                        spec.name, micro, seconds * 1e3, load * 1e3)
         at_split = built[min(1, len(built) - 1)]
         if at_split.stage_step is not None:
             split = _split_factor(at_split)
@@ -561,24 +589,44 @@ def _alone_worker(spec, settings, micro_batch_sizes: tuple[int, ...], threads: i
         optimizer_seconds = _typical_of(optimizer.step)
         count = sum(p.numel() for p in first.model.parameters())
     write_json_atomic(os.path.join(out_dir, "alone.json"),
-                      {"measured_s": measured, "optimizer_s": optimizer_seconds, "parameters": count,
+                      {"measured_s": measured, "load_s": loads, "optimizer_s": optimizer_seconds, "parameters": count,
                        "split_backward_factor": split})
 
 
-def _in_turns(steps, rounds: int = ALONE_ROUNDS) -> list[float]:
-    """Each step's median time over ``rounds`` turns through all of them, each turn running a step for about
+def _in_turns(steps, rounds: int = ALONE_ROUNDS, most_rounds: int = ALONE_MOST_ROUNDS) -> list[float]:
+    """Each step's median time over turns through all of them, each turn running a step for about
     ``ALONE_SECONDS / rounds`` (at least once): the times are compared or fitted with each other, and on a
-    shared machine whose speed drifts within seconds one step timed in a slow moment would tilt them."""
+    shared machine whose speed drifts within seconds one step timed in a slow moment would tilt them. After
+    ``rounds`` turns, more follow until the last ``rounds`` agree (:func:`_turns_agree`), at most
+    ``most_rounds``; the medians are those of the agreeing turns, else of all (in 16 calibrations of one
+    morning here, two timed one size 1.6-1.8x slower than other calibrations minutes apart did, and every
+    layout was priced from that)."""
     for step in steps:  # warm-up: allocator, lazy initialization
         step()
-    times: list[list[float]] = [[] for _ in steps]
-    for _ in range(rounds):
-        for step, runs in zip(steps, times):
-            spent, count = 0.0, 0
-            while count < 1 or (spent < ALONE_SECONDS / rounds and count < ALONE_MOST // rounds):
+    turns: list[list[list[float]]] = [[] for _ in steps]  # per step, each turn's runs
+    while True:
+        for step, mine in zip(steps, turns):
+            runs, spent = [], 0.0
+            while not runs or (spent < ALONE_SECONDS / rounds and len(runs) < ALONE_MOST // rounds):
                 runs.append(_timed(step))
-                spent, count = spent + runs[-1], count + 1
-    return [statistics.median(runs) for runs in times]
+                spent += runs[-1]
+            mine.append(runs)
+        done = len(turns[0])
+        if done >= rounds and _turns_agree([mine[-rounds:] for mine in turns]):
+            return [statistics.median([t for runs in mine[-rounds:] for t in runs]) for mine in turns]
+        if done >= most_rounds:
+            logger.info("the machine's speed drifted during the timing: the median of %d turns", done)
+            return [statistics.median([t for runs in mine for t in runs]) for mine in turns]
+
+
+def _turns_agree(turns: list[list[list[float]]]) -> bool:
+    """Whether every step's turns (each a list of runs) have medians within :data:`ALONE_TURNS_AGREE` of
+    each other."""
+    for mine in turns:
+        medians = [statistics.median(runs) for runs in mine]
+        if max(medians) > ALONE_TURNS_AGREE * min(medians):
+            return False
+    return True
 
 
 def _split_factor(built: _ModelSteps) -> float:
@@ -633,6 +681,7 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
                 alone["optimizer_s"] * 1e3)
     calibration = Calibration(work_scale=work_scale, launch_scale=launch_scale, size_factors=factors,
                               optimizer_seconds_per_parameter=alone["optimizer_s"] / max(alone["parameters"], 1),
+                              microbatch_load_seconds=tuple(zip(sizes, alone.get("load_s") or ())),
                               split_backward_factor=alone["split_backward_factor"] or 1.0,
                               split_backward_micro_batch=sizes[min(1, len(sizes) - 1)])
     if processes < 2:

@@ -16,7 +16,8 @@ gradient bytes, all over the link that joins the group's ranks (:meth:`Cluster.l
 Pipeline: the stages' per-microbatch costs run through the schedule simulator
 (:func:`merak.pipeline.simulate.simulate`) with the real instruction lists, so bubbles,
 interleaving and zero-bubble splits count as they run; :func:`quick_step_seconds` is its closed
-form for ranking many candidates first.
+form for ranking many candidates first. On CPU processes the first stage also loads the step's
+microbatches before it computes, as the calibration timed loading them.
 
 Memory: parameters, gradients, master weights and optimizer state of the stage's parameters
 (ZeRO divides what it shards by dp), plus activations: what autograd saves per microbatch times
@@ -598,6 +599,13 @@ class CostModel:
                 tied=_tied_in(table.shared, bounds, index)))
         return pieces
 
+    def _load_seconds(self, layout: Layout, slowdown: float) -> float:
+        """Loading the step's microbatches on the first stage before it computes (the trainer reads and
+        collates them in the training process on CPU), as the calibration timed one alone, slowed as the
+        processes' compute is. The last stage loads its own while the first stage's forwards reach it (with
+        one stage, the same load)."""
+        return layout.num_microbatches * self.calibration.load_seconds(layout.micro_batch_size) * slowdown
+
     def _sync_seconds(self, layout: Layout) -> float:
         """The scalars every step reduces over all processes (the loss, the gradient norm): as the
         calibration timed them among as many processes, else each a small all-reduce over the slowest link
@@ -729,28 +737,31 @@ class CostModel:
         tied_seconds = self._tied_seconds(layout, pieces, precision, tied_link)
         sync = self._sync_seconds(layout)
         optimizer_seconds = [self._optimizer_seconds(layout, p, slowdown) for p in stage_params]
+        load = self._load_seconds(layout, slowdown)
         lists = None
         if simulate_schedule:
             ends, lists = self._simulated(layout, pieces, pp_link)
             # Each stage reduces its gradients and steps once its last backward is done.
             step = max(end + tied + dp + step_s for end, tied, dp, step_s
-                       in zip(ends, tied_seconds, dp_seconds, optimizer_seconds)) + sync
+                       in zip(ends, tied_seconds, dp_seconds, optimizer_seconds)) + sync + load
         counts = in_flight_counts(layout.schedule, pp, layout.num_microbatches, chunks)
         memory = tuple(self._state_bytes(layout, stage_params[s], precision)
                        + self._activation_bytes(layout, pieces, s, lists, counts) for s in range(pp))
         if lists is None:
-            step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link) + max(tied_seconds) + sync
+            step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link) + max(tied_seconds) \
+                + sync + load
         per_microbatch = _stage_work(pieces, layout)
         busiest = max(range(pp), key=per_microbatch.__getitem__)
         work = per_microbatch[busiest] * layout.num_microbatches
         mine = [pieces[c * pp + busiest] for c in range(chunks)]
         breakdown = {
             "compute_s": work,
-            "bubble_s": max(0.0, step - work - max(tied_seconds) - max(dp_seconds) - max(optimizer_seconds) - sync),
+            "bubble_s": max(0.0, step - work - max(tied_seconds) - max(dp_seconds) - max(optimizer_seconds) - sync
+                            - load),
             "tied_comm_s": max(tied_seconds),
             "tp_comm_s": sum(p.tp_seconds for p in mine) * layout.num_microbatches,
             "recompute_s": sum(p.recompute for p in mine) * layout.num_microbatches if layout.recompute else 0.0,
-            "dp_comm_s": max(dp_seconds), "optimizer_s": max(optimizer_seconds), "sync_s": sync}
+            "dp_comm_s": max(dp_seconds), "optimizer_s": max(optimizer_seconds), "sync_s": sync, "load_s": load}
         return Prediction(layout=layout, step_s=step, stage_memory=memory, breakdown=breakdown,
                           simulated=simulate_schedule)
 

@@ -125,7 +125,8 @@ _PARTS = {"bubble_s": "pipeline bubble", "tp_comm_s": "tensor-parallel communica
           "recompute_s": "recomputation", "dp_comm_s": "data-parallel gradient reduction",
           "tied_comm_s": "summing tied weights' gradients between stages",
           "optimizer_s": "optimizer step", "compute_s": "compute on the busiest stage",
-          "sync_s": "the loss and gradient norm reduced over every process"}
+          "sync_s": "the loss and gradient norm reduced over every process",
+          "load_s": "loading the step's microbatches"}
 
 
 def explain(candidate: Candidate, best: Candidate) -> str:

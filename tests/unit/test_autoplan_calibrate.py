@@ -52,6 +52,18 @@ def test_slowdown_is_the_cores_share_times_what_sharing_adds():
     assert measured.slowdown(0.5, cores=2) == 1.0  # never faster than alone
 
 
+def test_loading_is_linear_in_the_microbatch_between_and_beyond_the_timed_sizes():
+    calibration = Calibration(microbatch_load_seconds=((1, 0.001), (4, 0.002), (16, 0.006)))
+    assert calibration.load_seconds(4) == pytest.approx(0.002)
+    assert calibration.load_seconds(2) == pytest.approx(0.001 + 0.001 / 3)
+    assert calibration.load_seconds(8) == pytest.approx(0.002 + 0.004 / 3)
+    assert calibration.load_seconds(32) == pytest.approx(0.006 + 0.004 * 16 / 12)  # along the last two
+    assert Calibration(microbatch_load_seconds=((4, 0.002),)).load_seconds(8) == pytest.approx(0.004)
+    assert Calibration().load_seconds(8) == 0.0
+    # Never below nothing, however steep the first two.
+    assert Calibration(microbatch_load_seconds=((2, 0.001), (4, 0.01))).load_seconds(1) == 0.0
+
+
 def test_size_factors_interpolate_in_log_size_and_hold_beyond():
     calibration = Calibration(size_factors=((1, 1.0), (4, 1.0), (16, 0.6)))
     assert calibration.size_factor(1) == pytest.approx(1.0)
@@ -134,7 +146,7 @@ def test_the_split_factor_compares_backwards_without_their_forward(monkeypatch):
     def forward() -> None: ...
 
     built = calibrate._ModelSteps(model=torch.nn.Linear(1, 1), step=object(), stage_step=stage, split_step=split,
-                                  forward=forward)
+                                  forward=forward, load=object())
     times = {"stage": 0.010, "split": 0.014, "forward": 0.002}
     # Every run of a step takes its time: the three are timed in turns, each keeps its median.
     monkeypatch.setattr(calibrate, "_timed", lambda function: times[function.__name__])
@@ -158,7 +170,7 @@ def test_the_sizes_are_timed_in_turns_and_each_keeps_its_median(monkeypatch):
     calls: list[str] = []
     small, large = (lambda: calls.append("small")), (lambda: calls.append("large"))
     # The machine is twice as slow in the first turn as in the others: timed in turns, both sizes see it.
-    speed = {"small": [2.0, 1.0, 1.0], "large": [8.0, 4.0, 4.0]}
+    speed = {"small": [2.0, 1.0, 1.0, 1.0], "large": [8.0, 4.0, 4.0, 4.0]}
 
     def timed(step) -> float:
         step()
@@ -166,5 +178,45 @@ def test_the_sizes_are_timed_in_turns_and_each_keeps_its_median(monkeypatch):
         return speed[name][sum(c == name for c in calls[2:]) - 1]
 
     monkeypatch.setattr(calibrate, "_timed", timed)
+    monkeypatch.setattr(calibrate, "ALONE_MOST", 3)  # one run per turn
     assert calibrate._in_turns([small, large], rounds=3) == [1.0, 4.0]
-    assert calls == ["small", "large"] + ["small", "large"] * 3  # a warm-up each, then one run each per turn
+    # A warm-up each, then one run each per turn: a fourth turn because the first did not agree with the
+    # next two, and the medians are those of the last three.
+    assert calls == ["small", "large"] + ["small", "large"] * 4
+
+
+def _turns_of(speeds: dict[str, list[float]], monkeypatch) -> list[str]:
+    """``_timed`` returning each named step's next time from ``speeds``; the calls made, in order."""
+    import merak.autoplan.calibrate as calibrate
+
+    calls: list[str] = []
+    counts = dict.fromkeys(speeds, 0)
+
+    def timed(step) -> float:
+        step()
+        name = calls[-1]
+        counts[name] += 1
+        return speeds[name][counts[name] - 1]
+
+    monkeypatch.setattr(calibrate, "_timed", timed)
+    monkeypatch.setattr(calibrate, "ALONE_MOST", 3)
+    return calls
+
+
+def test_a_slow_moment_on_one_size_is_timed_again_until_three_turns_agree(monkeypatch):
+    import merak.autoplan.calibrate as calibrate
+
+    # The large size is slow in the first two turns (the slow moment fell on it, not on the small one).
+    calls = _turns_of({"small": [1.0] * 6, "large": [7.0, 7.5, 4.0, 4.1, 3.9, 4.0]}, monkeypatch)
+    steps = [lambda: calls.append("small"), lambda: calls.append("large")]
+    assert calibrate._in_turns(steps, rounds=3, most_rounds=6) == [1.0, 4.0]
+    assert calls.count("large") == 1 + 5  # a warm-up, three turns, then two more until the last three agreed
+
+
+def test_turns_that_never_agree_stop_at_the_most_and_keep_every_run(monkeypatch):
+    import merak.autoplan.calibrate as calibrate
+
+    calls = _turns_of({"small": [1.0, 2.0] * 3, "large": [4.0] * 6}, monkeypatch)
+    steps = [lambda: calls.append("small"), lambda: calls.append("large")]
+    assert calibrate._in_turns(steps, rounds=3, most_rounds=6) == [1.5, 4.0]
+    assert calls.count("small") == 1 + 6  # a warm-up and the most turns

@@ -528,6 +528,23 @@ def test_timed_step_scalars_price_the_end_of_a_step_among_as_many_processes():
     assert four != pytest.approx(0.003, rel=0.1)
 
 
+def test_the_first_stage_loads_the_steps_microbatches_before_it_computes():
+    loads = Calibration(microbatch_load_seconds=((1, 0.001), (4, 0.002), (16, 0.006)))
+    model = eight_on_two_cores(loads)
+    plain = eight_on_two_cores()
+    for chosen in (layout(dp=8, micro_batch_size=4, num_microbatches=1),
+                   layout(dp=4, tp=2, micro_batch_size=2, num_microbatches=4)):
+        priced, unloaded = model.predict(chosen), plain.predict(chosen)
+        # Four processes to a core: each microbatch's load as the calibration timed it, four times as slow.
+        expected = chosen.num_microbatches * loads.load_seconds(chosen.micro_batch_size) * 4
+        assert priced.breakdown["load_s"] == pytest.approx(expected)
+        assert priced.step_s == pytest.approx(unloaded.step_s + expected)
+        assert priced.breakdown["bubble_s"] == pytest.approx(unloaded.breakdown["bubble_s"])
+        quick = model.predict(chosen, simulate_schedule=False).step_s
+        assert quick == pytest.approx(plain.predict(chosen, simulate_schedule=False).step_s + expected)
+    assert plain.predict(layout(dp=8)).breakdown["load_s"] == 0.0
+
+
 def test_zero_reduce_scatters_gradients_and_gathers_the_updated_weights():
     params = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT
     gpu, link = gpu_model(), preset("h100-80").intra_node
