@@ -10,6 +10,7 @@ new permutation (seed + epoch).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -60,11 +61,8 @@ class BatchPlan:
             )
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
-        """The sample order of one epoch."""
-        if not self.shuffle:
-            return torch.arange(self.num_samples)
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.num_samples, generator=generator)
+        """The sample order of one epoch (shared between calls: not to be modified)."""
+        return _epoch_order(self.num_samples, self.seed + epoch if self.shuffle else None)
 
     def global_batch(self, step: int) -> torch.Tensor:
         """Indices of the whole global batch of ``step`` (all dp ranks)."""
@@ -78,6 +76,16 @@ class BatchPlan:
         mine = self.global_batch(step)[self.dp_rank * share:(self.dp_rank + 1) * share].tolist()
         return [mine[m * self.micro_batch_size:(m + 1) * self.micro_batch_size]
                 for m in range(self.num_microbatches)]
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(num_samples: int, seed: int | None) -> torch.Tensor:
+    """The permutation drawn with ``seed`` (None: the dataset's order), kept: every step's load asks for its
+    epoch's, and drawing a permutation of a million samples takes some 50 ms of a CPU core (two are kept,
+    for the steps on either side of an epoch's end)."""
+    if seed is None:
+        return torch.arange(num_samples)
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed))
 
 
 def stack_samples(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

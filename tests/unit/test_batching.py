@@ -89,6 +89,20 @@ def test_epochs_differ_and_are_seeded():
     assert other.epoch_order(0).tolist() != e0.tolist()
 
 
+def test_an_epochs_permutation_is_drawn_once_not_at_every_step(monkeypatch):
+    import merak.data.batching as batching
+
+    batching._epoch_order.cache_clear()
+    drawn = []
+    randperm = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *args, **kwargs: drawn.append(args) or randperm(*args, **kwargs))
+    plan = BatchPlan(num_samples=NUM_SAMPLES + 3, micro_batch_size=2, num_microbatches=2, seed=11)
+    steps = [plan.microbatch_indices(step) for step in range(2 * plan.steps_per_epoch)]
+    assert len(drawn) == 2  # one per epoch
+    again = BatchPlan(num_samples=NUM_SAMPLES + 3, micro_batch_size=2, num_microbatches=2, seed=11)
+    assert [again.microbatch_indices(step) for step in range(2 * again.steps_per_epoch)] == steps
+
+
 @pytest.mark.parametrize("num_samples,mbs,m,dp,expected", [
     (8, 2, 2, 2, 1), (15, 2, 2, 2, 1), (16, 2, 2, 2, 2), (43, 1, 8, 1, 5), (100, 3, 2, 1, 16),
 ])
