@@ -167,19 +167,10 @@ def test_a_model_without_input_embeddings_or_floating_inputs_is_not_split():
 def test_the_sizes_are_timed_in_turns_and_each_keeps_its_median(monkeypatch):
     import merak.autoplan.calibrate as calibrate
 
-    calls: list[str] = []
-    small, large = (lambda: calls.append("small")), (lambda: calls.append("large"))
     # The machine is twice as slow in the first turn as in the others: timed in turns, both sizes see it.
-    speed = {"small": [2.0, 1.0, 1.0, 1.0], "large": [8.0, 4.0, 4.0, 4.0]}
-
-    def timed(step) -> float:
-        step()
-        name = calls[-1]
-        return speed[name][sum(c == name for c in calls[2:]) - 1]
-
-    monkeypatch.setattr(calibrate, "_timed", timed)
-    monkeypatch.setattr(calibrate, "ALONE_MOST", 3)  # one run per turn
-    assert calibrate._in_turns([small, large], rounds=3) == [1.0, 4.0]
+    calls = _turns_of({"small": [2.0, 1.0, 1.0, 1.0], "large": [8.0, 4.0, 4.0, 4.0]}, monkeypatch)
+    steps = [lambda: calls.append("small"), lambda: calls.append("large")]
+    assert calibrate._in_turns(steps, rounds=3) == [1.0, 4.0]
     # A warm-up each, then one run each per turn: a fourth turn because the first did not agree with the
     # next two, and the medians are those of the last three.
     assert calls == ["small", "large"] + ["small", "large"] * 4
