@@ -11,23 +11,24 @@ per-operation overhead each really cost), a third size corrects larger microbatc
 timed in turns, so that a slow moment of the machine does not fall on one size alone). The optimizer
 step is timed the same way, and so is the backward split in two as zero-bubble schedules run it
 (input gradients first, weight gradients later: torch's split walks the autograd graph in Python and
-keeps the gradients between the halves, which costs more than one backward). Then as many processes
-as the run will start time the model all at once, each repetition started together as a synchronous
-step is: how much slower each is when they share the cores (more than the cores' count alone says:
-memory bandwidth and caches are shared too; between those repetitions one of them runs alone, so the
-slowdown is a ratio of times taken moments apart, as a shared machine's speed drifts by tens of
-percent within seconds), how long a small all-reduce takes among them (a collective waits for every
-process to be scheduled), and how long the scalar reductions that end every step take (gloo reduces
-one or two elements by another algorithm than a longer message: several times faster among many
-processes), and what ends a step on every process at about the same time: merak's reduction of the
-model's gradients in groups of each size the run could use, every group at once (gloo's copies and sums
-share the cores: a reduction takes far longer than the link's bandwidth says), and the clip and
-optimizer step, all processes stepping together (an optimizer step streams its state through memory:
-gpt:toy's clip and step took 17 ms with four processes stepping on two cores, its step alone 5 ms), and
-that end as merak's optimizer runs it without ZeRO and with ZeRO-1, in turns (ZeRO's bookkeeping of padded
-buckets costs more than its bytes say: bert:toy's ZeRO-1 step on four processes ended 18 ms after its
-backward where its collectives' bytes said 6). Only for models small enough to build here (GPU presets plan
-giant models from their rates alone).
+keeps the gradients between the halves, which costs more than one backward). Then as many processes as
+the run will start time the model all at once, each repetition started together as a synchronous step
+is: how much slower each is when they share the cores (more than the cores' count alone says: memory
+bandwidth and caches are shared too; between those repetitions one of them runs alone, so the slowdown
+is a ratio of times taken moments apart, as a shared machine's speed drifts by tens of percent within
+seconds), how long a small all-reduce takes among them (a collective waits for every process to be
+scheduled) and in groups of each size while the processes compute between collectives (a tensor-parallel
+collective's receiver waits for a core a computing process holds), and how long the scalar reductions
+that end every step take (gloo reduces one or two elements by another algorithm than a longer message:
+several times faster among many processes), and what ends a step on every process at about the same
+time: merak's reduction of the model's gradients in groups of each size the run could use, every group
+at once (gloo's copies and sums share the cores: a reduction takes far longer than the link's bandwidth
+says), and the clip and optimizer step, all processes stepping together (an optimizer step streams its
+state through memory: gpt:toy's clip and step took 17 ms with four processes stepping on two cores, its
+step alone 5 ms), and that end as merak's optimizer runs it without ZeRO and with ZeRO-1, in turns
+(ZeRO's bookkeeping of padded buckets costs more than its bytes say: bert:toy's ZeRO-1 step on four
+processes ended 18 ms after its backward where its collectives' bytes said 6). Only for models small
+enough to build here (GPU presets plan giant models from their rates alone).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from merak.assemble import CallModel, default_input_names
+from merak.autoplan.busy_collectives import own_group, time_busy_collectives
 from merak.autoplan.profile import GraphProfile
 from merak.compat.allocator import keep_freed_memory
 from merak.distributed.launch import spawn_workers
@@ -118,6 +120,10 @@ class Calibration:
             than the bytes it moves say, and among processes sharing the cores more than the update it saves).
         step_scalars_s: the scalar all-reduces that end a step (:data:`STEP_SCALAR_ELEMENTS`) among
             ``processes`` processes, together.
+        busy_collectives: ``(group size, seconds)``: a small all-reduce in groups of that size, every group
+            of ``processes`` processes at once and each process computing between its collectives, as
+            tensor-parallel ranks do (:mod:`merak.autoplan.busy_collectives`): its receivers wait for cores
+            held by computing processes, longer than ``all_reduce_s`` says, whose processes all wait in it.
         microbatch_load_seconds: ``(microbatch, seconds)``: reading and collating a microbatch of that many
             samples from the recipe's dataset, one process alone, at every size timed (a step's first stage
             loads its microbatches before it computes: a small model with a masking collator spends a tenth
@@ -140,6 +146,7 @@ class Calibration:
     concurrent_optimizer_seconds_per_parameter: float | None = None
     zero_step_differences: tuple[tuple[int, float], ...] = ()
     step_scalars_s: float | None = None
+    busy_collectives: tuple[tuple[int, float], ...] = ()
     microbatch_load_seconds: tuple[tuple[int, float], ...] = ()
     split_backward_factor: float = 1.0
     split_backward_micro_batch: int = 1
@@ -177,6 +184,14 @@ class Calibration:
         (left, low), (right, high) = next(
             (pair for pair in itertools.pairwise(points) if micro_batch_size <= pair[1][0]), points[-2:])
         return max(0.0, low + (high - low) * (micro_batch_size - left) / (right - left))
+
+    def hop_seconds(self, group_size: int) -> float | None:
+        """One ring step of a small collective in groups of ``group_size`` with every process busy (its
+        all-reduce's :attr:`busy_collectives` time over its ``2 (size - 1)`` steps); None: not timed."""
+        timed = dict(self.busy_collectives)
+        if group_size < 2 or group_size not in timed:
+            return None
+        return timed[group_size] / (2 * (group_size - 1))
 
     def slowdown(self, busy: float, cores: int) -> float | None:
         """The step time of ``busy`` processes computing at once on ``cores`` cores over one alone (None: not
@@ -353,6 +368,7 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
             dist.all_reduce(message)
         all_reduce = (time.perf_counter() - started) / ALL_REDUCES
         scalars = _step_scalar_reductions()
+        busy = time_busy_collectives(group_sizes(dist.get_world_size()))
         gradients = _gradient_all_reduces(model)
         optimizer = _optimizer_steps(model)
         zero = _zero_step_ends(model)
@@ -360,6 +376,7 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
         dist.destroy_process_group()
     write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"),
                       {"step_s": times, "alone_s": alone, "all_reduce_s": all_reduce, "step_scalars_s": scalars,
+                       "busy_collectives_s": busy,
                        "optimizer_s": optimizer, "zero_step_ends_s": zero, **gradients})
 
 
@@ -408,16 +425,6 @@ def _capped_gradients(model: torch.nn.Module) -> list[torch.Tensor]:
     return [param.grad for param in _capped_parameters(model)]
 
 
-def _own_group(size: int):
-    """This process's group of ``size`` consecutive ranks (None: all of them). Every process creates every group
-    of that size, in the same order (torch.distributed's rule)."""
-    rank, processes = dist.get_rank(), dist.get_world_size()
-    if size == processes:
-        return None
-    groups = [dist.new_group(list(range(first, first + size))) for first in range(0, processes, size)]
-    return groups[rank // size]
-
-
 def _gradient_all_reduces(model: torch.nn.Module) -> dict:
     """Times of ``GRADIENT_ALL_REDUCES`` of merak's reductions of the model's gradients (capped) in groups of
     each of :func:`group_sizes` of the processes, every group at once and each repetition started together,
@@ -425,7 +432,7 @@ def _gradient_all_reduces(model: torch.nn.Module) -> dict:
     grads = _capped_gradients(model)
     times = {}
     for size in group_sizes(dist.get_world_size()):
-        reduce = functools.partial(all_reduce_tensors, grads, group=_own_group(size), scale=1 / size)
+        reduce = functools.partial(all_reduce_tensors, grads, group=own_group(size), scale=1 / size)
         reduce()  # warm-up: gloo's buffers for this size
         runs = []
         for _ in range(GRADIENT_ALL_REDUCES):
@@ -449,7 +456,7 @@ def _zero_step_ends(model: torch.nn.Module) -> dict[str, list[list[float]]]:
     rank, processes = dist.get_rank(), dist.get_world_size()
     times = {}
     for size in group_sizes(processes):
-        group = _own_group(size)
+        group = own_group(size)
         ends = [DistributedOptimizer(params, dp_group=group, dp_size=size, dp_rank=rank % size, norm_group=None,
                                      norm_group_size=1, counted=[True] * len(params), zero=ZeroOptions(stage=stage),
                                      make_optimizer=_calibration_optimizer)
@@ -513,12 +520,13 @@ def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, th
                        steps: int = REPEATS) -> dict:
     """``processes`` processes running the model at once, ``steps`` times: ``step_s``, ``alone_s`` (one of them alone,
     between those steps), ``slowdown`` (the median of each such step over the alone one after it: timed moments
-    apart, a drift of the machine's speed hardly tilts it), ``all_reduce_s`` (a small one), ``step_scalars_s``
-    (a step's scalar reductions), ``gradient_all_reduces_s`` (by group size), ``gradient_all_reduce_bytes``,
-    ``optimizer_s`` (the clip and step, all at once) and ``zero_step_differences_s`` (by group size: ZeRO-1's
-    step end over the plain one). A synchronous step (or collective) waits for the slowest process: each time
-    is the median over the repetitions of the slowest process's (processes sharing cores finish a time slice
-    apart, and which one is last varies)."""
+    apart, a drift of the machine's speed hardly tilts it), ``all_reduce_s`` (a small one), ``step_scalars_s`` (a
+    step's scalar reductions), ``busy_collectives_s`` (by group size: a small all-reduce with the processes
+    computing between them, :mod:`merak.autoplan.busy_collectives`), ``gradient_all_reduces_s`` (by group size),
+    ``gradient_all_reduce_bytes``, ``optimizer_s`` (the clip and step, all at once) and ``zero_step_differences_s``
+    (by group size: ZeRO-1's step end over the plain one). A synchronous step (or collective) waits for the slowest
+    process: each time is the median over the repetitions of the slowest process's (processes sharing cores finish a
+    time slice apart, and which one is last varies)."""
     with tempfile.TemporaryDirectory(prefix="merak-calibrate-") as out_dir:
         spawn_workers(_concurrent_worker, world_size=processes,
                       args=(spec, settings, micro_batch_size, threads, steps, out_dir),
@@ -534,6 +542,7 @@ def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, th
             "slowdown": statistics.median(step / alone for step, alone in zip(together, reports[0]["alone_s"])),
             "all_reduce_s": statistics.median(r["all_reduce_s"] for r in reports),
             "step_scalars_s": statistics.median(r["step_scalars_s"] for r in reports),
+            "busy_collectives_s": {int(size): seconds for size, seconds in reports[0]["busy_collectives_s"].items()},
             "gradient_all_reduces_s": {int(size): slowest(r["gradient_all_reduces_s"][size] for r in reports)
                                        for size in reports[0]["gradient_all_reduces_s"]},
             "gradient_all_reduce_bytes": reports[0]["gradient_all_reduce_bytes"],
@@ -696,15 +705,19 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
     zero = tuple(sorted(concurrent["zero_step_differences_s"].items()))
     logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone between them, %.1f ms); among them "
                 "a small all-reduce %.2f ms, a step's scalar reductions %.2f ms, the gradients (%.3g MB) reduced "
-                "in groups of %s: %s ms (ZeRO-1's step end %s ms more); the clip and optimizer step %.1f ms",
+                "in groups of %s: %s ms (ZeRO-1's step end %s ms more), a small all-reduce in those groups between "
+                "computing %s ms; the clip and optimizer step %.1f ms",
                 processes,
                 concurrent["step_s"] * 1e3, slowdown, concurrent["alone_s"] * 1e3, concurrent["all_reduce_s"] * 1e3,
                 concurrent["step_scalars_s"] * 1e3, concurrent["gradient_all_reduce_bytes"] / 1e6,
                 ", ".join(str(size) for size, _ in reductions),
                 ", ".join(f"{seconds * 1e3:.1f}" for _, seconds in reductions),
-                ", ".join(f"{seconds * 1e3:.1f}" for _, seconds in zero), concurrent["optimizer_s"] * 1e3)
+                ", ".join(f"{seconds * 1e3:.1f}" for _, seconds in zero),
+                ", ".join(f"{seconds * 1e3:.2f}" for _, seconds in sorted(concurrent["busy_collectives_s"].items())),
+                concurrent["optimizer_s"] * 1e3)
     return dataclasses.replace(
         calibration, processes=processes, concurrent_slowdown=slowdown, all_reduce_s=concurrent["all_reduce_s"],
         step_scalars_s=concurrent["step_scalars_s"], gradient_all_reduces=reductions,
+        busy_collectives=tuple(sorted(concurrent["busy_collectives_s"].items())),
         gradient_all_reduce_bytes=concurrent["gradient_all_reduce_bytes"], zero_step_differences=zero,
         concurrent_optimizer_seconds_per_parameter=concurrent["optimizer_s"] / max(alone["parameters"], 1))

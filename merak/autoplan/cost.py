@@ -412,6 +412,7 @@ class CostModel:
         profile = self.profiles(layout.tp, layout.sequence_parallel).scaled(layout.micro_batch_size)
         rates = device_rates(self.cluster, self.dtype)
         tp_link, _, _ = _group_links(self.cluster, 1, layout.tp, 1)
+        tp_hop = self._tp_hop_seconds(layout.tp)
         size_factor = self.calibration.size_factor(layout.micro_batch_size)
         forward = [self.calibration.seconds(rates, f, b, o) * size_factor
                    for f, b, o in zip(profile.flops, profile.bytes_moved, profile.ops)]
@@ -434,7 +435,7 @@ class CostModel:
             tp_forward_hops=_prefix(tp_forward_hops), tp_backward_hops=_prefix(tp_backward_hops),
             params=_prefix(profile.params), saved=_prefix(profile.saved_bytes), kept=_prefix(kept),
             layer_saved=layer_saved,
-            cuts_at=[f * (1 + BACKWARD_FLOPS_FACTOR) + a + b + (ha + hb) * tp_link.latency_us * 1e-6
+            cuts_at=[f * (1 + BACKWARD_FLOPS_FACTOR) + a + b + (ha + hb) * tp_hop
                      for f, a, b, ha, hb in zip(forward, tp_forward, tp_backward, tp_forward_hops, tp_backward_hops)],
             crossing=tuple(profile.crossing_bytes), layer_starts=tuple(starts),
             loss_forward=self.calibration.seconds(rates, 0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS)
@@ -507,6 +508,15 @@ class CostModel:
         measured = self.calibration.slowdown(busy, self.cluster.cores_per_node)
         return 1 / measured if measured is not None else self.cluster.compute_share(busy)
 
+    def _tp_hop_seconds(self, tp: int) -> float:
+        """A ring step's latency in a tensor-parallel group of ``tp`` with every process busy: as the
+        calibration timed a small all-reduce in such groups while the processes computed between them (on
+        this machine's node), else the link's (from the small all-reduce among all processes where timed)."""
+        link = _group_links(self.cluster, 1, tp, 1)[0]
+        timed = self.calibration.hop_seconds(tp) if self.cluster.cores_per_node is not None \
+            and tp <= self.cluster.devices_per_node else None
+        return timed if timed is not None else link.latency_us * 1e-6
+
     def _latency_scale(self, busy: float) -> float:
         """How the measured hop latency (every process of the calibration taking part) scales when ``busy``
         processes run at once: a message waits for its receiver to be scheduled, which takes about as
@@ -566,7 +576,7 @@ class CostModel:
         processes running while it computes) says."""
         spans = list(itertools.pairwise(bounds))
         count = len(spans)
-        hop = _group_links(self.cluster, 1, layout.tp, 1)[0].latency_us * 1e-6
+        hop = self._tp_hop_seconds(layout.tp)
         stage_slowdown = [1 / self._share(b) for b in stage_busy]
         stage_latency = [hop * self._latency_scale(b) for b in stage_busy]
         pieces = []

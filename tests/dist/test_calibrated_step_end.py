@@ -1,11 +1,12 @@
 """The calibration's timing of what ends a step, among gloo processes: merak's gradient reduction in groups of
 each size, every group at once, the clip and optimizer step with every process stepping, and merak's optimizer
-ending a step without ZeRO and with ZeRO-1."""
+ending a step without ZeRO and with ZeRO-1, and a small all-reduce in groups while the processes compute."""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import timedelta
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from merak.autoplan import calibrate
+from merak.autoplan import busy_collectives, calibrate
 from merak.distributed.launch import spawn_workers
 
 pytestmark = pytest.mark.dist
@@ -105,3 +106,45 @@ def test_the_zero_difference_is_the_median_over_repetitions_of_the_slowest_proce
     rank1 = [[1.5, 2.0], [1.0, 4.0], [1.0, 1.0]]
     # Repetitions: max(1, 1.5)=1.5 vs max(3, 2)=3 -> 1.5; 2 vs 4 -> 2; 1 vs 1.5 -> 0.5.
     assert calibrate._zero_difference([rank0, rank1]) == pytest.approx(1.5)
+
+
+SIMULATED_WAIT_S = 0.004  # per process in the group: what each small all-reduce is made to take
+
+
+def _busy_worker(out_dir: str) -> None:
+    """Times the busy collectives with each small all-reduce made to sleep in proportion to its group, and
+    notes which ranks each group held."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    real_all_reduce, groups_seen = dist.all_reduce, set()
+
+    def slow_all_reduce(tensor, *args, group=None, **kwargs):
+        if tensor.numel() == busy_collectives.MESSAGE_ELEMENTS:
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(WORLD))
+            groups_seen.add(ranks)
+            time.sleep(SIMULATED_WAIT_S * len(ranks))
+        return real_all_reduce(tensor, *args, group=group, **kwargs)
+
+    try:
+        busy_collectives.dist.all_reduce = slow_all_reduce
+        waits = busy_collectives.time_busy_collectives(calibrate.group_sizes(WORLD))
+    finally:
+        busy_collectives.dist.all_reduce = real_all_reduce
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
+        json.dump({"waits": waits, "groups": sorted(groups_seen)}, handle)
+
+
+@pytest.mark.timeout(120)
+def test_busy_collectives_time_what_an_all_reduce_adds_in_each_group_size(tmp_path):
+    spawn_workers(_busy_worker, world_size=WORLD, args=(str(tmp_path),), start_method="fork")
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    # Each rank all-reduced in its own pair of consecutive ranks, then among all four.
+    assert reports[0]["groups"] == [[0, 1], [0, 1, 2, 3]]
+    assert reports[3]["groups"] == [[0, 1, 2, 3], [2, 3]]
+    for report in reports:
+        assert sorted(report["waits"]) == ["2", "4"]
+        for size, wait in report["waits"].items():
+            # What a collective adds over the computing alone: at least its sleep (the difference of two
+            # timings, each the slowest process's), not much more on an idle machine.
+            assert SIMULATED_WAIT_S * int(size) * 0.8 < wait < SIMULATED_WAIT_S * int(size) + 0.05

@@ -64,6 +64,15 @@ def test_loading_is_linear_in_the_microbatch_between_and_beyond_the_timed_sizes(
     assert Calibration(microbatch_load_seconds=((2, 0.001), (4, 0.01))).load_seconds(1) == 0.0
 
 
+def test_a_busy_groups_ring_step_is_its_all_reduce_over_its_steps():
+    calibration = Calibration(processes=8, busy_collectives=((2, 0.004), (4, 0.012), (8, 0.028)))
+    assert calibration.hop_seconds(2) == pytest.approx(0.002)  # two ring steps
+    assert calibration.hop_seconds(4) == pytest.approx(0.002)  # six
+    assert calibration.hop_seconds(8) == pytest.approx(0.002)  # fourteen
+    assert calibration.hop_seconds(1) is None and calibration.hop_seconds(16) is None
+    assert Calibration().hop_seconds(2) is None
+
+
 def test_size_factors_interpolate_in_log_size_and_hold_beyond():
     calibration = Calibration(size_factors=((1, 1.0), (4, 1.0), (16, 0.6)))
     assert calibration.size_factor(1) == pytest.approx(1.0)

@@ -586,6 +586,30 @@ def test_tensor_parallel_latency_shrinks_with_the_processes_busy():
         collectives / 4 * 2 * latency, rel=1e-3)
 
 
+def test_tensor_parallel_latency_is_what_the_busy_groups_took_where_timed():
+    message = 8  # bytes: the collectives cost their latency alone
+    plain = synthetic_profile()
+    profiles = {tp: synthetic_profile(forward_all_reduce=message, backward_all_reduce=message, tp=tp) for tp in (2, 4)}
+    hop = 0.001  # the idle all-reduce among all eight: 14 ring steps
+    timed = Calibration(processes=8, all_reduce_s=hop * 14, busy_collectives=((2, 0.006), (4, 0.03), (8, 0.07)))
+    cluster = dataclasses.replace(this_machine(8, measure=False), cores_per_node=2)
+
+    def tp_seconds(calibration, **sizes):
+        model = CostModel(lambda tp, sequence_parallel: profiles[tp] if tp > 1 else plain, cluster,
+                          calibration=calibration)
+        return model.predict(layout(num_microbatches=1, **sizes)).breakdown["tp_comm_s"]
+
+    collectives = 2 * LAYERS  # per microbatch: one in each layer's forward and one in its backward
+    # Every process busy: each collective takes what a small all-reduce took in groups of its size.
+    assert tp_seconds(timed, dp=4, tp=2) == pytest.approx(collectives * 0.006, rel=1e-3)
+    assert tp_seconds(timed, dp=2, tp=4) == pytest.approx(collectives * 0.03, rel=1e-3)
+    # Fewer processes busy (one stage of four at a time): the wait shrinks with them, as the idle one's does.
+    assert tp_seconds(timed, tp=2, pp=4) == pytest.approx(collectives / 4 * 0.006 * 2 / 8, rel=1e-3)
+    # A group size not timed: the idle all-reduce's ring step.
+    pairs_only = dataclasses.replace(timed, busy_collectives=((2, 0.006),))
+    assert tp_seconds(pairs_only, dp=2, tp=4) == pytest.approx(collectives * 6 * hop, rel=1e-3)
+
+
 def test_one_microbatch_keeps_one_pipeline_stage_busy_at_a_time():
     two_cores = dataclasses.replace(this_machine(4, measure=False), cores_per_node=2)
     model = CostModel(lambda tp, sequence_parallel: synthetic_profile(), two_cores)
