@@ -12,7 +12,12 @@ subprocess (one thread per process):
 
 * timing runs of ``--steps`` steps, one per pass over the layouts (``--timing-runs``,
   the second pass in the opposite order): the fastest run's median step time past
-  the warm-up (the first ``TRIAL_WARMUP`` steps), as a trial times it;
+  the warm-up (the first ``TRIAL_WARMUP`` steps), as a trial times it; with
+  ``--recalibrate``, each layout's timing runs back to back right after a fresh
+  calibration (``PlanReport.calibrated_again``), which prices the layout again
+  (``recalibrated_step_s``): the machine's speed drifts by a fifth over the
+  minutes between the plan and a layout's runs, and this prediction separates
+  the cost model's error from that drift;
 * a memory run of 2 steps with ``trainer.measure_activation_memory=true`` (which
   slows the step, hence its own run): per pipeline stage, parameters +
   gradients + master weights + optimizer state + peak activations (bytes, the
@@ -79,6 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="steps of each timing run (the median is over those past the warm-up)")
     parser.add_argument("--timing-runs", type=int, choices=(1, 2), default=2,
                         help="timing runs per layout (2: a second pass in the opposite order; the faster counts)")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="also price each layout on a calibration timed right before its timing runs, which "
+                             "then run back to back (a shared machine's speed drifts over the minutes a sweep "
+                             "takes: the plan's calibration prices the machine as it ran then)")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory runs")
     parser.add_argument("--global-batch", type=int, default=16, help="trainer.global_batch_size of every layout")
     parser.add_argument("--cluster", default="this", help="plan_recipe's cluster")
@@ -373,12 +382,16 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
     trialled = {t.candidate.layout.key(): t.measured_step_s for t in outcome.trials}
     timings = {}
     memories = {}
+    recalibrated = {}
     for index, candidate in enumerate(layouts, 1):
         logger.info("%s:%s world %d: layout %d/%d %s", recipe, model, world, index, len(layouts),
                     candidate.layout.key())
-        timings[index] = [timing_run(recipe, model, candidate, args)]
+        if args.recalibrate:
+            recalibrated[index] = priced_again(report, candidate)
+        runs = args.timing_runs if args.recalibrate else 1
+        timings[index] = [timing_run(recipe, model, candidate, args) for _ in range(runs)]
         memories[index] = memory_run(recipe, model, candidate, args) if args.memory else {"error": NOT_MEASURED}
-    for index in reversed(range(1, len(layouts) + 1 if args.timing_runs > 1 else 1)):
+    for index in reversed(range(1, len(layouts) + 1 if args.timing_runs > 1 and not args.recalibrate else 1)):
         logger.info("%s:%s world %d: layout %d/%d %s again", recipe, model, world, index, len(layouts),
                     layouts[index - 1].layout.key())
         timings[index].append(timing_run(recipe, model, layouts[index - 1], args))
@@ -388,6 +401,9 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
         row["trial_step_s"] = trialled.get(row["key"])
         row["scaled_step_error_pct"] = (None if scale is None
                                         else error_pct(scale * row["predicted_step_s"], row["measured_step_s"]))
+        if index in recalibrated:
+            row.update(recalibrated[index])
+            row["recalibrated_step_error_pct"] = error_pct(row["recalibrated_step_s"], row["measured_step_s"])
         rows.append(row)
         log_row(rows[-1])
     predicted_best = first_choice_check(rows, report.best.layout.key())
@@ -402,6 +418,14 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
             "measured_on": measurement_json(cluster, report.cost_model.calibration)}
 
 
+def priced_again(report, candidate) -> dict:
+    """``candidate``'s layout priced by the plan's cost model on a calibration timed now
+    (``recalibrated_step_s``), and that calibration (``recalibrated_on``)."""
+    again = report.calibrated_again()
+    return {"recalibrated_step_s": float(again.price(candidate.layout).predicted_step_s),
+            "recalibrated_on": measurement_json(report.cluster, again.cost_model.calibration)}
+
+
 def measurement_json(cluster, calibration) -> dict:
     """What a plan measured (the cluster's rates and link, the calibration), as the results JSON keeps it."""
     return {"cluster": cluster.to_json(), "calibration": dataclasses.asdict(calibration)}
@@ -409,9 +433,10 @@ def measurement_json(cluster, calibration) -> dict:
 
 def log_row(row: dict) -> None:
     """One layout's numbers, as soon as they are measured."""
-    logger.info("  %s: step predicted %s ms, measured %s ms (%s %%); max stage memory predicted %s MiB, "
-                "measured %s MiB (%s %%)", row["key"], ms(row["predicted_step_s"]), ms(row["measured_step_s"]),
-                pct(row["step_error_pct"]), mib(row["predicted_max_stage_bytes"]),
+    logger.info("  %s: step predicted %s ms, measured %s ms (%s %%; recalibrated %s ms, %s %%); max stage memory "
+                "predicted %s MiB, measured %s MiB (%s %%)", row["key"], ms(row["predicted_step_s"]),
+                ms(row["measured_step_s"]), pct(row["step_error_pct"]), ms(row.get("recalibrated_step_s")),
+                pct(row.get("recalibrated_step_error_pct")), mib(row["predicted_max_stage_bytes"]),
                 mib(row["measured_max_stage_bytes"]), pct(row["memory_error_pct"]))
 
 
@@ -453,9 +478,11 @@ def group_table(group: dict) -> str:
     if group.get("error"):
         return f"{title}\n\n{group['error']}"
     header = ["layout", "pred step (ms)", "meas step (ms)", "err %", "err % x trial scale", "trial (ms)",
-              "pred max stage (MiB)", "meas max stage (MiB)", "err %", "stage max |err| %", "note"]
+              "pred step recalibrated (ms)", "err %", "pred max stage (MiB)", "meas max stage (MiB)", "err %",
+              "stage max |err| %", "note"]
     rows = [[r["key"], ms(r["predicted_step_s"]), ms(r["measured_step_s"]), pct(r["step_error_pct"]),
              pct(r.get("scaled_step_error_pct")), ms(r.get("trial_step_s")),
+             ms(r.get("recalibrated_step_s")), pct(r.get("recalibrated_step_error_pct")),
              mib(r["predicted_max_stage_bytes"]), mib(r["measured_max_stage_bytes"]), pct(r["memory_error_pct"]),
              "-" if r["max_abs_stage_memory_error_pct"] is None else f"{r['max_abs_stage_memory_error_pct']:.1f}",
              row_note(r, group)] for r in group["rows"]]
@@ -499,6 +526,8 @@ def summarize(groups: list[dict]) -> dict:
     predicted = [g for g in groups if g.get("best_predicted_is_fastest") is not None]
     predicted_slower = [g["best_predicted_slower_pct"] for g in predicted if not g["best_predicted_is_fastest"]]
     return {"step_time": share([r["step_error_pct"] for r in rows], STEP_TOLERANCE_PCT),
+            "step_time_recalibrated": share([r.get("recalibrated_step_error_pct") for r in rows],
+                                            STEP_TOLERANCE_PCT),
             "step_time_trial_scaled": share([r.get("scaled_step_error_pct") for r in rows], STEP_TOLERANCE_PCT),
             "step_time_trial_scaled_untried": share([r.get("scaled_step_error_pct") for r in rows
                                                      if r.get("trial_step_s") is None], STEP_TOLERANCE_PCT),
@@ -525,6 +554,8 @@ def summary_text(summary: dict) -> str:
         line("step time", summary["step_time"]),
         line("step time x the trials' scale", summary["step_time_trial_scaled"]),
         line("the same, layouts not tried", summary["step_time_trial_scaled_untried"]),
+        line("step time priced on a calibration timed right before the layout's runs",
+             summary.get("step_time_recalibrated") or share([], STEP_TOLERANCE_PCT)),
         line("max stage memory", summary["max_stage_memory"]),
         line("every stage's memory", summary["every_stage_memory"]),
         f"- first choice the measured fastest: {summary['first_choice_fastest']}/{summary['first_choice_checked']}"

@@ -16,6 +16,9 @@ the cluster's rates and link, also timed each time): the first run writes them, 
 the same ones, so that two versions of the cost model are compared on the same measurements (a fresh
 calibration moves a prediction by up to tens of percent on a shared machine).
 
+Rows a sweep priced again on a calibration timed right before their runs (``auto_plan.py --recalibrate``:
+``recalibrated_on``) are priced on that one too (``recalibrated_step_s``).
+
 Reported per recipe/world and overall: how many predicted steps lie within 15 % of the measured,
 how many fullest stages within 10 %, and how far apart the repeats put each layout (the spread due
 to the calibration alone).
@@ -86,9 +89,15 @@ def reprice(group: dict, global_batch: int, measured: tuple[Cluster, Calibration
         candidate = report.price(Layout(**row["planner"]["layout"]))
         stage_memory = list(candidate.prediction.stage_memory)
         measured_memory = (row.get("memory_run") or {}).get("stage_memory")
+        again = None
+        if row.get("recalibrated_on"):  # priced again on the calibration timed before the layout's runs
+            again = report.on_calibration(_measurement(row["recalibrated_on"])[1]).price(
+                candidate.layout).predicted_step_s
         priced.append({"key": row["key"], "predicted_step_s": candidate.predicted_step_s,
                        "measured_step_s": row["measured_step_s"],
                        "step_error_pct": error_pct(candidate.predicted_step_s, row["measured_step_s"]),
+                       "recalibrated_step_s": again,
+                       "recalibrated_step_error_pct": error_pct(again, row["measured_step_s"]),
                        "breakdown": candidate.prediction.breakdown,
                        "predicted_max_stage_bytes": max(stage_memory),
                        "measured_max_stage_bytes": max(measured_memory) if measured_memory else None,
@@ -152,6 +161,8 @@ def group_summary(repeats: list[list[dict]]) -> dict:
     spreads = [max(r["predicted_step_s"] for r in rows) / min(r["predicted_step_s"] for r in rows) - 1
                for rows in zip(*repeats)]
     return {"step_within": [within([r["step_error_pct"] for r in rows], STEP_TOLERANCE_PCT) for rows in repeats],
+            "recalibrated_step_within": within([r["recalibrated_step_error_pct"] for r in repeats[0]],
+                                               STEP_TOLERANCE_PCT),
             "memory_within": within([r["memory_error_pct"] for r in repeats[0]], MEMORY_TOLERANCE_PCT),
             "median_abs_step_error_pct": [statistics.median(abs(r["step_error_pct"]) for r in rows)
                                           for rows in repeats],
@@ -183,19 +194,24 @@ def main(argv=None) -> int:
                        "repeats": repeats, **group_summary(repeats)})
     totals = {"step_within": [tuple(map(sum, zip(*(g["step_within"][k] for g in groups))))
                               for k in range(args.repeats)],
+              "recalibrated_step_within": tuple(map(sum, zip(*(g["recalibrated_step_within"] for g in groups)))),
               "memory_within": tuple(map(sum, zip(*(g["memory_within"] for g in groups))))}
     for g in groups:
         print(f"{g['recipe']}:{g['model']} world {g['world']}: steps within {STEP_TOLERANCE_PCT:.0f} % "
               f"{', '.join(f'{a}/{b}' for a, b in g['step_within'])} (median |error| "
               f"{', '.join(f'{e:.1f}' for e in g['median_abs_step_error_pct'])} %), the repeats up to "
-              f"{g['largest_spread_pct']:.1f} % apart; fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % "
+              f"{g['largest_spread_pct']:.1f} % apart; recalibrated "
+              f"{g['recalibrated_step_within'][0]}/{g['recalibrated_step_within'][1]}; "
+              f"fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % "
               f"{g['memory_within'][0]}/{g['memory_within'][1]}")
     if args.calibrations and not saved:
         common.write_json(args.calibrations, {
             key: [measurement_json(cluster, calibration) for cluster, calibration in measured]
             for key, measured in used.items()})
     hits, count = totals["memory_within"]
-    print(f"all: steps within {STEP_TOLERANCE_PCT:.0f} % {', '.join(f'{a}/{b}' for a, b in totals['step_within'])}; "
+    again_hits, again_count = totals["recalibrated_step_within"]
+    print(f"all: steps within {STEP_TOLERANCE_PCT:.0f} % {', '.join(f'{a}/{b}' for a, b in totals['step_within'])} "
+          f"(recalibrated: {again_hits}/{again_count}); "
           f"fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % {hits}/{count}")
     common.write_json(args.out, {"benchmark": "auto_plan_repriced", "against": args.against,
                                  "command": " ".join(sys.argv), "machine": common.machine_facts(),

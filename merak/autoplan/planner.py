@@ -70,6 +70,21 @@ class PlanReport:
             f"does not fit: {prediction.max_memory / 2**30:.3g} GiB, {usable / 2**30:.3g} GiB usable")
         return candidate
 
+    def on_calibration(self, calibration: Calibration) -> PlanReport:
+        """This request's cost model on ``calibration`` (:meth:`price` prices by it), the candidates left as
+        ranked."""
+        model = self.cost_model
+        return dataclasses.replace(self, cost_model=CostModel(model.profiles, self.cluster, model.dtype,
+                                                              calibration=calibration, sharding=model.sharding))
+
+    def calibrated_again(self) -> PlanReport:
+        """:meth:`on_calibration` with a calibration timed now: on a CPU cluster, whose shared machine's speed
+        drifts by a fifth over minutes, a layout measured long after the plan is priced as the machine runs
+        then."""
+        model = self.cost_model
+        return self.on_calibration(measure_for(model.profiles, self.cluster, self.world_size,
+                                               self.global_batch_size))
+
     def mfu(self, candidate: Candidate) -> float | None:
         """Model FLOPs utilization the prediction means: model FLOPs per step over peak FLOPs of the step."""
         if not self.peak_flops or not self.flops_per_sample:
@@ -198,13 +213,10 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
         if tp_values and not _supports_sequence_parallel(profiles, tp_values[0]):
             space = dataclasses.replace(space, sequence_parallel=(False,))
     calibration = calibrate if isinstance(calibrate, Calibration) else Calibration()
-    base_profile = profiles(1, False)  # before the timing starts: its seconds are profiling's
+    profiles(1, False)  # before the timing starts: its seconds are profiling's
     timing_started = time.perf_counter()
     if cluster.cores_per_node is not None and calibrate is True:  # the processes at hand: time the model here
-        sizes = tuple(max(1, min(size, global_batch_size)) for size in CALIBRATION_MICRO_BATCHES)
-        calibration = measure(spec, settings, base_profile, device_rates(cluster, "float32"),
-                              micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,
-                              processes=min(world_size, cluster.devices_per_node), cores=cluster.cores_per_node)
+        calibration = measure_for(profiles, cluster, world_size, global_batch_size)
     timing_seconds = time.perf_counter() - timing_started
     model = CostModel(profiles, cluster, _dtype_name(settings.trainer), calibration=calibration,
                       sharding=sharding_options(spec, settings))
@@ -223,6 +235,16 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
     if not candidates[0].fits:
         raise PlanError(_too_big_message(report, capacity))
     return report
+
+
+def measure_for(profiles: ProfileCache, cluster: Cluster, world_size: int, global_batch_size: int) -> Calibration:
+    """Time the profiled recipe's model on this machine as a plan of ``world_size`` of ``cluster``'s CPU
+    processes needs it (:func:`merak.autoplan.calibrate.measure`)."""
+    settings = profiles.settings
+    sizes = tuple(max(1, min(size, global_batch_size)) for size in CALIBRATION_MICRO_BATCHES)
+    return measure(profiles.spec, settings, profiles(1, False), device_rates(cluster, "float32"),
+                   micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,
+                   processes=min(world_size, cluster.devices_per_node), cores=cluster.cores_per_node)
 
 
 def _flops_per_sample(profile: GraphProfile) -> float:
