@@ -4,9 +4,12 @@ A collective among processes that share the cores costs more than its bytes: eac
 receiver to be scheduled. How long depends on what the other processes do meanwhile. All of them inside
 collectives (the calibration's small all-reduce among every process) sleep between messages, so a
 receiver is woken at once; in a tensor-parallel step the other groups compute between their
-collectives, so a woken receiver waits for a core held by a computing process. Among four processes
-on two cores, a pair's small all-reduce took about 3 ms with the other pair computing, where the
-all-reduce of all four, idle otherwise, came to 1 ms per ring step (2 ms for a pair's two steps).
+collectives, so a woken receiver waits for a core held by a computing process. How much that differs
+from the idle all-reduce's ring steps depends on the processes and on the compute between collectives:
+in the 34 calibrations of one sweep on two cores, a pair's all-reduce took a median 2.3 ms among four
+processes (the idle all-reduce of all four: 1.06 ms per ring step, 2.1 ms for a pair's two) and 2.8 ms
+among eight (idle: 3.3 ms), with this half a millisecond of compute between them; among eight, two
+milliseconds of compute between them made it about 4 ms.
 
 Here every group of each size computes a little between small all-reduces, every group at once, as
 tensor-parallel ranks do: the time per collective is the time of such a stretch over the same
