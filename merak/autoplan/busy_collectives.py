@@ -5,11 +5,11 @@ receiver to be scheduled. How long depends on what the other processes do meanwh
 collectives (the calibration's small all-reduce among every process) sleep between messages, so a
 receiver is woken at once; in a tensor-parallel step the other groups compute between their
 collectives, so a woken receiver waits for a core held by a computing process. How much that differs
-from the idle all-reduce's ring steps depends on the processes and on the compute between collectives:
-in the 34 calibrations of one sweep on two cores, a pair's all-reduce took a median 2.3 ms among four
-processes (the idle all-reduce of all four: 1.06 ms per ring step, 2.1 ms for a pair's two) and 2.8 ms
-among eight (idle: 3.3 ms), with this half a millisecond of compute between them; among eight, two
-milliseconds of compute between them made it about 4 ms.
+from the idle all-reduce's ring steps depends on the processes: in the 34 calibrations of one sweep on
+two cores, a pair's all-reduce took a median 2.3 ms among four processes (the idle all-reduce of all
+four: 1.06 ms per ring step, 2.1 ms for a pair's two) and 2.8 ms among eight (idle: 3.3 ms). More
+compute between the collectives did not lengthen it (``bench/busy_collective_waits.py``: among eight,
+2.6, 2.2 and 2.2 ms with 0.3, 1.1 and 4.4 ms of compute).
 
 Here every group of each size computes a little between small all-reduces, every group at once, as
 tensor-parallel ranks do: the time per collective is the time of such a stretch over the same
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 MESSAGE_ELEMENTS = 1024  # a small message: the collective costs its waits, not its bytes
 FILLER_SIDE = 96  # the compute between collectives: products of a matrix this wide, ...
-FILLER_PRODUCTS = 12  # ... this many (about half a millisecond on one core alone)
+FILLER_PRODUCTS = 12  # ... this many (0.3 ms on one core alone when last timed)
 COLLECTIVES_PER_BLOCK = 10
 BLOCK_PAIRS = 10  # blocks with and without the all-reduces, alternating
 
