@@ -20,8 +20,8 @@ Rows a sweep priced again on a calibration timed right before their runs (``auto
 ``recalibrated_on``) are priced on that one too (``recalibrated_step_s``).
 
 Reported per recipe/world and overall: how many predicted steps lie within 15 % of the measured,
-how many fullest stages within 10 %, and how far apart the repeats put each layout (the spread due
-to the calibration alone).
+how many fullest stages within 10 % (and layouts with every stage within 10 %), and how far apart the
+repeats put each layout (the spread due to the calibration alone).
 
     .venv/bin/python bench/auto_plan_repriced.py [--against bench/results/auto_plan.json ...] [--repeats 2]
                                                  [--recipes gpt:toy] [--worlds 4] [--out FILE]
@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # first: sets OMP_NUM_THREADS before torch starts threads
-from auto_plan import MEMORY_TOLERANCE_PCT, STEP_TOLERANCE_PCT, error_pct, measurement_json
+from auto_plan import MEMORY_TOLERANCE_PCT, STEP_TOLERANCE_PCT, error_pct, measurement_json, stage_errors
 
 from merak.autoplan.calibrate import Calibration
 from merak.autoplan.cluster import Cluster, load_cluster
@@ -102,7 +102,10 @@ def reprice(group: dict, global_batch: int, measured: tuple[Cluster, Calibration
                        "predicted_max_stage_bytes": max(stage_memory),
                        "measured_max_stage_bytes": max(measured_memory) if measured_memory else None,
                        "memory_error_pct": error_pct(max(stage_memory),
-                                                     max(measured_memory) if measured_memory else None)})
+                                                     max(measured_memory) if measured_memory else None),
+                       "max_abs_stage_memory_error_pct": max(
+                           (abs(e) for e in stage_errors(stage_memory, measured_memory) or () if e is not None),
+                           default=None)})
     return priced, (cluster, report.cost_model.calibration)
 
 
@@ -164,6 +167,8 @@ def group_summary(repeats: list[list[dict]]) -> dict:
             "recalibrated_step_within": within([r["recalibrated_step_error_pct"] for r in repeats[0]],
                                                STEP_TOLERANCE_PCT),
             "memory_within": within([r["memory_error_pct"] for r in repeats[0]], MEMORY_TOLERANCE_PCT),
+            "every_stage_memory_within": within([r["max_abs_stage_memory_error_pct"] for r in repeats[0]],
+                                                MEMORY_TOLERANCE_PCT),
             "median_abs_step_error_pct": [statistics.median(abs(r["step_error_pct"]) for r in rows)
                                           for rows in repeats],
             "largest_spread_pct": 100 * max(spreads, default=0.0)}
@@ -195,7 +200,8 @@ def main(argv=None) -> int:
     totals = {"step_within": [tuple(map(sum, zip(*(g["step_within"][k] for g in groups))))
                               for k in range(args.repeats)],
               "recalibrated_step_within": tuple(map(sum, zip(*(g["recalibrated_step_within"] for g in groups)))),
-              "memory_within": tuple(map(sum, zip(*(g["memory_within"] for g in groups))))}
+              "memory_within": tuple(map(sum, zip(*(g["memory_within"] for g in groups)))),
+              "every_stage_memory_within": tuple(map(sum, zip(*(g["every_stage_memory_within"] for g in groups))))}
     for g in groups:
         print(f"{g['recipe']}:{g['model']} world {g['world']}: steps within {STEP_TOLERANCE_PCT:.0f} % "
               f"{', '.join(f'{a}/{b}' for a, b in g['step_within'])} (median |error| "
@@ -203,7 +209,8 @@ def main(argv=None) -> int:
               f"{g['largest_spread_pct']:.1f} % apart; recalibrated "
               f"{g['recalibrated_step_within'][0]}/{g['recalibrated_step_within'][1]}; "
               f"fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % "
-              f"{g['memory_within'][0]}/{g['memory_within'][1]}")
+              f"{g['memory_within'][0]}/{g['memory_within'][1]}, every stage "
+              f"{g['every_stage_memory_within'][0]}/{g['every_stage_memory_within'][1]}")
     if args.calibrations and not saved:
         common.write_json(args.calibrations, {
             key: [measurement_json(cluster, calibration) for cluster, calibration in measured]
@@ -212,7 +219,8 @@ def main(argv=None) -> int:
     again_hits, again_count = totals["recalibrated_step_within"]
     print(f"all: steps within {STEP_TOLERANCE_PCT:.0f} % {', '.join(f'{a}/{b}' for a, b in totals['step_within'])} "
           f"(recalibrated: {again_hits}/{again_count}); "
-          f"fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % {hits}/{count}")
+          f"fullest stage within {MEMORY_TOLERANCE_PCT:.0f} % {hits}/{count}, every stage "
+          f"{'/'.join(map(str, totals['every_stage_memory_within']))}")
     common.write_json(args.out, {"benchmark": "auto_plan_repriced", "against": args.against,
                                  "command": " ".join(sys.argv), "machine": common.machine_facts(),
                                  "groups": groups, "totals": totals})

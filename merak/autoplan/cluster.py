@@ -195,6 +195,11 @@ class Cluster:
                 raise ValueError(f"{owner}.{field} must be a Link, got {type(getattr(self, field)).__name__}")
 
     @property
+    def device_type(self) -> str:
+        """The torch device type its processes train on: "cpu" for a CPU cluster, else "cuda"."""
+        return "cpu" if self.cores_per_node is not None else "cuda"
+
+    @property
     def world_size(self) -> int:
         """Devices in all: ``nodes * devices_per_node``."""
         return self.nodes * self.devices_per_node

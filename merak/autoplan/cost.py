@@ -311,6 +311,8 @@ class _UnitTable:
     layer_saved: list[tuple[int, int]]  # (layer start, saved bytes up to the next layer start)
     cuts_at: list[float]  # per-unit seconds used to place piece boundaries
     crossing: tuple[int, ...]
+    # GraphProfile.received_saved_bytes; a profile without them: its crossing (its saves count what a stage receives)
+    received_saved: tuple[int, ...]
     layer_starts: tuple[int, ...]
     loss_forward: float
     loss_backward: float
@@ -377,7 +379,7 @@ class CostModel:
                  calibration: Calibration = Calibration(), sharding: ShardingOptions | None = None) -> None:
         self.profiles, self.dtype, self.calibration, self.sharding = profiles, dtype, calibration, sharding
         # Whose nominal rates a run's partitioner weighs the units with (merak.shard.costs).
-        self.device_type = "cpu" if cluster.cores_per_node is not None else "cuda"
+        self.device_type = cluster.device_type
         if calibration.all_reduce_s is not None and calibration.processes > 1:
             # A collective among processes that share the cores waits for each to be scheduled: the
             # latency of a hop is what the measured all-reduce took per ring step.
@@ -437,7 +439,9 @@ class CostModel:
             layer_saved=layer_saved,
             cuts_at=[f * (1 + BACKWARD_FLOPS_FACTOR) + a + b + (ha + hb) * tp_hop
                      for f, a, b, ha, hb in zip(forward, tp_forward, tp_backward, tp_forward_hops, tp_backward_hops)],
-            crossing=tuple(profile.crossing_bytes), layer_starts=tuple(starts),
+            crossing=tuple(profile.crossing_bytes),
+            received_saved=tuple(profile.received_saved_bytes) or tuple(profile.crossing_bytes),
+            layer_starts=tuple(starts),
             loss_forward=self.calibration.seconds(rates, 0, LOSS_PASSES_FORWARD * profile.output_bytes, LOSS_OPS)
             * size_factor,
             loss_backward=self.calibration.seconds(rates, 0, LOSS_PASSES_BACKWARD * profile.output_bytes, LOSS_OPS)
@@ -593,6 +597,8 @@ class CostModel:
             largest = max((saved for start, saved in table.layer_saved if first <= start < last),
                           default=round(table.saved[last] - table.saved[first]))
             loss_saved = table.output_bytes if is_last else 0
+            # A stage keeps what it receives until its backward, saved by its operations or not.
+            received = max(0, table.crossing[first] - table.received_saved[first]) if first > 0 else 0
             backward = compute * BACKWARD_FLOPS_FACTOR + (table.loss_backward * piece_slowdown if is_last else 0.0)
             # A piece fed the model's inputs (the first, or one after pieces without units) needs no input
             # gradient: its backward runs whole whatever the schedule.
@@ -604,7 +610,7 @@ class CostModel:
                 recompute=compute + tp_f,
                 send_bytes=0 if is_last else table.crossing[last],
                 params=round(table.params[last] - table.params[first]) + _shared_in(table.shared, first, last),
-                saved=round(table.saved[last] - table.saved[first]) + loss_saved,
+                saved=round(table.saved[last] - table.saved[first]) + received + loss_saved,
                 kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b,
                 tied=_tied_in(table.shared, bounds, index)))
         return pieces

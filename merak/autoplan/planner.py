@@ -121,7 +121,7 @@ def _dtype_name(trainer) -> str:
     return "bfloat16" if precision.bf16 else "float16" if precision.fp16 else "float32"
 
 
-PROFILE_FORMAT = 4  # bump when GraphProfile or what it measures changes: cached profiles are then taken again
+PROFILE_FORMAT = 5  # bump when GraphProfile or what it measures changes: cached profiles are then taken again
 
 
 def cache_directory() -> Path:
@@ -131,10 +131,11 @@ def cache_directory() -> Path:
 
 class ProfileCache:
     """Profiles of one model, taken on first use per (tp, sequence_parallel) and kept on disk, keyed by
-    everything that shapes the captured graph (a giant model's capture takes seconds per degree)."""
+    everything that shapes the captured graph and what it saves on the run's device (a giant model's capture takes
+    seconds per degree)."""
 
-    def __init__(self, spec, settings, directory: Path | None = None) -> None:
-        self.spec, self.settings = spec, settings
+    def __init__(self, spec, settings, directory: Path | None = None, device_type: str = "cpu") -> None:
+        self.spec, self.settings, self.device_type = spec, settings, device_type
         self.directory = cache_directory() if directory is None else directory
         self.seconds = 0.0
 
@@ -146,7 +147,8 @@ class ProfileCache:
                                "tp": tp, "sp": sequence_parallel, "trace": trainer.trace_method,
                                "dtype": _dtype_name(trainer), "vocab": trainer.parallel_vocab,
                                "leaf": trainer.leaf_modules, "inputs": trainer.input_names,
-                               "torch": torch.__version__}, sort_keys=True, default=str)
+                               "device": self.device_type, "torch": torch.__version__}, sort_keys=True,
+                              default=str)
         return self.directory / f"{self.spec.name}-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
 
     @functools.cache  # noqa: B019 (one cache per planning request, freed with it)
@@ -158,7 +160,8 @@ class ProfileCache:
             except (ValueError, TypeError, OSError) as error:
                 logger.warning("ignoring the cached profile %s: %s", path, error)
         started = time.perf_counter()
-        profile = profile_recipe(self.spec, self.settings, tp=tp, sequence_parallel=sequence_parallel)
+        profile = profile_recipe(self.spec, self.settings, tp=tp, sequence_parallel=sequence_parallel,
+                                 device_type=self.device_type)
         self.seconds += time.perf_counter() - started
         logger.info("profiled %s at tp=%d%s: %d units (%.1f s)", self.spec.name, tp,
                     ", sequence parallel" if sequence_parallel else "", len(profile), time.perf_counter() - started)
@@ -202,7 +205,7 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
                         f"{cluster.nodes} node(s) x {cluster.devices_per_node} = {cluster.world_size}: give it more "
                         "nodes (cluster.nodes=..., merak-plan --nodes)")
     started = time.perf_counter()
-    profiles = ProfileCache(spec, settings)
+    profiles = ProfileCache(spec, settings, device_type=cluster.device_type)
     model_cfg = settings.model_cfg
     space = SearchSpace(world_size=world_size, global_batch_size=global_batch_size,
                         layout_problems=lambda dp, tp, pp: spec.check_layout(model_cfg, dp, tp, pp),

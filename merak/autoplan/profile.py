@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import re
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
 
 from merak.assemble import build_model, default_input_names
+from merak.autoplan.attention import ATTENTION_TARGETS, attention_on
 from merak.core.group_registry import simulated_groups
 from merak.shard.costs import measure_units
 from merak.shard.graph import GraphUnits, _params_of_node
@@ -82,6 +85,9 @@ class GraphProfile:
     shared_params: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # The part of ``bytes_moved`` read from weights and buffers: the same at every microbatch size.
     weight_bytes: tuple[int, ...] = ()
+    # Per cut, the part of ``crossing_bytes`` first saved at or after it (``saved_bytes`` files it there): a
+    # stage keeps all it receives, so it holds ``crossing_bytes`` of its first cut, less these, besides its saves.
+    received_saved_bytes: tuple[int, ...] = ()
     # Per field, the part that does not grow with the microbatch (position embeddings, masks, weights),
     # from a second capture at twice the microbatch (:func:`with_fixed_parts`); ``weight_bytes`` without it.
     fixed: tuple[tuple[str, tuple[int, ...]], ...] = ()
@@ -129,7 +135,7 @@ class GraphProfile:
 
 # What grows with the microbatch (less any fixed part); parameters and operation counts do not.
 SCALED_FIELDS = ("flops", "bytes_moved", "saved_bytes", "forward_all_reduce", "forward_gather", "backward_all_reduce",
-                 "backward_gather", "crossing_bytes")
+                 "backward_gather", "crossing_bytes", "received_saved_bytes")
 
 
 def _collective_name(node: fx.Node) -> str | None:
@@ -152,9 +158,9 @@ class _SavedBytesRecorder(fx.Interpreter):
     """Runs the graph with autograd on, filing what autograd saves under the unit computing it,
     and the bytes of every tensor-parallel collective."""
 
-    def __init__(self, module: fx.GraphModule, units: GraphUnits, tp: int) -> None:
+    def __init__(self, module: fx.GraphModule, units: GraphUnits, tp: int, device_type: str) -> None:
         super().__init__(module)
-        self.units, self.tp = units, tp
+        self.units, self.tp, self.device_type = units, tp, device_type
         count = len(units)
         self.saved = [0] * count
         self.comm = {key: [0] * count for key in ("forward_all_reduce", "forward_gather", "backward_all_reduce",
@@ -163,6 +169,8 @@ class _SavedBytesRecorder(fx.Interpreter):
         self._seen: set[int] = set()
         self._parameters = {id(p) for p in module.parameters()}
         self._keep_alive: list[torch.Tensor] = []  # ids stay unique while the run lasts
+        self._made_in: dict[int, int] = {}  # a node's output storage -> the unit computing it (-1: an input)
+        self._late: list[tuple[int, int, int]] = []  # (made in, first saved in, bytes) of a later unit's saves
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         base = tensor if tensor._base is None else tensor._base
@@ -170,7 +178,29 @@ class _SavedBytesRecorder(fx.Interpreter):
             self._seen.add(id(base))
             self._keep_alive.append(base)
             self.saved[self._unit] += _tensor_bytes(base)
+            made_in = self._made_in.get(id(base), self._unit)
+            if made_in < self._unit:
+                self._late.append((made_in, self._unit, _tensor_bytes(base)))
         return tensor
+
+    def received_saved(self) -> list[int]:
+        """``bytes[k]``: what crosses a cut before unit ``k`` and is first saved at or after it (index 0 unused):
+        a stage starting at ``k`` keeps what it receives, so these saves are its received inputs."""
+        delta = [0] * (len(self.saved) + 2)
+        for made_in, saved_in, nbytes in self._late:
+            delta[max(made_in + 1, 1)] += nbytes
+            delta[saved_in + 1] -= nbytes
+        return list(itertools.accumulate(delta[:len(self.saved) + 1]))
+
+    def _note_outputs(self, node: fx.Node, result) -> None:
+        made_in = -1 if node.op == "placeholder" else self.units.unit_of.get(node)
+        if made_in is None:  # constants and buffers: every stage holds its own
+            return
+        for value in pytree.tree_leaves(result):
+            if isinstance(value, torch.Tensor):
+                base = value if value._base is None else value._base
+                self._keep_alive.append(base)
+                self._made_in.setdefault(id(base), made_in)
 
     def _add(self, key: str, nbytes: int) -> None:
         self.comm[key][self._unit] += nbytes
@@ -195,9 +225,15 @@ class _SavedBytesRecorder(fx.Interpreter):
             else:
                 self._add("forward_all_reduce", _tensor_bytes(result))
 
+    def call_function(self, target, args, kwargs):
+        if target in ATTENTION_TARGETS:  # as the run's device computes it, not as meta does
+            return attention_on(self.device_type, *args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
     def run_node(self, node: fx.Node):
         self._unit = self.units.unit_of.get(node)
         result = super().run_node(node)
+        self._note_outputs(node, result)
         name = _collective_name(node)
         if name is None or self._unit is None or self.tp == 1:
             return result
@@ -239,8 +275,10 @@ def _shared_params(units: GraphUnits) -> tuple[tuple[int, tuple[int, ...]], ...]
 
 
 def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor], *, trace_method: str,
-                  input_names=None, leaf_modules=(), tp: int = 1, sequence_parallel: bool = False) -> GraphProfile:
-    """Capture ``model`` (already split for tensor rank 0, weights on meta) and measure it."""
+                  input_names=None, leaf_modules=(), tp: int = 1, sequence_parallel: bool = False,
+                  device_type: str = "cpu") -> GraphProfile:
+    """Capture ``model`` (already split for tensor rank 0, weights on meta) and measure it; what autograd saves
+    as on ``device_type`` (its attention kernels save different tensors)."""
     example_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
     names = list(input_names or default_input_names(model, example_inputs))
     captured = capture(model, {n: example_inputs[n] for n in names}, method=trace_method, input_names=names,
@@ -249,7 +287,7 @@ def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor
     units = GraphUnits(captured)
     inputs = {name: example_inputs[name] for name in captured.input_names}
     costs = measure_units(units, inputs)
-    recorder = _SavedBytesRecorder(captured.module, units, tp)
+    recorder = _SavedBytesRecorder(captured.module, units, tp, device_type)
     with simulated_groups(), buffers_on_meta(captured.module), \
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor):
         recorder.run(*[inputs[name] for name in captured.input_names])
@@ -261,20 +299,24 @@ def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor
         params=tuple(units.unit_params), saved_bytes=tuple(recorder.saved),
         **{key: tuple(values) for key, values in recorder.comm.items()},
         crossing_bytes=tuple(units.crossing_bytes(costs.value_bytes)), layer_starts=_layer_starts(units),
+        received_saved_bytes=tuple(recorder.received_saved()),
         output_bytes=costs.output_bytes, shared_params=_shared_params(units), weight_bytes=tuple(costs.weight_bytes))
 
 
-def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int = 1) -> GraphProfile:
-    """The profile of ``spec``'s model as the run's settings build it, at tensor-parallel degree ``tp``, with
-    what does not grow with the microbatch taken from a second capture at twice ``micro_batch_size``."""
+def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int = 1,
+                   device_type: str = "cpu") -> GraphProfile:
+    """The profile of ``spec``'s model as the run's settings build it, at tensor-parallel degree ``tp``, for a
+    run on ``device_type``, with what does not grow with the microbatch taken from a second capture at twice
+    ``micro_batch_size``."""
     profile = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
-                          micro_batch_size=micro_batch_size)
+                          micro_batch_size=micro_batch_size, device_type=device_type)
     larger = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
-                         micro_batch_size=2 * micro_batch_size)
+                         micro_batch_size=2 * micro_batch_size, device_type=device_type)
     return profile.with_fixed_parts(larger)
 
 
-def _profile_at(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int) -> GraphProfile:
+def _profile_at(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int,
+                device_type: str) -> GraphProfile:
     from merak.run_options import precision_options, sharding_options
     from merak.session import example_inputs
 
@@ -297,4 +339,4 @@ def _profile_at(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch
     options = sharding_options(spec, settings)
     return profile_graph(model, examples, trace_method=options.trace_method or "fx",
                          input_names=options.input_names, leaf_modules=options.leaf_modules, tp=tp,
-                         sequence_parallel=sequence_parallel)
+                         sequence_parallel=sequence_parallel, device_type=device_type)

@@ -427,6 +427,19 @@ def test_gpipe_holds_every_microbatch():
     assert activation_bytes(model, layout(pp=4, schedule="gpipe")) == [8 * per_microbatch] * 4
 
 
+def test_a_stage_keeps_what_it_receives_besides_its_saves():
+    profile = synthetic_profile()
+    # Of what crosses each cut, the profile files half under a later unit's saves; the other half no unit saves,
+    # yet a stage starting there keeps it (its received input) until the microbatch's backward.
+    with_inputs = dataclasses.replace(profile, received_saved_bytes=tuple(c // 2 for c in profile.crossing_bytes))
+    chosen = layout(pp=4)
+    plain = activation_bytes(gpu_model(profile), chosen)
+    received = activation_bytes(gpu_model(with_inputs), chosen)
+    in_flight = [4, 3, 2, 1]  # 1F1B: stage s holds pp - s microbatches
+    assert received[0] == plain[0]  # the first stage is fed the model's inputs
+    assert [r - p for r, p in zip(received[1:], plain[1:])] == [n * HIDDEN // 2 for n in in_flight[1:]]
+
+
 def test_recompute_keeps_layer_inputs_and_one_layer():
     model = gpu_model()
     plain = activation_bytes(model, layout(pp=4))
