@@ -158,10 +158,16 @@ def _reduction_links(calibration: Calibration, link: Link) -> dict[int, Link]:
     return links
 
 
-def _hops(all_reduced: float, gathered: float, size: int) -> int:
-    """Ring steps of an all-reduce of ``all_reduced`` bytes and an all-gather of ``gathered`` bytes (nothing
-    for nothing to move) over ``size`` ranks."""
-    return (2 * (size - 1) if all_reduced else 0) + (size - 1 if gathered else 0)
+def _hops(all_reduces: int, gathers: int, size: int) -> int:
+    """Ring steps of ``all_reduces`` all-reduces and ``gathers`` all-gathers (or reduce-scatters) over ``size``
+    ranks."""
+    return 2 * (size - 1) * all_reduces + (size - 1) * gathers
+
+
+def _calls(profile: GraphProfile, field: str) -> tuple[int, ...]:
+    """How many collectives make up ``field``'s bytes in each unit (a profile without the counts: one per unit
+    that moves bytes)."""
+    return getattr(profile, f"{field}_calls") or tuple(int(bool(b)) for b in getattr(profile, field))
 
 
 def p2p_seconds(nbytes: float, link: Link) -> float:
@@ -424,9 +430,10 @@ class CostModel:
                       for r, g in zip(profile.forward_all_reduce, profile.forward_gather)]
         tp_backward = [all_reduce_seconds(r, layout.tp, moving) + gather_seconds(g, layout.tp, moving)
                        for r, g in zip(profile.backward_all_reduce, profile.backward_gather)]
-        tp_forward_hops = [_hops(r, g, layout.tp) for r, g in zip(profile.forward_all_reduce, profile.forward_gather)]
-        tp_backward_hops = [_hops(r, g, layout.tp)
-                            for r, g in zip(profile.backward_all_reduce, profile.backward_gather)]
+        tp_forward_hops = [_hops(r, g, layout.tp) for r, g in zip(_calls(profile, "forward_all_reduce"),
+                                                                   _calls(profile, "forward_gather"))]
+        tp_backward_hops = [_hops(r, g, layout.tp) for r, g in zip(_calls(profile, "backward_all_reduce"),
+                                                                    _calls(profile, "backward_gather"))]
         starts = [k for k in profile.layer_starts if 0 < k < len(profile)]
         kept = [profile.crossing_bytes[k] if k in set(starts) else 0 for k in range(len(profile))]
         edges = [*starts, len(profile)]

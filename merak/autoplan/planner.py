@@ -121,7 +121,7 @@ def _dtype_name(trainer) -> str:
     return "bfloat16" if precision.bf16 else "float16" if precision.fp16 else "float32"
 
 
-PROFILE_FORMAT = 5  # bump when GraphProfile or what it measures changes: cached profiles are then taken again
+PROFILE_FORMAT = 6  # bump when GraphProfile or what it measures changes: cached profiles are then taken again
 
 
 def cache_directory() -> Path:

@@ -7,8 +7,8 @@ worker would split it (collectives simulated), captured, and run once on meta te
 * per unit, as :mod:`merak.shard.costs` measures for the partitioner: matrix FLOPs, bytes moved,
   operations, parameters (rank-local, counted once);
 * per unit, the bytes autograd saves for backward (what the activation meter counts in a run);
-* per unit, the bytes of the tensor-parallel collectives in its forward and in its backward
-  (merak's collective ops are nodes of the captured graph);
+* per unit, the bytes of the tensor-parallel collectives in its forward and in its backward, and how
+  many collectives move them (merak's collective ops are nodes of the captured graph);
 * per cut between units, the bytes that cross it (what a stage boundary would send).
 
 A profile is taken at one microbatch size; everything but parameters and operation counts grows
@@ -85,6 +85,13 @@ class GraphProfile:
     shared_params: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # The part of ``bytes_moved`` read from weights and buffers: the same at every microbatch size.
     weight_bytes: tuple[int, ...] = ()
+    # Per unit, how many collectives make up each of the four byte counts above (a unit may hold several, e.g.
+    # BERT's separate query, key and value projections each all-reduce their input's gradient): each pays the
+    # ring's latency. Empty (a profile without them): one per unit that moves bytes.
+    forward_all_reduce_calls: tuple[int, ...] = ()
+    forward_gather_calls: tuple[int, ...] = ()
+    backward_all_reduce_calls: tuple[int, ...] = ()
+    backward_gather_calls: tuple[int, ...] = ()
     # Per cut, the part of ``crossing_bytes`` first saved at or after it (``saved_bytes`` files it there): a
     # stage keeps all it receives, so it holds ``crossing_bytes`` of its first cut, less these, besides its saves.
     received_saved_bytes: tuple[int, ...] = ()
@@ -133,6 +140,8 @@ class GraphProfile:
         return cls(**values)
 
 
+COLLECTIVE_FIELDS = ("forward_all_reduce", "forward_gather", "backward_all_reduce", "backward_gather")
+
 # What grows with the microbatch (less any fixed part); parameters and operation counts do not.
 SCALED_FIELDS = ("flops", "bytes_moved", "saved_bytes", "forward_all_reduce", "forward_gather", "backward_all_reduce",
                  "backward_gather", "crossing_bytes", "received_saved_bytes")
@@ -163,8 +172,8 @@ class _SavedBytesRecorder(fx.Interpreter):
         self.units, self.tp, self.device_type = units, tp, device_type
         count = len(units)
         self.saved = [0] * count
-        self.comm = {key: [0] * count for key in ("forward_all_reduce", "forward_gather", "backward_all_reduce",
-                                                   "backward_gather")}
+        self.comm = {key: [0] * count for key in COLLECTIVE_FIELDS}
+        self.calls = {key: [0] * count for key in COLLECTIVE_FIELDS}
         self._unit: int | None = None
         self._seen: set[int] = set()
         self._parameters = {id(p) for p in module.parameters()}
@@ -202,8 +211,9 @@ class _SavedBytesRecorder(fx.Interpreter):
                 self._keep_alive.append(base)
                 self._made_in.setdefault(id(base), made_in)
 
-    def _add(self, key: str, nbytes: int) -> None:
+    def _add(self, key: str, nbytes: int, calls: int = 1) -> None:
         self.comm[key][self._unit] += nbytes
+        self.calls[key][self._unit] += calls
 
     def _linear_traffic(self, name: str, node: fx.Node, result) -> None:
         """The collectives inside merak's fused tensor-parallel linears (merak.tensor_parallel.linear_ops)."""
@@ -213,7 +223,8 @@ class _SavedBytesRecorder(fx.Interpreter):
             if mode == "gather":  # sequence parallel: gather the input, reduce-scatter its gradient
                 full = _tensor_bytes(x) * self.tp
                 self._add("forward_gather", full)
-                self._add("backward_gather", 2 * full)  # the input is gathered again for the weight gradient
+                self._add("backward_gather", 2 * full, calls=2)  # the input is gathered again for the weight
+                # gradient, and its gradient reduce-scattered
             elif mode != "none":
                 self._add("backward_all_reduce", _tensor_bytes(x))
         else:  # row_linear
@@ -298,6 +309,7 @@ def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor
         flops=tuple(costs.flops), bytes_moved=tuple(costs.bytes_moved), ops=tuple(costs.ops),
         params=tuple(units.unit_params), saved_bytes=tuple(recorder.saved),
         **{key: tuple(values) for key, values in recorder.comm.items()},
+        **{f"{key}_calls": tuple(values) for key, values in recorder.calls.items()},
         crossing_bytes=tuple(units.crossing_bytes(costs.value_bytes)), layer_starts=_layer_starts(units),
         received_saved_bytes=tuple(recorder.received_saved()),
         output_bytes=costs.output_bytes, shared_params=_shared_params(units), weight_bytes=tuple(costs.weight_bytes))

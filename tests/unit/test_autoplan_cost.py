@@ -499,6 +499,20 @@ def test_tensor_parallel_collectives_cost_time():
     assert silent.step_s < small.step_s < large.step_s
 
 
+def test_every_collective_of_a_unit_pays_the_rings_latency():
+    # A layer's first unit all-reducing its gradient in three collectives (as separate query, key and value
+    # projections do) rather than one: the same bytes, two more rings' latency per layer and microbatch.
+    chosen = layout(tp=2, num_microbatches=4)
+    one = tp_model(HIDDEN).predict(chosen).breakdown["tp_comm_s"]
+    split = synthetic_profile(forward_all_reduce=HIDDEN, backward_all_reduce=HIDDEN, tp=2)
+    calls = tuple(3 * int(bool(b)) for b in split.backward_all_reduce)
+    three = dataclasses.replace(split, backward_all_reduce_calls=calls)
+    model = CostModel(lambda tp, sequence_parallel: three if tp > 1 else synthetic_profile(), preset("h100-80"))
+    latency = preset("h100-80").intra_node.latency_us * 1e-6
+    ring = 2 * (2 - 1)  # ring steps of an all-reduce among two
+    assert model.predict(chosen).breakdown["tp_comm_s"] - one == pytest.approx(4 * LAYERS * 2 * ring * latency)
+
+
 def test_one_tensor_rank_has_no_collectives():
     profile = synthetic_profile(forward_all_reduce=16 * HIDDEN, backward_all_reduce=16 * HIDDEN)
     assert sum(profile.forward_all_reduce) == LAYERS * 16 * HIDDEN

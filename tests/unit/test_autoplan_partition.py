@@ -55,6 +55,18 @@ def test_pieces_start_where_the_runtime_cuts_the_stages(cache_dir, recipe, model
     assert compared >= 6
 
 
+@pytest.mark.parametrize("recipe,forward,backward", [("gpt", 2, 2), ("bert", 2, 4)])
+def test_the_profile_counts_each_tensor_parallel_collective(cache_dir, recipe, forward, backward):
+    # Per layer of the toys (4): the attention's and the MLP's row-parallel outputs all-reduce in forward; the
+    # column-parallel inputs' gradients in backward (GPT-2's fused query-key-value projection once, BERT's
+    # separate query, key and value projections once each, and the MLP's).
+    spec, cfg = compose_recipe(recipe, ["model=toy"])
+    profile = ProfileCache(spec, resolve_settings(spec, cfg), directory=cache_dir / "profiles")(2, False)
+    assert sum(profile.forward_all_reduce_calls) == 4 * forward
+    assert sum(profile.backward_all_reduce_calls) == 4 * backward
+    assert sum(profile.forward_gather_calls) == sum(profile.backward_gather_calls) == 0
+
+
 def _profile(units: int = 12) -> GraphProfile:
     """Twelve units: an embedding, ten equal layers (a layer boundary sends the least), a heavy head."""
     flops = (0, *(10_000_000,) * (units - 2), 40_000_000)
