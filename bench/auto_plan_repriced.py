@@ -137,7 +137,8 @@ def _measurement(saved: dict) -> tuple[Cluster, Calibration]:
         "gradient_all_reduces": tuple(map(tuple, calibration.get("gradient_all_reduces", ()))),
         "zero_step_differences": tuple(map(tuple, calibration.get("zero_step_differences", ()))),
         "microbatch_load_seconds": tuple(map(tuple, calibration.get("microbatch_load_seconds", ()))),
-        "busy_collectives": tuple(map(tuple, calibration.get("busy_collectives", ())))})
+        "busy_collectives": tuple(map(tuple, calibration.get("busy_collectives", ()))),
+        "lone_collectives": tuple(map(tuple, calibration.get("lone_collectives", ())))})
 
 
 def measured_groups(paths: list[str]) -> dict:

@@ -14,7 +14,14 @@ compute between the collectives did not lengthen it (``bench/busy_collective_wai
 Here every group of each size computes a little between small all-reduces, every group at once, as
 tensor-parallel ranks do: the time per collective is the time of such a stretch over the same
 computing without the all-reduces, the blocks alternating so that a drift of the machine's speed falls
-on both. Runs inside the calibration's processes (``torch.distributed`` already set up).
+on both. Then one group of each size does so alone, the other processes asleep, as a pipeline's other
+stages wait while one stage computes: that is not the collective's bare cost either. A process that
+computes between collectives arrives when its partner already sleeps in the collective, and waking it
+takes most of a millisecond on this machine (``bench/gloo_collectives.py``: a pair's small all-reduce
+between about a millisecond of compute, nothing else running, 1.4 ms among eight processes and 1.6 among
+four, where a back-to-back one takes 0.6). A run's stage pays about the lone time when its group computes
+alone, the busy time when every process computes, and in between as many processes as run beside it.
+Runs inside the calibration's processes (``torch.distributed`` already set up).
 """
 
 from __future__ import annotations
@@ -32,12 +39,14 @@ COLLECTIVES_PER_BLOCK = 10
 BLOCK_PAIRS = 10  # blocks with and without the all-reduces, alternating
 
 
-def _stretch(filler: torch.Tensor, message: torch.Tensor, group, with_collectives: bool) -> float:
+def _stretch(filler: torch.Tensor, message: torch.Tensor, group, with_collectives: bool,
+             taking_part: bool = True) -> float:
     """The slowest process's time per repetition of computing (and, ``with_collectives``, all-reducing
-    in ``group``), all processes starting together."""
+    in ``group``), all processes starting together; a process not ``taking_part`` waits for them, asleep in
+    the closing all-reduce."""
     dist.barrier()
     started = time.perf_counter()
-    for _ in range(COLLECTIVES_PER_BLOCK):
+    for _ in range(COLLECTIVES_PER_BLOCK if taking_part else 0):
         for _ in range(FILLER_PRODUCTS):
             filler @ filler
         if with_collectives:
@@ -45,6 +54,15 @@ def _stretch(filler: torch.Tensor, message: torch.Tensor, group, with_collective
     elapsed = torch.tensor([(time.perf_counter() - started) / COLLECTIVES_PER_BLOCK], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a synchronous step waits for the slowest
     return elapsed.item()
+
+
+def _added_seconds(filler: torch.Tensor, message: torch.Tensor, group, taking_part: bool) -> float:
+    """The median over :data:`BLOCK_PAIRS` pairs of blocks of what the all-reduces add (never below zero)."""
+    differences = []
+    for _ in range(BLOCK_PAIRS):
+        computing = _stretch(filler, message, group, False, taking_part)
+        differences.append(_stretch(filler, message, group, True, taking_part) - computing)
+    return max(0.0, statistics.median(differences))
 
 
 def own_group(size: int):
@@ -67,9 +85,20 @@ def time_busy_collectives(sizes: list[int]) -> dict[int, float]:
     for size in sizes:
         group = own_group(size)
         dist.all_reduce(message, group=group)  # warm-up: the group's connections
-        differences = []
-        for _ in range(BLOCK_PAIRS):
-            computing = _stretch(filler, message, group, with_collectives=False)
-            differences.append(_stretch(filler, message, group, with_collectives=True) - computing)
-        waits[size] = max(0.0, statistics.median(differences))
+        waits[size] = _added_seconds(filler, message, group, taking_part=True)
+    return waits
+
+
+def time_lone_collectives(sizes: list[int]) -> dict[int, float]:
+    """:func:`time_busy_collectives` with only the first group of each size (of fewer than all the processes)
+    computing and all-reducing, the other processes asleep meanwhile, as a pipeline's other stages wait for
+    their inputs. Every rank must call it."""
+    filler = torch.randn(FILLER_SIDE, FILLER_SIDE)
+    message = torch.zeros(MESSAGE_ELEMENTS)
+    rank, processes = dist.get_rank(), dist.get_world_size()
+    waits = {}
+    for size in (s for s in sizes if s < processes):
+        group = own_group(size)
+        dist.all_reduce(message, group=group)
+        waits[size] = _added_seconds(filler, message, group, taking_part=rank < size)
     return waits

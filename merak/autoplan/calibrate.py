@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from merak.assemble import CallModel, default_input_names
-from merak.autoplan.busy_collectives import own_group, time_busy_collectives
+from merak.autoplan.busy_collectives import own_group, time_busy_collectives, time_lone_collectives
 from merak.autoplan.profile import GraphProfile
 from merak.compat.allocator import keep_freed_memory
 from merak.distributed.launch import spawn_workers
@@ -124,6 +124,9 @@ class Calibration:
             of ``processes`` processes at once and each process computing between its collectives, as
             tensor-parallel ranks do (:mod:`merak.autoplan.busy_collectives`): its receivers wait for cores
             held by computing processes, longer than ``all_reduce_s`` says, whose processes all wait in it.
+        lone_collectives: ``(group size, seconds)``: the same in one group of that size (fewer than all)
+            while the other processes sleep, as a pipeline's stages wait while one computes: a partner that
+            sleeps in the collective while its peer computes is slow to wake.
         microbatch_load_seconds: ``(microbatch, seconds)``: reading and collating a microbatch of that many
             samples from the recipe's dataset, one process alone, at every size timed (a step's first stage
             loads its microbatches before it computes: a small model with a masking collator spends a tenth
@@ -147,6 +150,7 @@ class Calibration:
     zero_step_differences: tuple[tuple[int, float], ...] = ()
     step_scalars_s: float | None = None
     busy_collectives: tuple[tuple[int, float], ...] = ()
+    lone_collectives: tuple[tuple[int, float], ...] = ()
     microbatch_load_seconds: tuple[tuple[int, float], ...] = ()
     split_backward_factor: float = 1.0
     split_backward_micro_batch: int = 1
@@ -190,6 +194,14 @@ class Calibration:
         all-reduce's :attr:`busy_collectives` time over its ``2 (size - 1)`` steps); None: not timed."""
         timed = dict(self.busy_collectives)
         if group_size < 2 or group_size not in timed:
+            return None
+        return timed[group_size] / (2 * (group_size - 1))
+
+    def lone_hop_seconds(self, group_size: int) -> float | None:
+        """:meth:`hop_seconds` with the group computing alone (:attr:`lone_collectives`); None: not timed (a
+        group of every process is never alone)."""
+        timed = dict(self.lone_collectives)
+        if group_size < 2 or group_size not in timed or group_size >= self.processes:
             return None
         return timed[group_size] / (2 * (group_size - 1))
 
@@ -369,6 +381,7 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
         all_reduce = (time.perf_counter() - started) / ALL_REDUCES
         scalars = _step_scalar_reductions()
         busy = time_busy_collectives(group_sizes(dist.get_world_size()))
+        lone = time_lone_collectives(group_sizes(dist.get_world_size()))
         gradients = _gradient_all_reduces(model)
         optimizer = _optimizer_steps(model)
         zero = _zero_step_ends(model)
@@ -376,7 +389,7 @@ def _concurrent_worker(spec, settings, micro_batch_size: int, threads: int, step
         dist.destroy_process_group()
     write_json_atomic(os.path.join(out_dir, f"rank{rank}.json"),
                       {"step_s": times, "alone_s": alone, "all_reduce_s": all_reduce, "step_scalars_s": scalars,
-                       "busy_collectives_s": busy,
+                       "busy_collectives_s": busy, "lone_collectives_s": lone,
                        "optimizer_s": optimizer, "zero_step_ends_s": zero, **gradients})
 
 
@@ -522,7 +535,8 @@ def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, th
     between those steps), ``slowdown`` (the median of each such step over the alone one after it: timed moments
     apart, a drift of the machine's speed hardly tilts it), ``all_reduce_s`` (a small one), ``step_scalars_s`` (a
     step's scalar reductions), ``busy_collectives_s`` (by group size: a small all-reduce with the processes
-    computing between them, :mod:`merak.autoplan.busy_collectives`), ``gradient_all_reduces_s`` (by group size),
+    computing between them, :mod:`merak.autoplan.busy_collectives`), ``lone_collectives_s`` (the same in one group
+    alone, the others asleep), ``gradient_all_reduces_s`` (by group size),
     ``gradient_all_reduce_bytes``, ``optimizer_s`` (the clip and step, all at once) and ``zero_step_differences_s``
     (by group size: ZeRO-1's step end over the plain one). A synchronous step (or collective) waits for the slowest
     process: each time is the median over the repetitions of the slowest process's (processes sharing cores finish a
@@ -543,6 +557,7 @@ def measure_concurrent(spec, settings, micro_batch_size: int, processes: int, th
             "all_reduce_s": statistics.median(r["all_reduce_s"] for r in reports),
             "step_scalars_s": statistics.median(r["step_scalars_s"] for r in reports),
             "busy_collectives_s": {int(size): seconds for size, seconds in reports[0]["busy_collectives_s"].items()},
+            "lone_collectives_s": {int(size): seconds for size, seconds in reports[0]["lone_collectives_s"].items()},
             "gradient_all_reduces_s": {int(size): slowest(r["gradient_all_reduces_s"][size] for r in reports)
                                        for size in reports[0]["gradient_all_reduces_s"]},
             "gradient_all_reduce_bytes": reports[0]["gradient_all_reduce_bytes"],
@@ -706,7 +721,7 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
     logger.info("%d processes at once: %.1f ms per step each (%.2fx one alone between them, %.1f ms); among them "
                 "a small all-reduce %.2f ms, a step's scalar reductions %.2f ms, the gradients (%.3g MB) reduced "
                 "in groups of %s: %s ms (ZeRO-1's step end %s ms more), a small all-reduce in those groups between "
-                "computing %s ms; the clip and optimizer step %.1f ms",
+                "computing %s ms (one group alone: %s ms); the clip and optimizer step %.1f ms",
                 processes,
                 concurrent["step_s"] * 1e3, slowdown, concurrent["alone_s"] * 1e3, concurrent["all_reduce_s"] * 1e3,
                 concurrent["step_scalars_s"] * 1e3, concurrent["gradient_all_reduce_bytes"] / 1e6,
@@ -714,10 +729,12 @@ def measure(spec, settings, profile: GraphProfile, rates: MachineRates, *, micro
                 ", ".join(f"{seconds * 1e3:.1f}" for _, seconds in reductions),
                 ", ".join(f"{seconds * 1e3:.1f}" for _, seconds in zero),
                 ", ".join(f"{seconds * 1e3:.2f}" for _, seconds in sorted(concurrent["busy_collectives_s"].items())),
+                ", ".join(f"{seconds * 1e3:.2f}" for _, seconds in sorted(concurrent["lone_collectives_s"].items())),
                 concurrent["optimizer_s"] * 1e3)
     return dataclasses.replace(
         calibration, processes=processes, concurrent_slowdown=slowdown, all_reduce_s=concurrent["all_reduce_s"],
         step_scalars_s=concurrent["step_scalars_s"], gradient_all_reduces=reductions,
         busy_collectives=tuple(sorted(concurrent["busy_collectives_s"].items())),
+        lone_collectives=tuple(sorted(concurrent["lone_collectives_s"].items())),
         gradient_all_reduce_bytes=concurrent["gradient_all_reduce_bytes"], zero_step_differences=zero,
         concurrent_optimizer_seconds_per_parameter=concurrent["optimizer_s"] / max(alone["parameters"], 1))

@@ -519,14 +519,23 @@ class CostModel:
         measured = self.calibration.slowdown(busy, self.cluster.cores_per_node)
         return 1 / measured if measured is not None else self.cluster.compute_share(busy)
 
-    def _tp_hop_seconds(self, tp: int) -> float:
-        """A ring step's latency in a tensor-parallel group of ``tp`` with every process busy: as the
-        calibration timed a small all-reduce in such groups while the processes computed between them (on
-        this machine's node), else the link's (from the small all-reduce among all processes where timed)."""
-        link = _group_links(self.cluster, 1, tp, 1)[0]
-        timed = self.calibration.hop_seconds(tp) if self.cluster.cores_per_node is not None \
-            and tp <= self.cluster.devices_per_node else None
-        return timed if timed is not None else link.latency_us * 1e-6
+    def _tp_hop_seconds(self, tp: int, busy: float | None = None) -> float:
+        """A ring step's latency in a tensor-parallel group of ``tp`` with ``busy`` processes of the node
+        running (None: every one). On this machine's node as the calibration timed a small all-reduce in such
+        groups, their processes computing between collectives: with every process busy, and with the group
+        alone, in proportion to the processes running in between. Else the link's (from the small
+        all-reduce among all processes where timed), scaled by :meth:`_latency_scale`."""
+        here = self.cluster.cores_per_node is not None
+        crowded = self.calibration.hop_seconds(tp) if here else None
+        if crowded is None:
+            crowded = _group_links(self.cluster, 1, tp, 1)[0].latency_us * 1e-6
+        if busy is None:
+            return crowded
+        lone = self.calibration.lone_hop_seconds(tp) if here else None
+        if lone is None:
+            return crowded * self._latency_scale(busy)
+        share = min(1.0, max(0.0, (busy - tp) / (self.calibration.processes - tp)))
+        return lone + (crowded - lone) * share
 
     def _latency_scale(self, busy: float) -> float:
         """How the measured hop latency (every process of the calibration taking part) scales when ``busy``
@@ -587,9 +596,8 @@ class CostModel:
         processes running while it computes) says."""
         spans = list(itertools.pairwise(bounds))
         count = len(spans)
-        hop = self._tp_hop_seconds(layout.tp)
         stage_slowdown = [1 / self._share(b) for b in stage_busy]
-        stage_latency = [hop * self._latency_scale(b) for b in stage_busy]
+        stage_latency = [self._tp_hop_seconds(layout.tp, b) for b in stage_busy]
         pieces = []
         for index, (first, last) in enumerate(spans):
             is_last = index == count - 1

@@ -128,11 +128,13 @@ def _busy_worker(out_dir: str) -> None:
     try:
         busy_collectives.dist.all_reduce = slow_all_reduce
         waits = busy_collectives.time_busy_collectives(calibrate.group_sizes(WORLD))
+        busy_groups, groups_seen = sorted(groups_seen), set()
+        lone = busy_collectives.time_lone_collectives(calibrate.group_sizes(WORLD))
     finally:
         busy_collectives.dist.all_reduce = real_all_reduce
         dist.destroy_process_group()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as handle:
-        json.dump({"waits": waits, "groups": sorted(groups_seen)}, handle)
+        json.dump({"waits": waits, "groups": busy_groups, "lone": lone, "lone_groups": sorted(groups_seen)}, handle)
 
 
 @pytest.mark.timeout(120)
@@ -148,3 +150,9 @@ def test_busy_collectives_time_what_an_all_reduce_adds_in_each_group_size(tmp_pa
             # What a collective adds over the computing alone: at least its sleep (the difference of two
             # timings, each the slowest process's), not much more on an idle machine.
             assert SIMULATED_WAIT_S * int(size) * 0.8 < wait < SIMULATED_WAIT_S * int(size) + 0.05
+        # Alone: only the first pair computes and all-reduces (a group of all four is never alone); every rank
+        # reports the pair's time.
+        assert list(report["lone"]) == ["2"]
+        assert SIMULATED_WAIT_S * 2 * 0.8 < report["lone"]["2"] < SIMULATED_WAIT_S * 2 + 0.05
+    assert reports[0]["lone_groups"] == reports[1]["lone_groups"] == [[0, 1]]  # the pairs' warm-up aside ...
+    assert reports[2]["lone_groups"] == reports[3]["lone_groups"] == [[2, 3]]  # ... the others never all-reduce

@@ -635,6 +635,25 @@ def test_tensor_parallel_latency_is_what_the_busy_groups_took_where_timed():
     # A group size not timed: the idle all-reduce's ring step.
     pairs_only = dataclasses.replace(timed, busy_collectives=((2, 0.006),))
     assert tp_seconds(pairs_only, dp=2, tp=4) == pytest.approx(collectives * 6 * hop, rel=1e-3)
+    # Timed with the pair alone too (the other processes asleep): a stage computing alone waits what the lone
+    # pair took, every process busy what the crowded pairs took.
+    lone = dataclasses.replace(timed, lone_collectives=((2, 0.002), (4, 0.01)))
+    assert tp_seconds(lone, tp=2, pp=4) == pytest.approx(collectives / 4 * 0.002, rel=1e-3)
+    assert tp_seconds(lone, dp=4, tp=2) == pytest.approx(collectives * 0.006, rel=1e-3)
+
+
+def test_a_tensor_groups_latency_runs_from_its_lone_to_its_crowded_timing_with_the_processes_busy():
+    two_cores = dataclasses.replace(this_machine(8, measure=False), cores_per_node=2)
+    calibration = Calibration(processes=8, busy_collectives=((2, 0.006), (8, 0.05)),
+                              lone_collectives=((2, 0.002),))
+    model = CostModel(lambda tp, sequence_parallel: synthetic_profile(), two_cores, calibration=calibration)
+    ring = 2  # steps of an all-reduce among two
+    assert model._tp_hop_seconds(2) == pytest.approx(0.006 / ring)  # every process busy
+    assert model._tp_hop_seconds(2, busy=2) == pytest.approx(0.002 / ring)  # the pair alone
+    assert model._tp_hop_seconds(2, busy=5) == pytest.approx(0.004 / ring)  # halfway
+    assert model._tp_hop_seconds(2, busy=8) == pytest.approx(0.006 / ring)
+    # A group of every process is never alone: its crowded timing, scaled as the idle all-reduce's.
+    assert model._tp_hop_seconds(8, busy=8) == pytest.approx(0.05 / 14)
 
 
 def test_one_microbatch_keeps_one_pipeline_stage_busy_at_a_time():
