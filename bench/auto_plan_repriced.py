@@ -25,12 +25,13 @@ repeats put each layout (the spread due to the calibration alone).
 
     .venv/bin/python bench/auto_plan_repriced.py [--against bench/results/auto_plan.json ...] [--repeats 2]
                                                  [--recipes gpt:toy] [--worlds 4] [--out FILE]
-                                                 [--calibrations FILE] [--fresh]
+                                                 [--calibrations FILE] [--fresh] [--without FIELD ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -63,9 +64,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a JSON of calibrations: used when it exists, else written with this run's")
     parser.add_argument("--fresh", action="store_true",
                         help="calibrate afresh rather than on what the sweep recorded (--calibrations still wins)")
+    parser.add_argument("--without", nargs="+", default=[], metavar="FIELD",
+                        help="price as if the recorded calibrations lacked these fields (e.g. lone_collectives: "
+                             "the cost model's fallback, as before the field was timed)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    unknown = set(args.without) - {field.name for field in dataclasses.fields(Calibration)}
+    if unknown:
+        parser.error(f"--without: not fields of a calibration: {', '.join(sorted(unknown))}")
     return args
 
 
@@ -75,7 +82,7 @@ def selected(group: dict, args: argparse.Namespace) -> bool:
             and (args.worlds is None or group["world"] in args.worlds))
 
 
-def reprice(group: dict, global_batch: int, measured: tuple[Cluster, Calibration] | None
+def reprice(group: dict, global_batch: int, measured: tuple[Cluster, Calibration] | None, without=()
             ) -> tuple[list[dict], tuple[Cluster, Calibration]]:
     """One plan of the group's recipe/world (measured afresh, or on ``measured``: a cluster and a calibration);
     each measured layout priced by it; and what it was measured on."""
@@ -91,7 +98,7 @@ def reprice(group: dict, global_batch: int, measured: tuple[Cluster, Calibration
         measured_memory = (row.get("memory_run") or {}).get("stage_memory")
         again = None
         if row.get("recalibrated_on"):  # priced again on the calibration timed before the layout's runs
-            again = report.on_calibration(_measurement(row["recalibrated_on"])[1]).price(
+            again = report.on_calibration(_measurement(row["recalibrated_on"], without)[1]).price(
                 candidate.layout).predicted_step_s
         priced.append({"key": row["key"], "predicted_step_s": candidate.predicted_step_s,
                        "measured_step_s": row["measured_step_s"],
@@ -117,16 +124,16 @@ def load_measurements(path: str | None) -> dict[str, list[tuple[Cluster, Calibra
     return {key: [_measurement(entry) for entry in repeats] for key, repeats in saved.items()}
 
 
-def sweep_measurements(group: dict) -> list[tuple[Cluster, Calibration]]:
+def sweep_measurements(group: dict, without=()) -> list[tuple[Cluster, Calibration]]:
     """The cluster and calibration the sweep planned this group with, if it recorded them."""
-    return [_measurement(group["measured_on"])] if group.get("measured_on") else []
+    return [_measurement(group["measured_on"], without)] if group.get("measured_on") else []
 
 
-def _measurement(saved: dict) -> tuple[Cluster, Calibration]:
+def _measurement(saved: dict, without=()) -> tuple[Cluster, Calibration]:
     """A saved cluster and calibration (:func:`auto_plan.measurement_json`). A calibration saved before these
     were kept: the split backward's microbatch was the second of its sizes, and the gradients' reduction
     was timed among all its processes only (``gradient_all_reduce_s``)."""
-    calibration = dict(saved["calibration"])
+    calibration = {name: value for name, value in saved["calibration"].items() if name not in without}
     sizes = [size for size, _ in calibration["size_factors"]]
     calibration.setdefault("split_backward_micro_batch", sizes[min(1, len(sizes) - 1)] if sizes else 1)
     whole = calibration.pop("gradient_all_reduce_s", None)
@@ -187,10 +194,11 @@ def main(argv=None) -> int:
         name = f"{group['recipe']}:{group['model']} world {group['world']}"
         repeats = []
         key = f"{group['recipe']}:{group['model']}:{group['world']}"
-        given = saved.get(key) or ([] if args.fresh else sweep_measurements(group))
+        given = saved.get(key) or ([] if args.fresh else sweep_measurements(group, args.without))
         for repeat in range(args.repeats):
             started = time.perf_counter()
-            priced, measured = reprice(group, global_batch, given[repeat] if repeat < len(given) else None)
+            priced, measured = reprice(group, global_batch, given[repeat] if repeat < len(given) else None,
+                                       args.without)
             repeats.append(priced)
             used.setdefault(key, []).append(measured)
             hits, count = within([r["step_error_pct"] for r in repeats[-1]], STEP_TOLERANCE_PCT)
