@@ -706,18 +706,30 @@ class CostModel:
         return bool(calibration.zero_step_differences) and calibration.gradient_all_reduce_bytes > 0 \
             and calibration.processes == layout.world_size
 
-    def _optimizer_seconds(self, layout: Layout, parameters: float, slowdown: float) -> float:
-        """The clip and optimizer step of a stage of ``parameters`` (with ZeRO each process updates its share,
-        unless the calibration timed ZeRO's whole end against the plain one: :meth:`_zero_step_difference`):
-        as timed with every process stepping at once when the calibration ran as many processes as
-        ``layout`` (every process ends its step at about the same time), else as one process alone took, or
-        the device's memory bandwidth says, slowed as the processes' compute is."""
-        if layout.zero_stage and not self._zero_timed(layout):
-            parameters /= layout.dp
+    def _stepped_parameters(self, layout: Layout, parameters: float) -> float:
+        """The parameters one process of a stage of ``parameters`` updates: with ZeRO its share, unless the
+        calibration timed ZeRO's whole end against the plain one (:meth:`_zero_step_difference`)."""
+        return parameters / layout.dp if layout.zero_stage and not self._zero_timed(layout) else parameters
+
+    def _optimizer_seconds(self, layout: Layout, parameters: float, slowdown: float,
+                           crowd: float | None = None) -> float:
+        """The clip and optimizer step of a stage of ``parameters`` (:meth:`_stepped_parameters`).
+
+        When the calibration ran as many processes as ``layout`` and timed them all stepping at once (every
+        process ends its step at about the same time, streaming its state through the memory and the cores
+        they share), the stage steps at the rate the calibration's processes stepped theirs together, among
+        ``crowd``: how many parameters the node's processes step meanwhile (:func:`stepping_crowds`; None:
+        every process as many as this stage), never faster than one process alone. Not timed together: as
+        one process alone took, or the device's memory bandwidth says, slowed as the processes' compute is."""
+        parameters = self._stepped_parameters(layout, parameters)
         calibration = self.calibration
         if calibration.concurrent_optimizer_seconds_per_parameter is not None \
                 and calibration.processes == layout.world_size:
-            return parameters * calibration.concurrent_optimizer_seconds_per_parameter
+            together = calibration.concurrent_optimizer_seconds_per_parameter
+            if crowd is None or not parameters:
+                return parameters * together
+            alone = parameters * (calibration.optimizer_seconds_per_parameter or 0.0)
+            return max(alone, crowd * together / calibration.processes)
         if calibration.optimizer_seconds_per_parameter is not None:
             return parameters * calibration.optimizer_seconds_per_parameter * slowdown
         return parameters * ADAM_BYTES_PER_PARAMETER / (self.cluster.accelerator.memory_bandwidth_gbs * 1e9) * slowdown
@@ -767,11 +779,17 @@ class CostModel:
         dp_seconds = [self._data_parallel_seconds(layout, p, precision, dp_link) for p in stage_params]
         tied_seconds = self._tied_seconds(layout, pieces, precision, tied_link)
         sync = self._sync_seconds(layout)
-        optimizer_seconds = [self._optimizer_seconds(layout, p, slowdown) for p in stage_params]
         load = self._load_seconds(layout, slowdown)
         lists = None
+        # Without a simulation, stage 0 ends last and the last stage first, as in every schedule here.
+        ends = [float(pp - stage) for stage in range(pp)]
         if simulate_schedule:
             ends, lists = self._simulated(layout, pieces, pp_link)
+        crowds = stepping_crowds([self._stepped_parameters(layout, p) for p in stage_params], ends,
+                                 layout.dp * layout.tp * on_a_node)
+        optimizer_seconds = [self._optimizer_seconds(layout, p, slowdown, crowd)
+                             for p, crowd in zip(stage_params, crowds)]
+        if simulate_schedule:
             # Each stage reduces its gradients and steps once its last backward is done.
             step = max(end + tied + dp + step_s for end, tied, dp, step_s
                        in zip(ends, tied_seconds, dp_seconds, optimizer_seconds)) + sync + load
@@ -808,6 +826,20 @@ def _stage_ends(lists, model: StageCostModel) -> list[float]:
     for event in simulate(lists, model).timeline:
         ends[event.stage] = max(ends[event.stage], event.end)
     return ends
+
+
+def stepping_crowds(stepped: Sequence[float], ends: Sequence[float], processes_per_stage: float) -> list[float]:
+    """Per pipeline stage, the parameters a node's processes step while it steps its own ``stepped[stage]``,
+    when the stages finish their last instruction at ``ends`` and each has ``processes_per_stage`` processes
+    on the node: the processes share the cores, each as long as it has work, so a stage is done once every
+    process has stepped as much as it (or all of its own, if less). A process whose stage finished earlier
+    has only its step left; one still computing (or a replica of this stage) is busy all along. A deep
+    pipeline's stages hold a fraction of the model each: the GPT toy's embedding stage ends last and steps
+    nearly alone; the BERT toy's last stage (on two stages all of its parameters) ends first and steps beside
+    the first stage's backward."""
+    return [processes_per_stage * sum(min(mine, theirs) if ends[other] <= ends[stage] and other != stage
+                                      else mine for other, theirs in enumerate(stepped))
+            for stage, mine in enumerate(stepped)]
 
 
 def _on_a_node(layout: Layout, devices_per_node: int) -> float:

@@ -22,6 +22,7 @@ from merak.autoplan.cost import (
     compute_overlaps,
     gather_seconds,
     quick_step_seconds,
+    stepping_crowds,
 )
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile
@@ -327,6 +328,42 @@ def test_the_optimizer_step_is_priced_as_timed_with_every_process_stepping():
     # Untimed together: one process's time, slowed as the processes' compute is.
     slowed = eight_on_two_cores(alone).predict(layout(dp=8)).breakdown["optimizer_s"]
     assert slowed == pytest.approx(params * 1e-9 * 5.0)
+
+
+def test_a_stage_steps_among_the_processes_still_stepping_or_computing():
+    # Stage 0 holds 4 parameters and ends last; stages 1 and 2 hold 1 and 8 and ended before it.
+    crowds = stepping_crowds([4.0, 1.0, 8.0], ends=[3.0, 2.0, 1.0], processes_per_stage=2)
+    # Stage 0 is done once every process has stepped 4 (or all of its own, if less): 2 x (4 + 1 + 4).
+    assert crowds[0] == pytest.approx(18.0)
+    # Stage 1 (ended second): stage 0 still computes all along, stage 2 steps more than it.
+    assert crowds[1] == pytest.approx(2 * (1 + 1 + 1))
+    # Stage 2 ended first: every other process is busy all along.
+    assert crowds[2] == pytest.approx(2 * 3 * 8.0)
+    # Stages ending together (replicas of one stage, or a step without a pipeline) share the cores alike.
+    assert stepping_crowds([5.0], ends=[1.0], processes_per_stage=8) == [pytest.approx(40.0)]
+
+
+def test_a_pipelines_heavy_stage_steps_faster_when_it_ends_last_than_first():
+    """GPT's embedding stage ends a 1F1B step last and steps once the others are done; a BERT-like head stage
+    ends it first and steps while the other stages still run their backward."""
+    heavy = 20 * PARAMS_PER_UNIT
+    per_stage = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT // 4
+    timed = Calibration(processes=8, concurrent_slowdown=5.0, optimizer_seconds_per_parameter=1e-9,
+                        concurrent_optimizer_seconds_per_parameter=6e-9)
+    base = synthetic_profile()
+    first = dataclasses.replace(base, params=(heavy, *base.params[1:]))
+    last = dataclasses.replace(base, params=(*base.params[:-1], heavy))
+    chosen = layout(dp=2, pp=4, num_microbatches=4, schedule="1f1b")
+    # Stage 0 (ends last): two processes of each stage, every one stepping as much as stage 0 or its own.
+    ending_last = eight_on_two_cores(timed, first).predict(chosen).breakdown["optimizer_s"]
+    assert ending_last == pytest.approx(2 * (heavy + per_stage + 3 * per_stage) * 6e-9 / 8)
+    # The head's stage (ends first): every process busy all along, the rate of all eight stepping at once.
+    ending_first = eight_on_two_cores(timed, last).predict(chosen).breakdown["optimizer_s"]
+    assert ending_first == pytest.approx((heavy + per_stage) * 6e-9)
+    # Never faster than one process alone.
+    slow_alone = dataclasses.replace(timed, optimizer_seconds_per_parameter=5e-9)
+    assert eight_on_two_cores(slow_alone, first).predict(chosen).breakdown["optimizer_s"] == \
+        pytest.approx((heavy + per_stage) * 5e-9)
 
 
 def test_zero_ends_a_step_as_the_plain_end_and_the_timed_difference_of_its_group_size():
