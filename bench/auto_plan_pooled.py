@@ -7,8 +7,9 @@ one measurement and one calibration. This pools sweeps taken hours apart:
 - **Noise floor.** A sweep times every layout in two runs (same code, minutes apart): the spread of their
   ratio is the noise of one measured step. ``--recalibrate`` sweeps price each layout on a second
   calibration right before its runs: the spread of the two predictions is the noise of one calibration.
-  From both, the share of rows a cost model *without any bias* would put within the tolerance, and the
-  chance that it puts every row of a sweep there.
+  From both, the share of rows a cost model right on average for every layout would put within the
+  tolerance (the measured step being the faster of two runs, such a model predicts a few percent long), and
+  the chance that it puts every row of a sweep there.
 - **Bias per layout.** Every row of every sweep is priced with the current cost model on the calibration
   its sweep recorded (deterministic: nothing is timed), and the rows of one layout are pooled across the
   sweeps: the geometric mean of predicted over measured is the cost model's bias for that layout, the
@@ -39,7 +40,7 @@ from auto_plan_repriced import reprice, sweep_measurements
 # 0.1 ms of a step) and which recorded the calibration they planned on.
 DEFAULT_SWEEPS = ["bench/results/auto_plan_a517f0f.json", "bench/results/auto_plan_a4d2f52.json",
                   "bench/results/auto_plan.json", "bench/results/auto_plan_recalibrated.json",
-                  "bench/results/auto_plan_lone_collectives.json"]
+                  "bench/results/auto_plan_lone_collectives.json", "bench/results/auto_plan_210eb90.json"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -135,8 +136,10 @@ def main(argv=None) -> int:
     sweeps = [(path, json.loads(Path(path).read_text(encoding="utf-8"))) for path in args.sweeps]
     tolerance = STEP_TOLERANCE_PCT
 
-    run_sigma = log_ratio_sigma(run_pair_log_ratios([s for _, s in sweeps]))
-    calibration_sigma = log_ratio_sigma(calibration_pair_log_ratios([s for _, s in sweeps]))
+    run_pairs = run_pair_log_ratios([s for _, s in sweeps])
+    calibration_pairs = calibration_pair_log_ratios([s for _, s in sweeps])
+    run_sigma, calibration_sigma = log_ratio_sigma(run_pairs), log_ratio_sigma(calibration_pairs)
+    apart = math.log1p(tolerance / 100)
     noise_sigma = math.hypot(measured_value_sigma(run_sigma), calibration_sigma)
     unbiased_share = share_within(noise_sigma, tolerance, measured_value_shift(run_sigma))
     rows = priced_rows(sweeps)
@@ -149,6 +152,9 @@ def main(argv=None) -> int:
     freedom = sum(b["sweeps"] - 1 for b in repeated)
     residual_sigma = math.sqrt(sum(r * r for r in residuals) / freedom) if freedom else 0.0
 
+    print(f"the same layout's two runs in a sweep: {sum(abs(r) > apart for r in run_pairs)} of {len(run_pairs)} "
+          f"more than {tolerance:.0f} % apart; its predictions on two calibrations: "
+          f"{sum(abs(r) > apart for r in calibration_pairs)} of {len(calibration_pairs)}")
     print(f"noise of one measured run: sigma {100 * run_sigma:.1f} % (the faster of two: "
           f"{100 * measured_value_sigma(run_sigma):.1f} %); of one calibration: {100 * calibration_sigma:.1f} %")
     print(f"a cost model right on average for every layout (predicting a typical run, which the faster of two "
@@ -167,10 +173,13 @@ def main(argv=None) -> int:
     common.write_json(args.out, {
         "benchmark": "auto_plan_pooled", "command": " ".join(sys.argv), "machine": common.machine_facts(),
         "sweeps": args.sweeps, "tolerance_pct": tolerance,
-        "noise": {"run_sigma": run_sigma, "measured_sigma": measured_value_sigma(run_sigma),
+        "noise": {"run_pairs": len(run_pairs), "run_pairs_apart": sum(abs(r) > apart for r in run_pairs),
+                  "calibration_pairs": len(calibration_pairs),
+                  "calibration_pairs_apart": sum(abs(r) > apart for r in calibration_pairs),
+                  "run_sigma": run_sigma, "measured_sigma": measured_value_sigma(run_sigma),
                   "measured_shift": measured_value_shift(run_sigma), "calibration_sigma": calibration_sigma,
-                  "combined_sigma": noise_sigma,
-                  "unbiased_share_within": unbiased_share, "unbiased_all_45_within": unbiased_share ** 45},
+                  "combined_sigma": noise_sigma, "unbiased_share_within": unbiased_share,
+                  "unbiased_all_45_within": unbiased_share ** 45},
         "rows_within": [hits, len(rows)], "layouts_bias_within": [bias_hits, len(repeated)],
         "residual_sigma": residual_sigma, "layouts": biases, "rows": rows})
     return 0
