@@ -5,8 +5,9 @@ cores both are noisy, so a single row's error mixes the cost model's bias for th
 one measurement and one calibration. This pools sweeps taken hours apart:
 
 - **Noise floor.** A sweep times every layout in two runs (same code, minutes apart): the spread of their
-  ratio is the noise of one measured step. ``--recalibrate`` sweeps price each layout on a second
-  calibration right before its runs: the spread of the two predictions is the noise of one calibration.
+  ratio is the noise of one measured step. ``--recalibrate`` sweeps record a second calibration taken right
+  before each layout's runs: the spread of the layout's predictions on the two (priced alike here) is the
+  noise of one calibration.
   From both, the share of rows a cost model right on average for every layout would put within the
   tolerance (the measured step being the faster of two runs, such a model predicts a few percent long), and
   the chance that it puts every row of a sweep there.
@@ -68,11 +69,12 @@ def run_pair_log_ratios(sweeps: list[dict]) -> list[float]:
     return ratios
 
 
-def calibration_pair_log_ratios(sweeps: list[dict]) -> list[float]:
-    """log(prediction on the calibration right before the layout's runs / on the plan's own), where recorded."""
+def calibration_pair_log_ratios(rows: list[dict]) -> list[float]:
+    """log(prediction on the calibration right before the layout's runs / on the plan's own) of the priced
+    rows whose sweep recorded both (both priced alike here, where a sweep priced a layout predicted more
+    than twice the best one's step in closed form on the plan's calibration)."""
     return [math.log(row["recalibrated_step_s"] / row["predicted_step_s"])
-            for sweep in sweeps for group in sweep["groups"] for row in group.get("rows", ())
-            if row.get("recalibrated_step_s") and row.get("predicted_step_s")]
+            for row in rows if row.get("recalibrated_step_s") and row.get("predicted_step_s")]
 
 
 def share_within(sigma: float, tolerance_pct: float, mean: float = 0.0) -> float:
@@ -136,13 +138,13 @@ def main(argv=None) -> int:
     sweeps = [(path, json.loads(Path(path).read_text(encoding="utf-8"))) for path in args.sweeps]
     tolerance = STEP_TOLERANCE_PCT
 
+    rows = priced_rows(sweeps)
     run_pairs = run_pair_log_ratios([s for _, s in sweeps])
-    calibration_pairs = calibration_pair_log_ratios([s for _, s in sweeps])
+    calibration_pairs = calibration_pair_log_ratios(rows)
     run_sigma, calibration_sigma = log_ratio_sigma(run_pairs), log_ratio_sigma(calibration_pairs)
     apart = math.log1p(tolerance / 100)
     noise_sigma = math.hypot(measured_value_sigma(run_sigma), calibration_sigma)
     unbiased_share = share_within(noise_sigma, tolerance, measured_value_shift(run_sigma))
-    rows = priced_rows(sweeps)
     hits = sum(abs(r["step_error_pct"]) <= tolerance for r in rows)
     biases = layout_biases(rows)
     repeated = [b for b in biases if b["sweeps"] > 1]
