@@ -711,25 +711,23 @@ class CostModel:
         calibration timed ZeRO's whole end against the plain one (:meth:`_zero_step_difference`)."""
         return parameters / layout.dp if layout.zero_stage and not self._zero_timed(layout) else parameters
 
-    def _optimizer_seconds(self, layout: Layout, parameters: float, slowdown: float,
-                           crowd: float | None = None) -> float:
-        """The clip and optimizer step of a stage of ``parameters`` (:meth:`_stepped_parameters`).
+    def _optimizer_seconds(self, layout: Layout, parameters: float, slowdown: float, crowd: float) -> float:
+        """The clip and optimizer step of a stage whose processes each update ``parameters``
+        (:meth:`_stepped_parameters`).
 
         When the calibration ran as many processes as ``layout`` and timed them all stepping at once (every
         process ends its step at about the same time, streaming its state through the memory and the cores
         they share), the stage steps at the rate the calibration's processes stepped theirs together, among
-        ``crowd``: how many parameters the node's processes step meanwhile (:func:`stepping_crowds`; None:
-        every process as many as this stage), never faster than one process alone. Not timed together: as
-        one process alone took, or the device's memory bandwidth says, slowed as the processes' compute is."""
-        parameters = self._stepped_parameters(layout, parameters)
+        ``crowd``: how many parameters the node's processes step meanwhile (:func:`stepping_crowds`), never
+        faster than one process alone. Not timed together: as one process alone took, or the device's
+        memory bandwidth says, slowed as the processes' compute is."""
         calibration = self.calibration
         if calibration.concurrent_optimizer_seconds_per_parameter is not None \
                 and calibration.processes == layout.world_size:
-            together = calibration.concurrent_optimizer_seconds_per_parameter
-            if crowd is None or not parameters:
-                return parameters * together
+            if not parameters:
+                return 0.0
             alone = parameters * (calibration.optimizer_seconds_per_parameter or 0.0)
-            return max(alone, crowd * together / calibration.processes)
+            return max(alone, crowd * calibration.concurrent_optimizer_seconds_per_parameter / calibration.processes)
         if calibration.optimizer_seconds_per_parameter is not None:
             return parameters * calibration.optimizer_seconds_per_parameter * slowdown
         return parameters * ADAM_BYTES_PER_PARAMETER / (self.cluster.accelerator.memory_bandwidth_gbs * 1e9) * slowdown
@@ -785,10 +783,9 @@ class CostModel:
         ends = [float(pp - stage) for stage in range(pp)]
         if simulate_schedule:
             ends, lists = self._simulated(layout, pieces, pp_link)
-        crowds = stepping_crowds([self._stepped_parameters(layout, p) for p in stage_params], ends,
-                                 layout.dp * layout.tp * on_a_node)
-        optimizer_seconds = [self._optimizer_seconds(layout, p, slowdown, crowd)
-                             for p, crowd in zip(stage_params, crowds)]
+        stepped = [self._stepped_parameters(layout, p) for p in stage_params]
+        crowds = stepping_crowds(stepped, ends, layout.dp * layout.tp * on_a_node)
+        optimizer_seconds = [self._optimizer_seconds(layout, p, slowdown, crowd) for p, crowd in zip(stepped, crowds)]
         if simulate_schedule:
             # Each stage reduces its gradients and steps once its last backward is done.
             step = max(end + tied + dp + step_s for end, tied, dp, step_s
