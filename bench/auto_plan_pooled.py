@@ -146,6 +146,9 @@ def main(argv=None) -> int:
     noise_sigma = math.hypot(measured_value_sigma(run_sigma), calibration_sigma)
     unbiased_share = share_within(noise_sigma, tolerance, measured_value_shift(run_sigma))
     hits = sum(abs(r["step_error_pct"]) <= tolerance for r in rows)
+    per_sweep = {path: [sum(abs(r["step_error_pct"]) <= tolerance for r in rows if r["sweep"] == path),
+                        sum(r["sweep"] == path for r in rows)] for path, _ in sweeps}
+    full_sweep = max(count for _, count in per_sweep.values())  # the rows of a sweep of every recipe/world
     biases = layout_biases(rows)
     repeated = [b for b in biases if b["sweeps"] > 1]
     bias_hits = sum(abs(b["bias_pct"]) <= tolerance for b in repeated)
@@ -162,9 +165,11 @@ def main(argv=None) -> int:
     print(f"a cost model right on average for every layout (predicting a typical run, which the faster of two "
           f"undercuts by {100 * math.expm1(measured_value_shift(run_sigma)):.1f} %) would put "
           f"{100 * unbiased_share:.0f} % of rows within {tolerance:.0f} %: "
-          f"{45 * unbiased_share:.1f} of a sweep's 45, all 45 with probability {unbiased_share ** 45:.1e}")
+          f"{full_sweep * unbiased_share:.1f} of a sweep's {full_sweep}, all {full_sweep} with probability "
+          f"{unbiased_share ** full_sweep:.1e}")
     print(f"the current cost model: {hits} of {len(rows)} rows within {tolerance:.0f} % "
-          f"({100 * hits / len(rows):.0f} %) over {len(sweeps)} sweeps")
+          f"({100 * hits / len(rows):.0f} %) over {len(sweeps)} sweeps: "
+          f"{', '.join(f'{Path(path).stem} {a}/{b}' for path, (a, b) in per_sweep.items())}")
     print(f"bias per layout (pooled over 2-{max(b['sweeps'] for b in biases)} sweeps): {bias_hits} of "
           f"{len(repeated)} layouts within {tolerance:.0f} %; the rows scatter about their layout's bias by "
           f"sigma {100 * residual_sigma:.1f} %")
@@ -181,8 +186,9 @@ def main(argv=None) -> int:
                   "run_sigma": run_sigma, "measured_sigma": measured_value_sigma(run_sigma),
                   "measured_shift": measured_value_shift(run_sigma), "calibration_sigma": calibration_sigma,
                   "combined_sigma": noise_sigma, "unbiased_share_within": unbiased_share,
-                  "unbiased_all_45_within": unbiased_share ** 45},
-        "rows_within": [hits, len(rows)], "layouts_bias_within": [bias_hits, len(repeated)],
+                  "full_sweep_rows": full_sweep, "unbiased_full_sweep_within": unbiased_share ** full_sweep},
+        "rows_within": [hits, len(rows)], "rows_within_per_sweep": per_sweep,
+        "layouts_bias_within": [bias_hits, len(repeated)],
         "residual_sigma": residual_sigma, "layouts": biases, "rows": rows})
     return 0
 
