@@ -112,17 +112,50 @@ def _forward_flops(plain: PlainLoop) -> float:
     return float(counter.get_total_flops())
 
 
-def _timed(loop, args) -> tuple[float, float]:
-    """Median seconds per iteration and the allocator's peak bytes (0 on the CPU)."""
+class _EnergyCounter:
+    """Joules from NVML's total-energy counter of the current CUDA device (None where unreadable).
+
+    Reads only: no clock or power setting is touched."""
+
+    def __init__(self) -> None:
+        self.device = None
+        if torch.cuda.is_available():
+            try:
+                from merak.energy.nvml import NVMLDevice
+
+                self.device = NVMLDevice(torch.cuda.current_device())
+            except RuntimeError as error:  # no NVML library or binding: report steps without joules
+                logger.warning("no energy readings: %s", error)
+
+    def read(self) -> float | None:
+        return self.device.energy() if self.device is not None else None
+
+
+def _lm_flops_per_token(plain: PlainLoop) -> float | None:
+    """Training FLOPs per token of a GPT, 6N + 12LHS (PaLM's appendix B: N parameters, L layers, width H,
+    sequence S; attention's score and value products counted); None for other recipes."""
+    if plain.spec.name != "gpt":
+        return None
+    cfg = plain.model_cfg
+    params = sum(p.numel() for p in plain.model.parameters())
+    return 6.0 * params + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
+
+
+def _timed(loop, args, energy: _EnergyCounter) -> tuple[float, float, float | None]:
+    """Median seconds per iteration, the allocator's peak bytes (0 on the CPU) and the joules per
+    iteration over the timed ones (None without an energy counter)."""
     cuda = not args.smoke
     loop.run(args.warmup)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    joules_before = energy.read()
     times = loop.run(args.steps)
     if cuda:
         torch.cuda.synchronize()
-    return common.median(times), float(torch.cuda.max_memory_allocated()) if cuda else 0.0
+    joules_after = energy.read()
+    joules = None if joules_before is None else (joules_after - joules_before) / args.steps
+    return common.median(times), float(torch.cuda.max_memory_allocated()) if cuda else 0.0, joules
 
 
 def _plain(name: str, args, *, compiled: bool) -> PlainLoop:
@@ -139,12 +172,12 @@ def _merak(name: str, args, output_dir: str, *, compiled: bool) -> MerakLoop:
                                        f"trainer.dataloader_num_workers={args.workers}"], output_dir)
 
 
-def _run_variant(row: dict, who: str, make, args) -> None:
+def _run_variant(row: dict, who: str, make, args, energy: _EnergyCounter) -> None:
     """Time one loop into ``row`` under the prefix ``who``; a crash is a result, reported in the row."""
     try:
         loop = make()
         try:
-            row[f"{who}_s"], row[f"{who}_peak_bytes"] = _timed(loop, args)
+            row[f"{who}_s"], row[f"{who}_peak_bytes"], row[f"{who}_joules"] = _timed(loop, args, energy)
             row[f"{who}_first_loss"] = loop.losses[0]
         finally:
             if hasattr(loop, "close"):
@@ -162,7 +195,10 @@ def variants(args) -> list[str]:
     return ["plain", "merak", *(["plain_compiled", "merak_compiled"] if args.compile else [])]
 
 
-def measure(name: str, args: argparse.Namespace, peak_tflops: float | None) -> dict:
+def measure(name: str, args: argparse.Namespace, peak_tflops: float | None,
+            energy: _EnergyCounter | None = None) -> dict:
+    """Time every loop of ``variants(args)`` on model ``name``; a crash is reported in the row."""
+    energy = energy or _EnergyCounter()
     recipe = MODELS[name][0]
     row = {"model": name, "recipe": recipe, "overrides": _overrides(name, args)}
     try:
@@ -170,6 +206,7 @@ def measure(name: str, args: argparse.Namespace, peak_tflops: float | None) -> d
         samples = plain.plan.micro_batch_size * plain.plan.num_microbatches
         tokens = samples * plain.spec.tokens_per_sample(plain.model_cfg)
         flops = 3 * _forward_flops(plain) * plain.plan.num_microbatches
+        per_token = _lm_flops_per_token(plain)
         del plain
     except Exception as error:  # a model that cannot even be built: nothing else to measure
         row["plain_error"] = f"{type(error).__name__}: {error}"
@@ -177,18 +214,21 @@ def measure(name: str, args: argparse.Namespace, peak_tflops: float | None) -> d
         return row
     finally:
         _free()
-    row.update(samples_per_step=samples, tokens_per_step=tokens, model_flops_per_step=flops)
+    row.update(samples_per_step=samples, tokens_per_step=tokens, model_flops_per_step=flops,
+               lm_flops_per_step=per_token * tokens if per_token else None)
     with tempfile.TemporaryDirectory() as output_dir:
         for who in variants(args):
             compiled = who.endswith("_compiled")
             make = (lambda compiled=compiled: _plain(name, args, compiled=compiled)) if who.startswith("plain") else \
                 (lambda who=who, compiled=compiled: _merak(name, args, f"{output_dir}/{who}", compiled=compiled))
-            _run_variant(row, who, make, args)
+            _run_variant(row, who, make, args, energy)
     for who in variants(args):
         if f"{who}_s" in row:
             row[f"{who}_samples_per_s"] = samples / row[f"{who}_s"]
             row[f"{who}_tokens_per_s"] = tokens / row[f"{who}_s"]
             row[f"{who}_mfu"] = flops / row[f"{who}_s"] / (peak_tflops * 1e12) if peak_tflops else None
+            if row["lm_flops_per_step"] and peak_tflops:  # the 6N + 12LHS convention
+                row[f"{who}_mfu_6n"] = row["lm_flops_per_step"] / row[f"{who}_s"] / (peak_tflops * 1e12)
     if "merak_s" in row and "plain_s" in row:
         row["ratio"] = row["merak_s"] / row["plain_s"]
     if "merak_compiled_s" in row and "plain_compiled_s" in row:
@@ -209,7 +249,7 @@ def _table(rows: list[dict], args) -> tuple[list[str], list[tuple]]:
     header = ["model", *[f"{w} s/step" for w in who], "merak / plain"]
     if args.compile:
         header += ["merak_c / plain_c", "plain / merak_c"]
-    header += [*[f"{w} MFU" for w in who], "peak GiB " + " / ".join(who), "error"]
+    header += [*[f"{w} MFU" for w in who], "peak GiB " + " / ".join(who), "J/step " + " / ".join(who), "error"]
     table = []
     for r in rows:
         error = next((r[f"{w}_error"] for w in who if f"{w}_error" in r), "")
@@ -217,7 +257,8 @@ def _table(rows: list[dict], args) -> tuple[list[str], list[tuple]]:
         if args.compile:
             cells += [_cell(r, "compiled_ratio", ".3f"), _cell(r, "speedup_over_plain_eager", ".2f")]
         cells += [*[_cell(r, f"{w}_mfu", ".1%") for w in who],
-                  " / ".join(f"{r.get(f'{w}_peak_bytes', 0) / 2**30:.1f}" for w in who), error[:80]]
+                  " / ".join(f"{r.get(f'{w}_peak_bytes', 0) / 2**30:.1f}" for w in who),
+                  " / ".join(_cell(r, f"{w}_joules", ".0f") for w in who), error[:80]]
         table.append(tuple(cells))
     return header, table
 
@@ -233,10 +274,14 @@ def main(argv=None) -> list[dict]:
     gpu = "CPU (smoke)" if args.smoke else torch.cuda.get_device_name()
     facts = {**common.machine_facts(), "gpu": gpu, "peak_bf16_tflops": peak}
     names = sorted(MODELS) if args.all else (args.model or list(DEFAULT_MODELS))
-    rows = [measure(name, args, peak) for name in names]
+    energy = _EnergyCounter()
+    rows = []
+    for name in names:
+        rows.append(measure(name, args, peak, energy))
+        # After every model, so a run stopped at its time limit keeps the models it finished.
+        common.write_json(args.json, {"machine": facts, "args": vars(args), "results": rows})
     print(common.format_facts(facts), f"| {facts['gpu']}, bf16 peak {peak} TFLOP/s")
     print(common.format_table(*_table(rows, args)))
-    common.write_json(args.json, {"machine": facts, "args": vars(args), "results": rows})
     return rows
 
 
