@@ -1,7 +1,7 @@
 """What each unit of a captured graph costs, and what each value weighs.
 
-One run of the captured graph (on meta tensors when the model is weightless,
-so a giant model costs nothing) records per unit the matrix FLOPs
+One run of the captured graph (on meta or fake tensors: no kernel runs, so a
+giant model costs nothing) records per unit the matrix FLOPs
 (``torch.utils.flop_counter``), the bytes its operations read and write, and
 how many operations it launches, and per value the bytes of its tensors (what
 a stage boundary before it would send).
@@ -117,10 +117,10 @@ def _tensor_bytes(value) -> int:
 
 
 def describe(value) -> str:
-    """``float32[4, 128, 768]`` for a tensor, else a short repr."""
+    """``float32[4, 128, 768]`` for a tensor, else a short repr (tensors inside shown the same way)."""
     if isinstance(value, torch.Tensor):
         return f"{str(value.dtype).removeprefix('torch.')}[{', '.join(str(d) for d in value.shape)}]"
-    return repr(value)[:60]
+    return repr(pytree.tree_map_only(torch.Tensor, describe, value))[:60]
 
 
 def _operation_name(node: fx.Node) -> str:
@@ -213,23 +213,41 @@ def _attribute_bytes(module: fx.GraphModule, node: fx.Node) -> int:
 def measure_units(units: GraphUnits, example_inputs: Mapping[str, torch.Tensor]) -> UnitCosts:
     """Run the captured graph once (no gradients) and record :class:`UnitCosts`.
 
-    A model with meta parameters runs entirely on meta tensors; a real one runs for real and its
-    buffers (batch-norm statistics) are restored afterwards.
+    Nothing recorded depends on tensor values (FLOPs, bytes, operation counts), so the run uses no real
+    kernels: a model with meta parameters runs on meta tensors, a real one on fake tensors (its weights
+    untouched; a whole model's forward on the CPU would take a minute for a GPT-2). A graph that fake
+    tensors cannot run (a data-dependent shape, say) runs for real, and its buffers (batch-norm
+    statistics) are restored afterwards.
     """
     captured = units.captured
     module = captured.module
-    on_meta = has_meta_parameters(module)
-    saved = {} if on_meta else {name: b.clone() for name, b in module.named_buffers()}
     inputs = [example_inputs[name] for name in captured.input_names]
-    with torch.no_grad(), simulated_groups(), \
-            (buffers_on_meta(module) if on_meta else contextlib.nullcontext()), \
-            flop_counter() as counter:
+    saved = {name: b.clone() for name, b in module.named_buffers() if b.device.type != "meta"}
+    try:
+        if has_meta_parameters(module):
+            with buffers_on_meta(module):
+                return _record(module, units, inputs)
+        try:
+            return _record(module, units, inputs, fake=True)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+            logger.debug("unit costs not measured on fake tensors (%s); running the graph", error)
+            return _record(module, units, inputs)
+    finally:
+        with torch.no_grad():
+            for name, buffer in module.named_buffers():
+                if name in saved:
+                    buffer.copy_(saved[name])
+
+
+def _record(module: fx.GraphModule, units: GraphUnits, inputs: list, *, fake: bool = False) -> UnitCosts:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    with mode, torch.no_grad(), simulated_groups(), flop_counter() as counter:
+        if fake:
+            inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
         recorder = _Recorder(module, units, counter)
         recorder.run(*inputs)
-    with torch.no_grad():
-        for name, buffer in module.named_buffers():
-            if name in saved:
-                buffer.copy_(saved[name])
     return recorder.costs
 
 

@@ -223,3 +223,37 @@ def test_no_cut_leaves_a_stage_without_work():
     backward = [2 * f for f in forward]
     assert cheapen_boundaries(forward, backward, [8, 64, 64, 64, 0], [0, 4, 5], 8) == [0, 4, 5]
     assert cheapen_boundaries(forward, backward, [8, 64, 64, 64, 0], [0, 2, 5], 8)[1] > 1
+
+
+class BatchNormNet(nn.Module):
+    """A convolution with batch norm: running statistics are buffers a forward updates in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.conv(x)).relu().mean((2, 3)))
+
+
+@pytest.mark.parametrize("make, inputs", [
+    (lambda: MaskedModel(width=16), {"x": torch.randn(4, 6, 16)}),
+    (BatchNormNet, {"x": torch.randn(2, 3, 8, 8)}),
+], ids=["masked", "batch-norm"])
+def test_unit_costs_on_fake_tensors_equal_a_real_run_and_leave_the_model_untouched(make, inputs):
+    from merak.shard.costs import _record
+
+    torch.manual_seed(0)
+    model = make().train()
+    units = _units(model, inputs)
+    before = {name: t.clone() for name, t in units.captured.module.state_dict().items()}
+    fake = measure_units(units, inputs)
+    after = units.captured.module.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    real = _record(units.captured.module, units, [inputs[n] for n in units.captured.input_names])
+    assert (fake.flops, fake.bytes_moved, fake.ops, fake.made_bytes, fake.output_bytes, fake.weight_bytes) == \
+        (real.flops, real.bytes_moved, real.ops, real.made_bytes, real.output_bytes, real.weight_bytes)
+    assert list(fake.value_bytes.values()) == list(real.value_bytes.values())
+    assert list(fake.descriptions.values()) == list(real.descriptions.values())
