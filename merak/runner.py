@@ -34,9 +34,6 @@ from merak.distributed.launch import (
 )
 from merak.energy.profile import run_profile
 from merak.energy.runtime import start_energy
-from merak.pipeline.schedules import build_schedule
-from merak.pipeline.simulate import simulate
-from merak.pipeline.validate import ScheduleError
 from merak.report import (
     format_partition,
     format_summary,
@@ -137,7 +134,6 @@ def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> 
         # Only to fail early: the workers plan again, identically, and report it then (once, on rank 0).
         with only_errors():
             plan_before_launch(spec, settings, prepared)
-    _warn_if_sends_must_be_buffered(settings)
     warn_about_idle_stages(settings)
     grid = settings.grid
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
@@ -171,23 +167,6 @@ def warn_about_idle_stages(settings: RunSettings) -> None:
         logger.warning("pp=%d stages but %d microbatches per step: each stage idles for most of the step; "
                        "set trainer.gradient_accumulation_steps (or global_batch_size) to at least %d",
                        stages, microbatches, stages)
-
-
-def _warn_if_sends_must_be_buffered(settings: RunSettings) -> None:
-    """NCCL holds a large send until the peer receives it; schedules that rely on sends completing in
-    the background (verified on gloo only) may then hang. Warn before such a run starts on GPUs."""
-    grid, trainer = settings.grid, settings.trainer
-    if grid.pp == 1 or not torch.cuda.is_available() or settings.launcher.backend == "gloo":
-        return
-    chunks = pipeline_chunks(trainer)
-    lists = [build_schedule(name=trainer.train_schedule, stage_id=s, num_stages=grid.pp,
-                            num_microbatches=settings.num_microbatches, num_chunks=chunks) for s in range(grid.pp)]
-    try:
-        simulate(lists, sends="rendezvous")
-    except ScheduleError:
-        logger.warning("schedule %s at pp=%d needs sends that complete before the peer receives them: verified "
-                       "on gloo only, it may hang on NCCL with large activations (1f1b, ds_default and gpipe do "
-                       "not; docs/gpu.md)", trainer.train_schedule, grid.pp)
 
 
 def plan_before_launch(spec, settings: RunSettings, prepared: str):

@@ -1,30 +1,33 @@
 """Point-to-point transfer of pytrees between pipeline stages.
 
-Any pytree (tensors, tuples, lists, dicts, ints, floats, strings, None) can
-cross a stage boundary. Each transfer starts with a two-integer header; when
-the structure, a dtype, a shape or a non-tensor value differs from the
-previous transfer on the same channel, the header announces a new description
-(JSON, never pickle) that follows it. So shapes may change from one
-microbatch to the next and are renegotiated, never silently reused, while the
-steady state costs one 16-byte message per transfer.
+Any pytree (tensors, tuples, lists, dicts, ints, floats, strings, None) can cross a stage boundary.
+What crosses travels on two paths:
 
-Sends are posted asynchronously and return their pending works; receives
-block until the payload is complete. :meth:`PointToPoint.exchange` sends and
-receives together in three batched rounds (headers, descriptions, tensors),
-each one ``batch_isend_irecv`` group: with NCCL, where a send and a receive
-with the same peer share one stream, posting them separately could leave both
-peers' sends waiting for receives queued behind them. (gloo does not need it,
-and there the rounds cost a round trip per exchange.)
+* **the description** (the structure, each tensor's dtype, shape and ``requires_grad``, the non-tensor
+  values) goes over a CPU side channel: a two-integer header per transfer, followed by the description
+  itself (JSON, never pickle) only when it differs from the previous one on the same channel. With
+  NCCL the side channel is the process group's gloo half (``cpu:gloo,cuda:nccl``), so no device tensor
+  is ever read on the host to learn what arrives: a receive costs no host-device synchronisation, and
+  shapes may still change from one microbatch to the next;
+* **the tensors** go over the :mod:`transport <merak.distributed.transports>` as one batched group per
+  call of :meth:`PointToPoint.post`, matched on the wire by posting order alone (no tags: NCCL has none).
+
+A receive returns its payload at once, its tensors still arriving: :meth:`Transfer.wait` (which the
+executor calls just before the payload's first use) makes them usable, on NCCL without blocking the
+host (the compute stream waits for the transfer).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
+
+from merak.distributed.transports import HEADER_TAG, Transport, make_transport
 
 _DTYPES = {str(dtype): dtype for dtype in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -32,24 +35,32 @@ _DTYPES = {str(dtype): dtype for dtype in (
 )}
 
 
-def _describe(payload) -> tuple[str, list[torch.Tensor]]:
+def _signature(payload) -> tuple[tuple, list[torch.Tensor]]:
+    """A cheap comparable description of ``payload`` (structure, tensor metadata, plain values) and its
+    tensors. Plain values keep their type: ``1``, ``1.0`` and ``True`` describe differently."""
     leaves, spec = pytree.tree_flatten(payload)
-    tensors, leaf_notes = [], []
+    tensors, notes = [], []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if str(leaf.dtype) not in _DTYPES:
                 raise TypeError(f"cannot send a tensor of dtype {leaf.dtype} between stages")
             tensors.append(leaf)
-            leaf_notes.append({"tensor": [str(leaf.dtype), list(leaf.shape), leaf.requires_grad]})
+            notes.append((str(leaf.dtype), tuple(leaf.shape), leaf.requires_grad))
         elif leaf is None or isinstance(leaf, (bool, int, float, str)):
-            leaf_notes.append({"value": leaf})
+            notes.append((type(leaf).__name__, leaf))
         else:
             raise TypeError(
                 f"cannot send a {type(leaf).__name__} between pipeline stages; stage outputs may "
                 "hold tensors, numbers, strings and None inside tuples, lists and dicts"
             )
-    text = json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": leaf_notes})
-    return text, tensors
+    return (spec, tuple(notes)), tensors
+
+
+def _description_text(signature: tuple) -> bytes:
+    spec, notes = signature
+    leaves = [{"tensor": [note[0], list(note[1]), note[2]]} if len(note) == 3 else {"value": note[1]}
+              for note in notes]
+    return json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": leaves}).encode()
 
 
 def _wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -59,143 +70,138 @@ def _wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class Channel:
-    """One direction of traffic with one peer; remembers the last description."""
+class _SendChannel:
+    last: tuple | None = None
 
-    last_description: str | None = None
+
+@dataclass
+class _RecvChannel:
     layout: dict | None = field(default=None, repr=False)
 
 
+class Transfer:
+    """What one :meth:`PointToPoint.post` put on the wire.
+
+    Attributes:
+        received: the received payloads, in the order of the receives; their tensors are usable once
+            :meth:`wait` returned.
+        send_works: the works of the sends (payload tensors and headers); the sent payloads must stay
+            unchanged until they complete.
+    """
+
+    def __init__(self, received: list, recv_works: list, send_works: list, grad_leaves: list[torch.Tensor]) -> None:
+        self.received = received
+        self.send_works = send_works
+        self._recv_works = recv_works
+        self._grad_leaves = grad_leaves
+
+    def wait(self) -> None:
+        """Make the received tensors usable (on NCCL: the current stream waits, the host does not)."""
+        for work in self._recv_works:
+            work.wait()
+        self._recv_works = []
+        # A leaf that was part of the sender's autograd graph starts a graph here, so backward can
+        # return its gradient (flagged only once the data is in: nothing in-place touches a leaf that
+        # requires grad).
+        for leaf in self._grad_leaves:
+            leaf.requires_grad_(True)
+        self._grad_leaves = []
+
+    def sends_completed(self) -> bool:
+        return all(work.is_completed() for work in self.send_works)
+
+
 class PointToPoint:
-    """Sends and receives pytrees with the neighbouring stages.
+    """Sends and receives pytrees with other stages.
 
     Args:
         device: where received tensors are allocated.
-        group: process group used for p2p (None: the default group).
-        batched_exchange: whether a send and a receive with the same neighbour go through
-            :meth:`exchange`'s batched rounds (the executor's choice for an ``Exchange``). NCCL needs
-            them; with gloo, whose sends never wait on the peer, posting sends and then receiving
-            saves a round trip per exchange. Default: batched on CUDA devices (NCCL).
+        group: process group used for p2p (None: the default group); its CPU half carries descriptions.
+        transport: how tensors travel (:func:`merak.distributed.transports.make_transport`): None picks
+            ``rendezvous`` when ``MERAK_P2P_RENDEZVOUS=1``, else ``batched`` on CUDA (NCCL) and ``posted``
+            on the CPU (gloo).
     """
 
-    def __init__(self, device: torch.device, group=None, batched_exchange: bool | None = None) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, group=None, transport: str | Transport | None = None) -> None:
+        self.device = torch.device(device)
         self.group = group
-        self.batched_exchange = torch.device(device).type == "cuda" if batched_exchange is None else batched_exchange
-        self._send_channels: dict[tuple[int, int], Channel] = {}
-        self._recv_channels: dict[tuple[int, int], Channel] = {}
+        self.transport = transport if isinstance(transport, Transport) else \
+            make_transport(self.device, group, transport)
+        self._send_channels: dict[tuple[int, object], _SendChannel] = {}
+        self._recv_channels: dict[tuple[int, object], _RecvChannel] = {}
 
-    def _channel(self, table: dict[tuple[int, int], Channel], peer: int, tag: int) -> Channel:
-        return table.setdefault((peer, tag), Channel())
-
-    def _outgoing(self, payload, peer: int, tag: int) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-        """The header, the description when it changed, and the tensors of one transfer, on the device."""
-        channel = self._channel(self._send_channels, peer, tag)
-        description, tensors = _describe(payload)
-        changed = description != channel.last_description
-        encoded = description.encode() if changed else b""
-        # Header and description are made on the CPU; NCCL needs device tensors.
-        header = torch.tensor([int(changed), len(encoded)], dtype=torch.int64).to(self.device)
-        text = torch.frombuffer(bytearray(encoded), dtype=torch.uint8).to(self.device) if changed else None
-        if changed:
-            channel.last_description = description
-        return header, text, [_wire_tensor(t) for t in tensors]
-
-    def post_send(self, payload, peer: int, tag: int = 0) -> list:
-        """Start sending ``payload`` to global rank ``peer``; return the works to wait on.
-
-        Transfers with different tags are separate channels (gloo matches by tag;
-        NCCL ignores tags, so there the order of posts must agree on both sides).
-        The caller must keep ``payload`` unchanged until the works complete.
-        """
-        header, text, tensors = self._outgoing(payload, peer, tag)
-        messages = [header, *([text] if text is not None else []), *tensors]
-        return [dist.isend(m, peer, group=self.group, tag=tag) for m in messages]
-
-    def exchange(self, sends, recvs) -> tuple[list, list]:
-        """Send and receive together, in three batched rounds: headers, descriptions, tensors.
+    def post(self, sends: Sequence[tuple[object, int, object]], recvs: Sequence[tuple[int, object]]) -> Transfer:
+        """Post sends and receives together, as one batched group.
 
         Args:
-            sends: ``(payload, peer, tag)`` for each payload to send.
-            recvs: ``(peer, tag)`` for each payload to receive.
+            sends: ``(payload, peer, channel)`` per payload to send to global rank ``peer``.
+            recvs: ``(peer, channel)`` per payload to receive.
 
-        Returns:
-            The received payloads (in the order of ``recvs``) and the send works, which must
-            complete before the sent payloads change (as with :meth:`post_send`).
+        ``channel`` is any label both sides give the same transfer (the executor's: its boundary and
+        direction); it only keys the description cache. Matching is by posting order: the peer must post
+        its receives (sends) from this rank in the order of these sends (receives).
         """
-        outgoing = [self._outgoing(payload, peer, tag) for payload, peer, tag in sends]
-        headers = [torch.empty(2, dtype=torch.int64, device=self.device) for _ in recvs]
-        pending = self._batch([(h, peer, tag) for (h, _, _), (_, peer, tag) in zip(outgoing, sends)],
-                              [(h, peer, tag) for h, (peer, tag) in zip(headers, recvs)])
-        # Headers say which receives bring a new description, and how long it is.
-        texts = [torch.empty(length, dtype=torch.uint8, device=self.device) if changed else None
-                 for changed, length in (h.tolist() for h in headers)]
-        pending += self._batch([(t, peer, tag) for (_, t, _), (_, peer, tag) in zip(outgoing, sends) if t is not None],
-                               [(t, peer, tag) for t, (peer, tag) in zip(texts, recvs) if t is not None])
-        layouts = [self._layout(peer, tag, text) for text, (peer, tag) in zip(texts, recvs)]
-        buffers = [self._buffers(layout) for layout in layouts]
-        pending += self._batch([(t, peer, tag) for (_, _, tensors), (_, peer, tag) in zip(outgoing, sends)
-                                for t in tensors],
-                               [(b, peer, tag) for (_, wire), (peer, tag) in zip(buffers, recvs) for b in wire])
-        received = [self._assemble(layout, leaves) for layout, (leaves, _) in zip(layouts, buffers)]
-        return received, pending
+        send_works, wire = [], []
+        for payload, peer, channel in sends:
+            signature, tensors = _signature(payload)
+            state = self._send_channels.setdefault((peer, channel), _SendChannel())
+            text = _description_text(signature) if signature != state.last else b""
+            state.last = signature
+            header = torch.tensor([int(bool(text)), len(text)], dtype=torch.int64)
+            send_works.append(dist.isend(header, peer, group=self.group, tag=HEADER_TAG))
+            if text:
+                send_works.append(dist.isend(torch.frombuffer(bytearray(text), dtype=torch.uint8), peer,
+                                             group=self.group, tag=HEADER_TAG))
+            wire += [(_wire_tensor(t), peer) for t in tensors]
+        layouts = [self._layout(peer, channel) for peer, channel in recvs]
+        received, buffers, grad_leaves = [], [], []
+        for layout, (peer, _) in zip(layouts, recvs):
+            payload, tensors, needs_grad = self._buffers(layout)
+            received.append(payload)
+            buffers += [(t, peer) for t in tensors]
+            grad_leaves += needs_grad
+        sent, recv_works = self.transport.post(wire, buffers)
+        return Transfer(received, recv_works, send_works + sent, grad_leaves)
 
-    def _batch(self, sends, recvs) -> list:
-        """Post one batched round; wait for its receives; return its send works."""
-        ops = [dist.P2POp(dist.isend, t, peer, self.group, tag) for t, peer, tag in sends] + \
-              [dist.P2POp(dist.irecv, t, peer, self.group, tag) for t, peer, tag in recvs]
-        if not ops:
-            return []
-        works = dist.batch_isend_irecv(ops)
-        for work in works[len(sends):]:
-            work.wait()
-        return works[:len(sends)]
-
-    def _layout(self, peer: int, tag: int, text: torch.Tensor | None) -> dict:
-        """The receive channel's layout, replaced by the description in ``text`` when one came."""
-        channel = self._channel(self._recv_channels, peer, tag)
-        if text is not None:
-            description = json.loads(bytes(text.cpu().tolist()).decode())
-            channel.layout = {"spec": pytree.treespec_loads(description["spec"]), "leaves": description["leaves"]}
-        elif channel.layout is None:
+    def _layout(self, peer: int, channel) -> dict:
+        """The next payload's layout from ``peer``: the header says whether a new description follows."""
+        header = torch.empty(2, dtype=torch.int64)
+        dist.recv(header, peer, group=self.group, tag=HEADER_TAG)
+        changed, length = (int(v) for v in header)
+        state = self._recv_channels.setdefault((peer, channel), _RecvChannel())
+        if changed:
+            text = torch.empty(length, dtype=torch.uint8)
+            dist.recv(text, peer, group=self.group, tag=HEADER_TAG)
+            description = json.loads(text.numpy().tobytes().decode())
+            state.layout = {"spec": pytree.treespec_loads(description["spec"]), "leaves": description["leaves"]}
+        elif state.layout is None:
             raise RuntimeError(f"received a payload from rank {peer} before its description")
-        return channel.layout
+        return state.layout
 
-    def _buffers(self, layout: dict) -> tuple[list, list[torch.Tensor]]:
-        """The payload's leaves (empty tensors to receive into, plain values as described) and
-        the wire buffers the tensors arrive in."""
-        leaves, wire = [], []
+    def _buffers(self, layout: dict) -> tuple[object, list[torch.Tensor], list[torch.Tensor]]:
+        """The payload (empty tensors to receive into, plain values as described), the wire buffers the
+        tensors arrive in, and the tensors that require grad once arrived."""
+        leaves, wire, needs_grad = [], [], []
         for note in layout["leaves"]:
             if "tensor" not in note:
                 leaves.append(note["value"])
                 continue
-            dtype_name, shape, _ = note["tensor"]
+            dtype_name, shape, requires_grad = note["tensor"]
             dtype = _DTYPES[dtype_name]
             buffer = torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
             wire.append(buffer)
-            leaves.append(buffer.view(torch.bool) if dtype == torch.bool else buffer)
-        return leaves, wire
+            leaf = buffer.view(torch.bool) if dtype == torch.bool else buffer
+            leaves.append(leaf)
+            if requires_grad:
+                needs_grad.append(leaf)
+        return pytree.tree_unflatten(leaves, layout["spec"]), wire, needs_grad
 
-    @staticmethod
-    def _assemble(layout: dict, leaves: list):
-        # A leaf that was part of the sender's autograd graph starts a graph here,
-        # so backward can return its gradient.
-        for note, leaf in zip(layout["leaves"], leaves):
-            if "tensor" in note and note["tensor"][2]:
-                leaf.requires_grad_(True)
-        return pytree.tree_unflatten(leaves, layout["spec"])
+    def post_send(self, payload, peer: int, channel: object = 0) -> list:
+        """Send ``payload`` to global rank ``peer`` alone; return the works to wait on before it changes."""
+        return self.post([(payload, peer, channel)], []).send_works
 
-    def recv(self, peer: int, tag: int = 0):
-        """Receive the next pytree with ``tag`` from global rank ``peer`` (blocking)."""
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
-        dist.recv(header, peer, group=self.group, tag=tag)
-        changed, length = (int(v) for v in header.tolist())
-        text = None
-        if changed:
-            text = torch.empty(length, dtype=torch.uint8, device=self.device)
-            dist.recv(text, peer, group=self.group, tag=tag)
-        layout = self._layout(peer, tag, text)
-        leaves, wire = self._buffers(layout)
-        for work in [dist.irecv(buffer, peer, group=self.group, tag=tag) for buffer in wire]:
-            work.wait()
-        return self._assemble(layout, leaves)
+    def recv(self, peer: int, channel: object = 0):
+        """Receive the next pytree from global rank ``peer`` alone, ready to use."""
+        transfer = self.post([], [(peer, channel)])
+        transfer.wait()
+        return transfer.received[0]

@@ -78,8 +78,8 @@ class PipelineDecoder:
         self.first, self.last = state.is_first_stage, state.is_last_stage
         self.first_rank, self.last_rank = grid.stage_rank(rank, 0), grid.stage_rank(rank, grid.pp - 1)
         self.p2p = PointToPoint(state.device) if grid.pp > 1 else None
-        # Activations and gradients over boundary b use tags 2b and 2b + 1; the token's tag comes after all.
-        self.token_tag = 2 * grid.pp
+        # Activations and gradients over boundary b are channels 2b and 2b + 1; the token's comes after all.
+        self.token_channel = 2 * grid.pp
         self.executor = PipelineExecutor(
             stage=nn.ModuleList(blocks), stage_id=self.stage_id, num_stages=grid.pp,
             prev_rank=None if self.first else grid.stage_rank(rank, self.stage_id - 1),
@@ -149,10 +149,10 @@ class PipelineDecoder:
         if self._sequence.ended_before(instruction.microbatch):
             return
         token = self._sequence.next_ids[0]
-        step.pending.append((token, self.p2p.post_send(token, self.first_rank, tag=self.token_tag)))
+        step.pending.append((token, self.p2p.post_send(token, self.first_rank, self.token_channel)))
 
     def _recv_token(self, instruction: RecvToken, step) -> None:
-        token = self.p2p.recv(self.last_rank, tag=self.token_tag)
+        token = self.p2p.recv(self.last_rank, self.token_channel)
         self._sequence.next_ids = token.view(1, 1)
         if int(token) in self._sequence.eos_token_ids:
             self._sequence.stop_step = instruction.microbatch

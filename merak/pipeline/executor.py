@@ -223,6 +223,7 @@ class PipelineExecutor:
         elif kind in self.step_handlers:
             self.step_handlers[kind]()
         elif kind in self.instruction_handlers:
+            self._arrive_all()  # handlers read the step's buffers directly
             self.instruction_handlers[kind](instruction, self._step)
         else:
             raise TypeError(f"stage {self.stage_id} cannot run instruction {instruction!r}")
@@ -256,6 +257,7 @@ class PipelineExecutor:
     def _forward(self, instruction) -> None:
         step, chunk, m = self._step, instruction.chunk, instruction.microbatch
         key = (chunk, m)
+        self._arrive(True, key)
         stage, inputs = self.stages[chunk], step.inputs[key]
         kind = type(instruction)
         seed = self.dropout_seed(self.step_index, m) \
@@ -302,6 +304,7 @@ class PipelineExecutor:
             tensors, grads = [loss], [torch.full_like(loss, scale)]
             step.losses[key] = loss.detach()
         else:
+            self._arrive(False, key)
             tensors, grads = _grad_pairs(step.outputs.pop(key), step.grads.pop(key))
         inputs = step.inputs.pop(key, None)
         leaves = [] if self._is_first(chunk) else [leaf for leaf in _tensor_leaves(inputs) if leaf.requires_grad]
@@ -346,16 +349,17 @@ class PipelineExecutor:
             raise RuntimeError(f"stage {self.stage_id} has no neighbour for {op!r}")
         return rank
 
-    def _tag(self, op: ins.P2POp) -> int:
-        """One tag per chain boundary and direction, so interleaved transfers cannot cross.
-
-        Boundary ``b`` joins virtual stages ``b`` and ``b + 1``; activations over it use tag
-        ``2b`` and gradients ``2b + 1``.
-        """
+    def _channel(self, op: ins.P2POp) -> int:
+        """The label both sides give a transfer: one per chain boundary and direction (boundary ``b`` joins
+        virtual stages ``b`` and ``b + 1``; activations over it are ``2b``, gradients ``2b + 1``). It keys
+        the description cache only: messages are matched by posting order."""
         boundary = self._virtual(op.chunk) + (0 if ins.peer_offset(op) > 0 else -1)
         return 2 * boundary + (0 if isinstance(op, (ins.SendActivation, ins.RecvActivation)) else 1)
 
     def _exchange(self, ops: Sequence[ins.P2POp]) -> None:
+        """Post the transfers of one point of the schedule as one batched group, in the list's order (the
+        schedule gives both peers the same order: :mod:`merak.pipeline.transfers`). Receives are waited
+        for where their payload is first used, not here."""
         step = self._step
         sends, recvs = [], []
         for op in ops:
@@ -368,25 +372,30 @@ class PipelineExecutor:
                 sends.append((op, step.input_grads.pop(key)))
             else:
                 recvs.append(op)
-        if len(ops) > 1 and self.p2p.batched_exchange:
-            # An Exchange on NCCL: every send and receive in batched rounds, so that neither peer's
-            # send waits on a receive queued behind it (NCCL runs both on one stream per pair).
-            received, works = self.p2p.exchange([(payload, self._peer(op), self._tag(op)) for op, payload in sends],
-                                                [(self._peer(op), self._tag(op)) for op in recvs])
-            step.pending.append(([payload for _, payload in sends], works))
-        else:
-            # Post every send first, then block on receives: a peer that runs the matching
-            # operations one at a time can then never wait on us (gloo sends complete on their own).
-            for op, payload in sends:
-                self._post(payload, op)
-            received = [self.p2p.recv(self._peer(op), tag=self._tag(op)) for op in recvs]
+        transfer = self.p2p.post([(payload, self._peer(op), self._channel(op)) for op, payload in sends],
+                                 [(self._peer(op), self._channel(op)) for op in recvs])
+        if sends:
+            step.pending.append(([payload for _, payload in sends], transfer.send_works))
         if self.free_sent_outputs:
             for op, payload in sends:
                 if isinstance(op, ins.SendActivation):
                     self._release_outputs((op.chunk, op.microbatch), payload)
-        for op, value in zip(recvs, received):
-            target = step.inputs if isinstance(op, ins.RecvActivation) else step.grads
-            target[(op.chunk, op.microbatch)] = value
+        for op, value in zip(recvs, transfer.received):
+            activation = isinstance(op, ins.RecvActivation)
+            key = (op.chunk, op.microbatch)
+            (step.inputs if activation else step.grads)[key] = value
+            step.arriving[(activation, key)] = transfer
+
+    def _arrive(self, activation: bool, key: Key) -> None:
+        """Wait for a received payload before its first use (on NCCL the stream waits, not the host)."""
+        transfer = self._step.arriving.pop((activation, key), None)
+        if transfer is not None:
+            transfer.wait()
+
+    def _arrive_all(self) -> None:
+        for transfer in self._step.arriving.values():
+            transfer.wait()
+        self._step.arriving.clear()
 
     def _release_outputs(self, key: Key, outputs) -> None:
         """Point sent output tensors at a one-element placeholder; the transfer keeps its own
@@ -401,9 +410,6 @@ class PipelineExecutor:
             placeholder = torch.zeros((), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
             leaf.data = placeholder
 
-    def _post(self, payload, op: ins.P2POp) -> None:
-        self._step.pending.append((payload, self.p2p.post_send(payload, self._peer(op), tag=self._tag(op))))
-
     def _prune_sends(self) -> None:
         """Drop finished sends, so their buffers can be freed before the step ends."""
         pending = self._step.pending
@@ -412,6 +418,7 @@ class PipelineExecutor:
                           if not all(work.is_completed() for work in works)]
 
     def _wait_sends(self) -> None:
+        self._arrive_all()
         for _, works in self._step.pending:
             for work in works:
                 work.wait()
@@ -432,3 +439,4 @@ class _StepState:
         self.param_groups: dict[Key, tuple] = {}
         self.split_done: set[Key] = set()
         self.pending: list = []
+        self.arriving: dict[tuple[bool, Key], object] = {}  # (activation?, key) -> its Transfer

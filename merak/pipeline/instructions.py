@@ -11,10 +11,13 @@ Activations always travel from virtual stage ``v`` to ``v + 1`` and gradients
 from ``v + 1`` to ``v``; with one chunk per rank that is simply stage ``s`` to
 ``s + 1``. Point-to-point instructions name the direction, not a rank.
 
-Sends are posted and complete in the background (the executor waits for them
-when the step ends); receives block until the payload has arrived. An
-:class:`Exchange` groups point-to-point operations with the same neighbour that
-are posted together and completed together (one batched ``batch_isend_irecv``).
+The executor posts the transfers at each point of a list as one batched group
+(an :class:`Exchange`, or a lone transfer), sends complete in the background
+(the executor waits for them when the step ends), and a received payload is
+waited for just before its first use. Messages between two ranks are matched by
+posting order: :mod:`merak.pipeline.transfers` makes both peers post in one
+order, and sends that would otherwise wait on each other later, so the lists run
+on NCCL's unbuffered sends.
 
 Forward kinds, as in Merak's schedules:
 
@@ -120,7 +123,8 @@ TokenOp = SendToken | RecvToken
 
 @dataclass(frozen=True)
 class Exchange:
-    """Point-to-point operations with one neighbour, posted together, completed together."""
+    """The point-to-point operations of one point of a stage's list (with either neighbour), posted
+    together as one batched group, in the order the peers post theirs (:mod:`merak.pipeline.transfers`)."""
 
     ops: tuple[P2POp, ...]
 

@@ -6,14 +6,15 @@ for their cost. Sends are posted and complete in the background, as the
 executor's are (it waits for them when the step ends); a receive blocks the
 stage until its partner send has been posted, plus the transfer cost. An
 :class:`~merak.pipeline.instructions.Exchange` blocks until all of its
-receives have arrived. Partners are paired first-in first-out per channel
-(sending virtual stage, receiving virtual stage, activation or gradient), as
-tagged point-to-point traffic is, so a schedule that passes here cannot pair
-the wrong tensors at run time.
+receives have arrived. Partners are paired first-in first-out per pair of
+ranks and direction, whatever they carry, as the transports match them (no
+tags), so a schedule that passes here cannot pair the wrong tensors at run
+time.
 
-``sends="rendezvous"`` is the stricter model of a blocking send (a send waits
-for its receive, and an Exchange for all its ops): a schedule that is
-deadlock-free under it is deadlock-free whatever buffering the backend has.
+``sends="rendezvous"`` is NCCL's model, and the ``MERAK_P2P_RENDEZVOUS=1``
+transport's: a send waits for its receive, and an Exchange (one batched group)
+for all its ops, the stage blocked meanwhile. A schedule that is deadlock-free
+under it is deadlock-free whatever buffering the backend has.
 
 Decoding lists (:mod:`merak.pipeline.decode_schedule`) run through the same
 model: their own list check, ``DecodeForward`` timed as a forward and counted as
@@ -46,13 +47,10 @@ from merak.pipeline.instructions import (
     OptimizerStep,
     PreCheckpointForward,
     RecomputeForward,
-    RecvActivation,
-    SendActivation,
     is_send,
     matching_op,
     p2p_ops,
-    peer_offset,
-    virtual_stage,
+    peer_of,
 )
 from merak.pipeline.validate import ScheduleError, validate_stage_list
 
@@ -164,14 +162,11 @@ class SimulationResult:
     timeline: tuple[TimelineEvent, ...]
 
 
-def _channel(stage_id: int, num_stages: int, op) -> tuple[int, int, str]:
-    """(sending virtual stage, receiving virtual stage, kind) of the FIFO queue ``op`` joins."""
-    if isinstance(op, TOKEN_TYPES):
-        return num_stages - 1, 0, "token"  # decoding: the last stage to the first, one chunk per stage
-    mine = virtual_stage(stage_id, op.chunk, num_stages)
-    peer = mine + peer_offset(op)
-    kind = "activation" if isinstance(op, (SendActivation, RecvActivation)) else "grad"
-    return (mine, peer, kind) if is_send(op) else (peer, mine, kind)
+def _channel(stage_id: int, num_stages: int, op) -> tuple[int, int]:
+    """(sending rank, receiving rank) of the FIFO queue ``op`` joins: messages between two ranks are
+    matched by posting order alone, whatever they carry (NCCL has no tags)."""
+    peer, _ = peer_of(op, stage_id, num_stages)
+    return (stage_id, peer) if is_send(op) else (peer, stage_id)
 
 
 @dataclass
@@ -231,7 +226,7 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
             validate_stage_list(s, num_stages, num_microbatches, stage, training=training, num_chunks=num_chunks)
 
     # channel -> (posted sends, posted receives); the k-th of each pair up.
-    queues: dict[tuple[int, int, str], tuple[list[_Posted], list[_Posted]]] = {}
+    queues: dict[tuple[int, int], tuple[list[_Posted], list[_Posted]]] = {}
     pc = [0] * num_stages
     clock = [0.0] * num_stages
     waiting: list[list[tuple[object, list[_Posted], int]] | None] = [None] * num_stages
@@ -246,9 +241,9 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
         if k < len(theirs) and theirs[k].op != matching_op(op, s, num_stages):
             # Name the send first whichever side was posted last, so messages read the same.
             send, recv = (mine[k], theirs[k]) if is_send(op) else (theirs[k], mine[k])
-            sender, receiver, kind = _channel(s, num_stages, op)
+            sender, receiver = _channel(s, num_stages, op)
             raise ScheduleError(
-                f"microbatch mismatch on the {kind} channel virtual stage {sender} -> {receiver} "
+                f"message mismatch between ranks {sender} -> {receiver} "
                 f"(FIFO pair #{k}): {send.op!r} on stage {send.stage} (instruction #{send.index}) "
                 f"meets {recv.op!r} on stage {recv.stage} (instruction #{recv.index})")
         return op, theirs, k

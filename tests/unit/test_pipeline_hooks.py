@@ -31,27 +31,36 @@ class _Sent:
 
 
 class QueueP2P:
-    """Point-to-point between executors of one process: one queue per (sender, receiver, tag).
+    """Point-to-point between executors of one process: one queue per (sender, receiver), matched by
+    order as merak's transports are.
 
     Like merak's PointToPoint, a received tensor is a detached copy that requires gradients when
     the sent one did.
     """
 
-    batched_exchange = False
-
     def __init__(self, rank: int, queues: dict) -> None:
         self.rank, self.queues = rank, queues
 
-    def post_send(self, payload, peer: int, tag: int = 0) -> list:
-        leaves, spec = pytree.tree_flatten(payload)
-        wire = [(leaf.detach().clone(), leaf.requires_grad) if isinstance(leaf, torch.Tensor) else (leaf, False)
-                for leaf in leaves]
-        self.queues[(self.rank, peer, tag)].put((wire, spec))
-        return [_Sent()]
+    def post(self, sends, recvs):
+        for payload, peer, _ in sends:
+            leaves, spec = pytree.tree_flatten(payload)
+            wire = [(leaf.detach().clone(), leaf.requires_grad) if isinstance(leaf, torch.Tensor) else (leaf, False)
+                    for leaf in leaves]
+            self.queues[(self.rank, peer)].put((wire, spec))
+        received = []
+        for peer, _ in recvs:
+            wire, spec = self.queues[(peer, self.rank)].get(timeout=60)
+            received.append(pytree.tree_unflatten([leaf.requires_grad_(True) if grad else leaf
+                                                   for leaf, grad in wire], spec))
+        return _Transfer(received)
 
-    def recv(self, peer: int, tag: int = 0):
-        wire, spec = self.queues[(peer, self.rank, tag)].get(timeout=60)
-        return pytree.tree_unflatten([leaf.requires_grad_(True) if grad else leaf for leaf, grad in wire], spec)
+
+class _Transfer:
+    def __init__(self, received) -> None:
+        self.received, self.send_works = received, [_Sent()]
+
+    def wait(self) -> None:
+        pass
 
 
 class Embed(nn.Module):

@@ -6,6 +6,7 @@ and run by the executor.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,7 +94,8 @@ def build_schedule(*, name: str, stage_id: int, num_stages: int, num_microbatche
         num_chunks: Model chunks per stage; only chunked schedules accept more than 1.
 
     Returns:
-        The stage's instruction list.
+        The stage's instruction list, its transfers grouped at each point in the order the peer posts
+        them (:mod:`merak.pipeline.transfers`), so it runs on NCCL's unbuffered sends.
 
     Raises:
         ValueError: If ``name`` is unknown (the message lists the valid names)
@@ -101,12 +103,22 @@ def build_schedule(*, name: str, stage_id: int, num_stages: int, num_microbatche
     """
     info = schedule_info(name)
     check_pipeline_args(stage_id, num_stages, num_microbatches)
-    if info.chunked:
-        return info.build(stage_id, num_stages, num_microbatches, num_chunks)
-    if num_chunks != 1:
+    if not info.chunked and num_chunks != 1:
         raise ValueError(f"schedule {name!r} runs one model chunk per stage, got num_chunks={num_chunks}; "
                          f"use interleaved_1f1b for several")
-    return info.build(stage_id, num_stages, num_microbatches)
+    return list(_grouped(ALIASES.get(name, name), num_stages, num_microbatches, num_chunks)[stage_id])
+
+
+@functools.lru_cache(maxsize=64)
+def _grouped(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> tuple[tuple[Instruction, ...], ...]:
+    """Every stage's list of schedule ``name``, its transfers grouped as the peers post them
+    (:func:`merak.pipeline.transfers.group_transfers`: the lists of all stages are needed together)."""
+    from merak.pipeline.transfers import group_transfers  # it imports validation, which imports this package
+
+    info = SCHEDULES[name]
+    build = (lambda s: info.build(s, num_stages, num_microbatches, num_chunks)) if info.chunked else \
+        (lambda s: info.build(s, num_stages, num_microbatches))
+    return tuple(tuple(stage) for stage in group_transfers([build(s) for s in range(num_stages)]))
 
 
 def build_forward_only_schedule(*, stage_id: int, num_stages: int, num_microbatches: int) -> list[Instruction]:
