@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -94,28 +93,19 @@ def _run(command: list[str], log: Path, env: dict, limit_s: float) -> tuple[int 
     return status, time.monotonic() - started
 
 
-def _cases(junit: Path) -> list[dict]:
-    """Every test case of a pytest JUnit XML report: name, outcome, seconds and the failure's first lines."""
-    if not junit.exists():
+def _cases(path: Path) -> list[dict]:
+    """Every finished test case (``gpu_case_log.py``'s lines): name, outcome, seconds, the failure's end."""
+    if not path.exists():
         return []
-    cases = []
-    for case in ElementTree.parse(junit).getroot().iter("testcase"):
-        outcome, message = "passed", ""
-        for kind in ("failure", "error", "skipped"):
-            found = case.find(kind)
-            if found is not None:
-                outcome = {"failure": "failed"}.get(kind, kind)
-                message = (found.get("message") or found.text or "")[:600]
-                break
-        cases.append({"name": case.get("name"), "outcome": outcome, "seconds": float(case.get("time") or 0),
-                      "message": message})
-    return cases
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def run_tests(args, out: Path, env: dict) -> dict:
     """Phase 1: tests/gpu (only collected with ``--smoke``)."""
-    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
-               "-o", "addopts=", "--junitxml", str(out / "gpu_tests.xml")]
+    cases_file = out / "gpu_cases.jsonl"
+    cases_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "pytest", "-q", "-rfE", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
+               "-p", "gpu_case_log", "-o", "addopts="]
     if args.keyword:
         command += ["-k", args.keyword]
     if args.smoke:
@@ -126,9 +116,11 @@ def run_tests(args, out: Path, env: dict) -> dict:
             command += ["-n", str(workers)]
         if importlib.util.find_spec("pytest_timeout") is not None:
             command += ["--timeout", str(int(args.case_s))]
+    env = dict(env, MERAK_GPU_CASES=str(cases_file),
+               PYTHONPATH=os.pathsep.join([str(REPO / "bench"), env["PYTHONPATH"]]))
     status, seconds = _run(command, out / "gpu_tests.log", env, args.tests_s)
     log = (out / "gpu_tests.log").read_text()
-    cases = _cases(out / "gpu_tests.xml")
+    cases = _cases(cases_file)
     result = {"command": " ".join(command[1:]), "exit_status": status, "seconds": round(seconds, 1),
               "stopped_at_limit": status is None, "cases": cases,
               "counts": {kind: sum(c["outcome"] == kind for c in cases)
@@ -182,6 +174,13 @@ def goals(tests: dict | None, bench: dict | None) -> list[dict]:
     return rows
 
 
+def _why(message: str) -> str:
+    """The line of a pytest failure that says what went wrong (its last ``E`` line), shortened."""
+    lines = [line for line in message.splitlines() if line.strip()]
+    errors = [line[1:].strip() for line in lines if line.startswith("E ")]
+    return ((errors or lines or [""])[-1])[:160].replace("|", "/")
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -202,8 +201,7 @@ def markdown(report: dict) -> str:
                   + (" (stopped at the phase's time limit)" if tests["stopped_at_limit"] else ""), ""]
         failed = [c for c in tests["cases"] if c["outcome"] in ("failed", "error")]
         if failed:
-            lines += common.format_table(["failed case", "why"], [(c["name"], c["message"].splitlines()[0][:120]
-                                                                  if c["message"] else "") for c in failed])
+            lines.append(common.format_table(["failed case", "why"], [(c["name"], _why(c["message"])) for c in failed]))
             lines.append("")
     bench = report.get("bench")
     if bench and bench["results"]:
@@ -231,14 +229,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _git_commit() -> str | None:
+    """The checkout's commit; None in a copy without ``.git`` (set ``$MERAK_COMMIT`` there)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def _facts(smoke: bool) -> dict:
     facts = {**common.machine_facts(), "gpu": "CPU (smoke)" if smoke else torch.cuda.get_device_name(),
              "cuda": torch.version.cuda}
-    try:
-        facts["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                         text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):  # the GPU machine's copy has no .git
-        facts["commit"] = os.environ.get("MERAK_COMMIT")
+    facts["commit"] = os.environ.get("MERAK_COMMIT") or _git_commit()
     if not smoke:
         try:
             import pynvml

@@ -269,6 +269,12 @@ def summarize(per_rank: list[dict], args: argparse.Namespace) -> dict:
                                              for name in ("merak", "torch")}
         summary["ratio_cpu_over_single"] = {name: cpu[name] / cpu["single"] for name in ("merak", "torch")}
         summary["speedup_over_single_wall"] = {name: wall["single"] / wall[name] for name in ("merak", "torch")}
+        # Each microbatch crosses every boundary twice (activation, gradient): the host work a pipeline adds
+        # over the single process, per transfer (the whole of it on a host-bound model).
+        transfers = 2 * microbatches * (stages - 1)
+        summary["transfers_per_step"] = transfers
+        summary["extra_cpu_s_per_transfer"] = {name: (cpu[name] - cpu["single"]) / transfers
+                                               for name in ("merak", "torch")}
     # Loss check: merak's loss is known on every rank, torch's on the last rank, single's on rank 0.
     loss_lists = {"merak": per_rank[0]["losses"]["merak"], "torch": per_rank[-1]["losses"]["torch"]}
     if "single" in methods:
@@ -326,6 +332,10 @@ def main(argv=None) -> int:
     goal = "0.95" if args.merak_plan == "auto" else "1.0"
     print(f"merak / torch (median step time): {ratio:.3f}  ({(ratio - 1) * 100:+.1f} %; goal: <= {goal})")
     print(f"merak / torch (CPU-s per step):   {summary['ratio_merak_over_torch_cpu']:.3f}")
+    if "extra_cpu_s_per_transfer" in summary:
+        extra = summary["extra_cpu_s_per_transfer"]
+        print(f"CPU-s over the single process per transfer ({summary['transfers_per_step']} per step): "
+              f"merak {extra['merak'] * 1e6:.0f} us, torch {extra['torch'] * 1e6:.0f} us")
     if "fraction_of_ideal_1f1b" in summary:
         print(f"ideal 1F1B step (single-process step x (M+S-1)/(M*S)): {summary['ideal_1f1b_step_s']:.3f} s; "
               + ", ".join(f"{name} reaches {value * 100:.0f} %"

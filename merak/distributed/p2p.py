@@ -125,8 +125,8 @@ class PointToPoint:
     def __init__(self, device: torch.device, group=None, transport: str | Transport | None = None) -> None:
         self.device = torch.device(device)
         self.group = group
-        self.transport = transport if isinstance(transport, Transport) else \
-            make_transport(self.device, group, transport)
+        self.transport = make_transport(self.device, group, transport) \
+            if transport is None or isinstance(transport, str) else transport
         self._send_channels: dict[tuple[int, object], _SendChannel] = {}
         self._recv_channels: dict[tuple[int, object], _RecvChannel] = {}
 

@@ -54,7 +54,8 @@ from merak.pipeline.instructions import (
 )
 from merak.pipeline.validate import ScheduleError, validate_stage_list
 
-__all__ = ["CostModel", "Costs", "ScheduleError", "SimulationResult", "TimelineEvent", "render_text_timeline",
+__all__ = ["CostModel", "Costs", "Deadlock", "ScheduleError", "SimulationResult", "TimelineEvent",
+           "render_text_timeline",
            "simulate", "validate_stage_list"]
 
 SEND_MODES = ("eager", "rendezvous")
@@ -171,12 +172,26 @@ def _channel(stage_id: int, num_stages: int, op) -> tuple[int, int]:
 
 @dataclass
 class _Posted:
-    """One posted op waiting in (or matched in) its channel queue."""
+    """One op in its channel queue: reached at ``time`` (a send's description is out), its tensors
+    posted at ``posted`` (None until its group has every description it receives)."""
 
     stage: int
     index: int
     op: object
     time: float
+    posted: float | None = None
+
+
+class Deadlock(ScheduleError):
+    """No stage can progress. ``positions[s]``: the index of the instruction stage ``s`` is blocked at
+    (its list's length when it finished); ``phases[s]``: ``"descriptions"`` (its group waits for the
+    description of a payload it receives, which its sender has not reached), ``"transfer"`` (its group is
+    posted and waits for partners), or None (finished)."""
+
+    def __init__(self, message: str, positions: list[int], phases: list[str | None]) -> None:
+        super().__init__(message)
+        self.positions = positions
+        self.phases = phases
 
 
 def _chain_shape(lists) -> tuple[int, int]:
@@ -233,11 +248,12 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
     events: list[list[TimelineEvent]] = [[] for _ in range(num_stages)]
     plain_forwards: set[tuple[int, int, int]] = set()  # (stage, chunk, microbatch) run as plain Forward
 
-    def post(s: int, idx: int, op) -> tuple[object, list[_Posted], int]:
+    def post(s: int, idx: int, op) -> tuple[object, _Posted, list[_Posted], int]:
         sends_q, recvs_q = queues.setdefault(_channel(s, num_stages, op), ([], []))
         mine, theirs = (sends_q, recvs_q) if is_send(op) else (recvs_q, sends_q)
         k = len(mine)
-        mine.append(_Posted(s, idx, op, clock[s]))
+        entry = _Posted(s, idx, op, clock[s])
+        mine.append(entry)
         if k < len(theirs) and theirs[k].op != matching_op(op, s, num_stages):
             # Name the send first whichever side was posted last, so messages read the same.
             send, recv = (mine[k], theirs[k]) if is_send(op) else (theirs[k], mine[k])
@@ -246,7 +262,7 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
                 f"message mismatch between ranks {sender} -> {receiver} "
                 f"(FIFO pair #{k}): {send.op!r} on stage {send.stage} (instruction #{send.index}) "
                 f"meets {recv.op!r} on stage {recv.stage} (instruction #{recv.index})")
-        return op, theirs, k
+        return op, entry, theirs, k
 
     def blocks(op) -> bool:
         return sends == "rendezvous" or not is_send(op)
@@ -262,11 +278,23 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
                     if waiting[s] is None:
                         waiting[s] = [post(s, pc[s], op) for op in ops]
                         progressed = True
-                    pending = [(theirs, k) for op, theirs, k in waiting[s] if blocks(op)]
-                    if any(k >= len(theirs) for theirs, k in pending):
+                    group = waiting[s]
+                    if group[0][1].posted is None:
+                        # A group's tensors are posted once the description of everything it receives
+                        # has come: its senders have reached their groups.
+                        receives = [(theirs, k) for op, _, theirs, k in group if not is_send(op)]
+                        if any(k >= len(theirs) for theirs, k in receives):
+                            break
+                        posted = max([start] + [theirs[k].time for theirs, k in receives])
+                        for _, entry, _, _ in group:
+                            entry.posted = posted
+                        progressed = True
+                    posted = group[0][1].posted
+                    pending = [(theirs, k) for op, _, theirs, k in group if blocks(op)]
+                    if any(k >= len(theirs) or theirs[k].posted is None for theirs, k in pending):
                         break
                     cost = costs.of(s, instr)
-                    end = max((max(start, theirs[k].time) + cost for theirs, k in pending), default=start)
+                    end = max((max(posted, theirs[k].posted) + cost for theirs, k in pending), default=posted)
                     waiting[s] = None
                 else:
                     end = start + costs.of(s, instr)
@@ -283,11 +311,15 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
         if all(pc[s] == len(lists[s]) for s in range(num_stages)):
             break
         if not progressed:
+            phases = [None if pc[s] == len(lists[s]) else
+                      "descriptions" if waiting[s] is not None and waiting[s][0][1].posted is None else "transfer"
+                      for s in range(num_stages)]
             blocked = "; ".join(
                 f"stage {s} blocked at #{pc[s]} {lists[s][pc[s]]!r}"
+                + (" (waiting for a description)" if phases[s] == "descriptions" else "")
                 for s in range(num_stages)
                 if pc[s] < len(lists[s]))
-            raise ScheduleError(f"deadlock: no stage can progress; {blocked}")
+            raise Deadlock(f"deadlock: no stage can progress; {blocked}", list(pc), phases)
 
     timeline = tuple(event for stage_events in events for event in stage_events)
     busy = tuple(

@@ -21,6 +21,7 @@ Pure Python, no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from merak.pipeline.instructions import (
     P2P_TYPES,
@@ -37,6 +38,9 @@ from merak.pipeline.instructions import (
     virtual_stage,
 )
 from merak.pipeline.validate import ScheduleError
+
+if TYPE_CHECKING:
+    from merak.pipeline.simulate import Deadlock
 
 Message = tuple[str, int, int]  # (kind, sending virtual stage, microbatch)
 
@@ -113,72 +117,16 @@ def _post_times(lists: Sequence[Sequence[Instruction]]) -> dict[tuple[int, P2POp
     return times
 
 
-def _blocked_sends(flat: list[list[Instruction]]) -> list[tuple[int, P2POp]] | None:
-    """Run the lists under rendezvous semantics, each point's transfers one group that blocks its rank
-    until every one of them has met its partner; None when every rank finishes, else ``(rank, send)``
-    for the sends of the groups that are stuck, whose receives are not posted."""
-    num_stages = len(flat)
-    groups = []  # per rank, per point: [(op, (pair, message))]
-    for s, stage in enumerate(flat):
-        runs: dict[int, list] = {}
-        for op, run in zip(stage, _runs(stage)):
-            if run >= 0:
-                runs.setdefault(run, []).append((op, (_pair_of(op, s, num_stages), message_of(op, s, num_stages))))
-        groups.append([runs[r] for r in sorted(runs)])
-    current = [0] * num_stages
-    done: set = set()
-    while True:
-        posted = {(name, is_send(op)) for s in range(num_stages) if current[s] < len(groups[s])
-                  for op, name in groups[s][current[s]]}
-        progressed = False
-        for s in range(num_stages):
-            if current[s] == len(groups[s]):
-                continue
-            group = groups[s][current[s]]
-            done.update(name for op, name in group if (name, not is_send(op)) in posted)
-            if all(name in done for _, name in group):
-                current[s] += 1
-                progressed = True
-        if all(current[s] == len(groups[s]) for s in range(num_stages)):
-            return None
-        if not progressed:
-            return [(s, op) for s in range(num_stages) if current[s] < len(groups[s])
-                    for op, name in groups[s][current[s]] if is_send(op) and name not in done]
+def _untangle(lists: Sequence[Sequence[Instruction]], times: dict) -> list[list[Instruction]]:
+    """The lists with every transfer on its own, and sends moved so that no two ranks post their messages
+    to each other in opposite orders at different points.
 
-
-def _delay(flat: list[list[Instruction]], rank: int, send: P2POp) -> None:
-    """Move ``send`` to its rank's next point, with the sends to the same peer that its point posts after
-    it (so messages in one direction keep their order)."""
-    num_stages = len(flat)
-    stage, runs = flat[rank], _runs(flat[rank])
-    index = stage.index(send)
-    run = runs[index]
-    pair = _pair_of(send, rank, num_stages)
-    moving = [op for op, r in zip(stage[index:], runs[index:]) if r == run and is_send(op)
-              and _pair_of(op, rank, num_stages) == pair]
-    for op in moving:
-        stage.remove(op)
-    at = index
-    while at < len(stage) and isinstance(stage[at], P2P_TYPES):  # the rest of its own point
-        at += 1
-    while at < len(stage) and not isinstance(stage[at], P2P_TYPES):  # what runs before the next point
-        at += 1
-    stage[at:at] = moving  # into the next point, or a point of their own at the end
-
-
-def _untangle(lists: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
-    """The lists with every transfer on its own, and sends moved to later points until the lists run
-    under rendezvous semantics.
-
-    First, two ranks must not post their messages to each other in opposite orders. Of two crossing
-    messages, one is a send of each rank (two receives posted first on both sides would deadlock with
-    any buffering); one of the sends joins the point of the receive its rank posts after it: the one that
-    then reaches its receiver no later than the receiver asks for it, in the schedule's own timeline.
-    Then waits around a ring of ranks (interleaved schedules) are broken the same way: of the sends that
-    hold their groups, the one that delays its receiver least moves to its rank's next point."""
+    Of two crossing messages, one is a send of each rank (two receives posted first on both sides would
+    deadlock with any buffering); one of the sends joins the point of the receive its rank posts after
+    it: the one that then reaches its receiver no later than the receiver asks for it, in the schedule's
+    own timeline (``times``)."""
     num_stages = len(lists)
     flat = [[op for instruction in stage for op in (p2p_ops(instruction) or (instruction,))] for stage in lists]
-    times = _post_times(lists)
     while (crossing := _crossing(flat)) is not None:
         a, x_a, y_a, b, x_b, y_b = crossing
         if is_send(x_a) == is_send(y_a):
@@ -197,65 +145,170 @@ def _untangle(lists: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]
         stage = flat[rank]
         stage.remove(send)
         stage.insert(stage.index(anchor) + 1, send)
-    receive_times = {}
-    for (s, op), time in times.items():
-        if not is_send(op):
-            receive_times[(_pair_of(op, s, num_stages), message_of(op, s, num_stages))] = time
-    for _ in range(sum(len(stage) for stage in flat)):
-        stuck = _blocked_sends(flat)
-        if stuck is None:
-            return flat
-        # The send whose receiver asks for it latest loses least by waiting for its rank's next point.
-        rank, send = max(stuck, key=lambda item: receive_times.get(
-            (_pair_of(item[1], item[0], num_stages), message_of(item[1], item[0], num_stages)), 0.0))
-        _delay(flat, rank, send)
-    raise ScheduleError("the schedule's transfers deadlock under rendezvous semantics however sends are delayed")
+    return flat
+
+
+def _group(ops: Sequence[P2POp]) -> Instruction:
+    return ops[0] if len(ops) == 1 else Exchange(tuple(ops))
+
+
+def _sorted_groups(grouped: list[list[Instruction]]) -> list[list[Instruction]]:
+    """Every group's operations in the order both ranks of each pair post them: per pair of ranks and
+    direction, by the sender's group, then the receiver's."""
+    num_stages = len(grouped)
+    where: dict[tuple, list[int]] = {}  # (pair, message) -> [sender's group index, receiver's]
+    for s, stage in enumerate(grouped):
+        for index, instruction in enumerate(stage):
+            for op in p2p_ops(instruction):
+                ends = where.setdefault((_pair_of(op, s, num_stages), message_of(op, s, num_stages)), [-1, -1])
+                ends[0 if is_send(op) else 1] = index
+    result = []
+    for s, stage in enumerate(grouped):
+        out = []
+        for instruction in stage:
+            ops = p2p_ops(instruction)
+            if len(ops) > 1:
+                instruction = _group(sorted(ops, key=lambda op, s=s: (
+                    _pair_of(op, s, num_stages), where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages))])))
+            out.append(instruction)
+        result.append(out)
+    return result
+
+
+def _split_waiting_groups(grouped: list[list[Instruction]], stuck: Deadlock) -> bool:
+    """Split each group that waits for a description from a sender that has not reached its send: its
+    sends, the receives whose descriptions have come and those that cross its sends, first; the other
+    receives in a group after it. (A group posts nothing before it has the description of
+    everything it receives.) True if any split."""
+    num_stages = len(grouped)
+    where = {}
+    for s, stage in enumerate(grouped):
+        for index, instruction in enumerate(stage):
+            for op in p2p_ops(instruction):
+                where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), is_send(op))] = (s, index)
+    changed = False
+    for s, phase in enumerate(stuck.phases):
+        if phase != "descriptions":
+            continue
+        position = stuck.positions[s]
+        ops = p2p_ops(grouped[s][position])
+
+        def described(op, s=s) -> bool:
+            sender, index = where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), True)]
+            return stuck.positions[sender] >= index
+
+        # A receive whose sender posts it in the group where it receives one of this group's sends stays:
+        # split on one side, that pair would wait on itself (NCCL runs one peer's operations in order).
+        receiving = {where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), False)]
+                     for op in ops if is_send(op)}
+
+        def crossing(op, s=s, receiving=receiving) -> bool:
+            return where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), True)] in receiving
+
+        first = [op for op in ops if is_send(op) or described(op) or crossing(op)]
+        rest = [op for op in ops if op not in first]
+        if first and rest:
+            grouped[s][position:position + 1] = [_group(first), _group(rest)]
+            changed = True
+    return changed
+
+
+def _delay_a_send(grouped: list[list[Instruction]], stuck: Deadlock, receive_times: dict, latest: bool) -> bool:
+    """Move one send that holds its group, with its group's later sends to the same peer, after the rest
+    of the group (in a group of their own), or, when they are the whole group, into the next point of its
+    rank (or a point of their own at the end). Of the sends whose receivers have not reached them, the one
+    whose receiver asks for it latest (``latest``; else earliest). False if there is none."""
+    num_stages = len(grouped)
+    reached = {}
+    for s, stage in enumerate(grouped):
+        for index, instruction in enumerate(stage):
+            for op in p2p_ops(instruction):
+                reached[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), is_send(op))] = (s, index)
+    candidates = []
+    for s, phase in enumerate(stuck.phases):
+        if phase != "transfer":
+            continue
+        for op in p2p_ops(grouped[s][stuck.positions[s]]):
+            key = (_pair_of(op, s, num_stages), message_of(op, s, num_stages))
+            receiver, index = reached[(*key, False)]
+            if is_send(op) and stuck.positions[receiver] < index:
+                candidates.append((receive_times.get(key, 0.0), s, op))
+    if not candidates:
+        return False
+    _, rank, send = (max if latest else min)(candidates, key=lambda c: c[0])
+    stage, position = grouped[rank], stuck.positions[rank]
+    ops = list(p2p_ops(stage[position]))
+    pair = _pair_of(send, rank, num_stages)
+    moving = [op for op in ops[ops.index(send):] if is_send(op) and _pair_of(op, rank, num_stages) == pair]
+    kept = [op for op in ops if op not in moving]
+    if kept:  # the rest of the group goes first, the sends in a group of their own after it
+        stage[position:position + 1] = [_group(kept), _group(moving)]
+        return True
+    del stage[position]
+    at = position
+    while at < len(stage) and p2p_ops(stage[at]):  # the rest of its own point
+        at += 1
+    while at < len(stage) and not p2p_ops(stage[at]):  # what runs before the next point
+        at += 1
+    if at < len(stage):
+        stage[at] = _group([*moving, *p2p_ops(stage[at])])
+    else:
+        stage.append(_group(moving))
+    return True
 
 
 def group_transfers(lists: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
-    """The stages' lists with every point's transfers in one group, in the order both peers agree on.
+    """The stages' lists with their transfers in groups both peers post alike, and that run under
+    rendezvous semantics.
 
     Args:
         lists: ``lists[s]`` is stage ``s``'s instruction list (one step of every stage).
 
     Returns:
-        New lists: the same instructions, a send moved to a later point where two ranks would otherwise
-        post their messages to each other in opposite orders, each point's transfers gathered into one
-        ``Exchange`` (a point with one transfer keeps it bare), ordered per pair of ranks and direction.
+        New lists with the same computes in the same order. Each point's transfers become one group
+        (an ``Exchange``, or a lone transfer), ordered per pair of ranks and direction; then, while the
+        simulator finds a deadlock under rendezvous semantics, a group that waits for a description its
+        sender has not reached is split (its sends go first), or else a send that holds its group moves
+        to its rank's next point.
 
     Raises:
-        ScheduleError: the lists' transfers cannot be put in one order both sides keep (see
-            :func:`_untangle`).
+        ScheduleError: the transfers cannot be put in one order both sides keep, or no such change ends
+            the deadlock.
     """
+    from merak.pipeline.simulate import Deadlock, simulate
+
     num_stages = len(lists)
-    flat = _untangle(lists)
-    # (sender rank, receiver rank) -> message -> its position in the order both ranks post
-    points: dict[tuple[int, int], dict[Message, list[int]]] = {}
-    for s, stage in enumerate(flat):
-        for op, run in zip(stage, _runs(stage)):
-            if run >= 0:
-                pair = _pair_of(op, s, num_stages)
-                ends = points.setdefault(pair, {}).setdefault(message_of(op, s, num_stages), [-1, -1])
-                ends[0 if is_send(op) else 1] = run
-    order = {(pair, message): rank
-             for pair, messages in points.items()
-             for rank, (_, _, message) in enumerate(sorted((*ends, message) for message, ends in messages.items()))}
+    times = _post_times(lists)
+    receive_times = {(_pair_of(op, s, num_stages), message_of(op, s, num_stages)): time
+                     for (s, op), time in times.items() if not is_send(op)}
+    flat = _untangle(lists, times)
     grouped = []
-    for s, stage in enumerate(flat):
-        out, run_ops = [], []
-        for instruction, run in zip([*stage, None], [*_runs(stage), -1]):
-            if run >= 0 and (not run_ops or run == run_ops[-1][0]):
-                run_ops.append((run, instruction))
+    for stage in flat:
+        out, point = [], []
+        for instruction in [*stage, None]:
+            if isinstance(instruction, P2P_TYPES):
+                point.append(instruction)
                 continue
-            if run_ops:
-                ops = sorted((op for _, op in run_ops),
-                             key=lambda op, s=s: (_pair_of(op, s, num_stages),
-                                                  order[(_pair_of(op, s, num_stages), message_of(op, s, num_stages))]))
-                out.append(ops[0] if len(ops) == 1 else Exchange(tuple(ops)))
-                run_ops = []
-            if run >= 0:
-                run_ops.append((run, instruction))
-            elif instruction is not None:
+            if point:
+                out.append(_group(point))
+                point = []
+            if instruction is not None:
                 out.append(instruction)
         grouped.append(out)
-    return grouped
+    grouped = _sorted_groups(grouped)
+    failure = None
+    # Delaying the send whose receiver asks for it latest moves the fewest; in the rare shape where that
+    # ends in a cycle of waiting receives, the earliest-first order is tried.
+    for latest in (True, False):
+        attempt = [list(stage) for stage in grouped]
+        for _ in range(4 * sum(len(stage) for stage in attempt)):
+            try:
+                simulate(attempt, sends="rendezvous")
+                return attempt
+            except Deadlock as stuck:
+                failure = stuck
+                if not (_split_waiting_groups(attempt, stuck) or
+                        _delay_a_send(attempt, stuck, receive_times, latest)):
+                    break
+                attempt = _sorted_groups(attempt)
+    raise ScheduleError(f"the schedule's transfers cannot be grouped to run under rendezvous semantics: {failure}")

@@ -1,4 +1,5 @@
-"""PointToPoint between two gloo processes: pytrees, renegotiation, requires_grad, failures."""
+"""PointToPoint between two gloo processes: pytrees, renegotiation, requires_grad, failures, and the
+transports' send semantics (gloo's buffered sends; the rendezvous transport's NCCL-like ones)."""
 
 from __future__ import annotations
 
@@ -140,29 +141,29 @@ def test_pytree_exchange(tmp_path):
             assert not any(flags), i
 
 
-def batched_exchange_worker(out_path: str) -> None:
-    """Both ranks send and receive in the same exchange calls (the 1F1B Exchange), on two channels at once,
-    with shapes changing between calls; then rank 0 sends once more with a plain post_send that rank 1
-    receives inside an exchange."""
+def batched_group_worker(out_path: str, transport: str) -> None:
+    """Both ranks send and receive in the same post calls (one batched group, as a 1F1B point), on two
+    channels at once, with shapes changing between calls; then rank 0 sends once more alone, and rank 1
+    receives it alone."""
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
         rank, peer = dist.get_rank(), 1 - dist.get_rank()
-        p2p = PointToPoint(torch.device("cpu"))
+        p2p = PointToPoint(torch.device("cpu"), transport=transport)
         payloads = make_payloads()
         mine = payloads if rank == 0 else list(reversed(payloads))
         received = []
         for index, payload in enumerate(mine):
             extra = {"index": index, "rank": rank}
-            got, works = p2p.exchange([(payload, peer, 0), (extra, peer, 1)], [(peer, 0), (peer, 1)])
-            for work in works:
+            transfer = p2p.post([(payload, peer, 0), (extra, peer, 1)], [(peer, 0), (peer, 1)])
+            transfer.wait()
+            for work in transfer.send_works:
                 work.wait()
-            received.append(got)
+            received.append(transfer.received)
         if rank == 0:
-            for work in p2p.post_send(payloads[2], peer, tag=0):
+            for work in p2p.post_send(payloads[2], peer, 0):
                 work.wait()
         else:
-            got, _ = p2p.exchange([], [(peer, 0)])
-            received.append(got)
+            received.append([p2p.recv(peer, 0)])
         torch.save(received, f"{out_path}.{rank}")
         dist.barrier()
     finally:
@@ -170,9 +171,10 @@ def batched_exchange_worker(out_path: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_batched_exchange_both_ways_matches_post_send_and_recv(tmp_path):
+@pytest.mark.parametrize("transport", ["posted", "rendezvous"])
+def test_a_batched_group_both_ways_matches_lone_sends_and_receives(tmp_path, transport):
     out = str(tmp_path / "exchanged")
-    spawn_workers(batched_exchange_worker, world_size=2, args=(out,), start_method="fork")
+    spawn_workers(batched_group_worker, world_size=2, args=(out, transport), start_method="fork")
     expected = make_payloads()
     for rank in (0, 1):
         received = torch.load(f"{out}.{rank}", weights_only=False)
@@ -182,7 +184,80 @@ def test_batched_exchange_both_ways_matches_post_send_and_recv(tmp_path):
             assert got[1] == {"index": index, "rank": 1 - rank}
         if rank == 1:
             assert len(received) == len(expected) + 1
-            assert_same_tree(received[-1][0], expected[2], "post_send received by an exchange")
+            assert_same_tree(received[-1][0], expected[2], "a lone send received alone")
+
+
+def send_semantics_worker(out_path: str, transport: str) -> None:
+    """What a send waits for, and the pattern NCCL deadlocks on: each rank posting a lone send to the
+    other before its receive."""
+    dist.init_process_group("gloo", timeout=timedelta(seconds=6))
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    p2p = PointToPoint(torch.device("cpu"), transport=transport)
+    result = {}
+    # Rank 1 posts its receive only once rank 0's send has returned (it learns so from a message that
+    # rank 0 sends after it): gloo's posted sends return at once (they complete once received); a
+    # rendezvous send returns only when received, so rank 0 fails at the timeout.
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            works = p2p.post_send(torch.arange(3.0), peer)
+            dist.send(torch.ones(1), peer, tag=7)
+            for work in works:
+                work.wait()
+        else:
+            dist.recv(torch.ones(1), peer, tag=7)
+            result["received"] = p2p.recv(peer).tolist()
+        result["order"] = "completed"
+    except RuntimeError as error:
+        result["order"] = f"failed: {error}"[:200]
+    result["order_s"] = time.monotonic() - started
+    torch.save(result, f"{out_path}.{rank}")
+    if result["order"] == "completed":
+        dist.barrier()  # the peer may still be reading
+
+
+def crossing_sends_worker(out_path: str, transport: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=6))
+    rank, peer = dist.get_rank(), 1 - dist.get_rank()
+    p2p = PointToPoint(torch.device("cpu"), transport=transport)
+    result = {}
+    # One batched group with both: fine under either semantics.
+    transfer = p2p.post([(torch.full((4,), float(rank)), peer, 0)], [(peer, 0)])
+    transfer.wait()
+    result["group"] = transfer.received[0].tolist()
+    # Lone sends first on both ranks, receives after: a deadlock with rendezvous sends.
+    started = time.monotonic()
+    try:
+        works = p2p.post_send(torch.full((4,), 10.0 + rank), peer, 0)
+        result["crossing"] = p2p.recv(peer, 0).tolist()
+        for work in works:
+            work.wait()
+    except RuntimeError as error:
+        result["crossing"] = f"failed: {error}"[:200]
+    result["crossing_s"] = time.monotonic() - started
+    torch.save(result, f"{out_path}.{rank}")
+    if not result["crossing"][0:6] == "failed":
+        dist.barrier()  # the peer may still be reading
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["posted", "rendezvous"])
+def test_rendezvous_sends_wait_for_their_receive_and_deadlock_where_nccl_would(tmp_path, transport):
+    out = str(tmp_path / "semantics")
+    for worker in (send_semantics_worker, crossing_sends_worker):
+        try:
+            spawn_workers(worker, world_size=2, args=(out + worker.__name__, transport), start_method="fork")
+        except WorkerFailed:
+            pass  # a rank whose peer failed first may exit with the error; its results are on disk
+    order = [torch.load(f"{out}send_semantics_worker.{r}", weights_only=False) for r in (0, 1)]
+    crossing = [torch.load(f"{out}crossing_sends_worker.{r}", weights_only=False) for r in (0, 1)]
+    assert [c["group"] for c in crossing] == [[1.0] * 4, [0.0] * 4]
+    if transport == "posted":
+        assert order[1]["received"] == [0.0, 1.0, 2.0] and order[0]["order"] == "completed"
+        assert [c["crossing"] for c in crossing] == [[11.0] * 4, [10.0] * 4]
+    else:
+        assert order[0]["order"].startswith("failed") and order[0]["order_s"] >= 5.0
+        assert all(c["crossing"].startswith("failed") and c["crossing_s"] >= 5.0 for c in crossing)
 
 
 @pytest.mark.parametrize("payload,message", [

@@ -1,6 +1,7 @@
 """Every layout and schedule trains to the single-process losses and gradients.
 
-One gloo world per layout runs all schedules; the reference is the plain
+One gloo world per layout runs all schedules (dp2 x pp2 on the rendezvous transport, NCCL's semantics:
+merak.distributed.transports); the reference is the plain
 Hugging Face model trained in this process on the same global batches with
 the same optimizer, schedule and clipping.
 """
@@ -8,6 +9,7 @@ the same optimizer, schedule and clipping.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from merak.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
+from merak.distributed.transports import RENDEZVOUS_ENV
 from merak.engine import PipelineEngine
 from merak.shard.plan import ShardingOptions
 from recipes.gpt import data, model, parallel
@@ -43,6 +46,8 @@ GRAD_RTOL = 2e-6
 
 def _train_layout(out_dir: str, dp: int, pp: int, num_microbatches: int, model_cfg, tokens: str) -> None:
     torch.set_num_threads(1)
+    if dp > 1 and pp > 1:  # NCCL's send semantics (merak.distributed.transports) with data parallelism too
+        os.environ[RENDEZVOUS_ENV] = "1"
     state = groups.init(dp=dp, pp=pp, timeout_s=120)
     micro_batch = GLOBAL_BATCH // (dp * num_microbatches)
     try:

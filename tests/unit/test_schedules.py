@@ -33,12 +33,14 @@ from merak.pipeline.schedules import (
 )
 from merak.pipeline.simulate import (
     Costs,
+    Deadlock,
     ScheduleError,
     instruction_label,
     render_text_timeline,
     simulate,
     validate_stage_list,
 )
+from merak.pipeline.transfers import group_transfers
 
 TAIL = [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
 
@@ -225,7 +227,8 @@ def test_deadlock_is_reported():
     stage1 = [RecvActivation(0), LoadMicrobatch(0), Forward(0), Backward(0), SendGrad(0), *TAIL]
     # Both stages block on a receive whose send comes later on the other stage:
     # a deadlock whatever the send model.
-    pattern = r"deadlock.*stage 0 blocked at #2 RecvGrad\(0\); stage 1 blocked at #0 RecvActivation\(0\)"
+    pattern = (r"deadlock.*stage 0 blocked at #2 RecvGrad\(0\) \(waiting for a description\); "
+               r"stage 1 blocked at #0 RecvActivation\(0\) \(waiting for a description\)")
     for sends in ("eager", "rendezvous"):
         with pytest.raises(ScheduleError, match=pattern):
             simulate([stage0, stage1], sends=sends)
@@ -262,14 +265,19 @@ def test_fifo_mismatch_is_reported():
             simulate([stage0, stage1], sends=sends)
 
 
-def test_exchange_ops_match_individually():
-    # An Exchange on stage 0 is served by two separate blocking ops on stage 1.
+def test_an_exchange_waits_for_the_description_of_what_it_receives():
+    # An Exchange on stage 0 sends activation 0 and receives gradient 0, which stage 1 sends only after it
+    # has received activation 0: the group posts nothing before the gradient's description has come (its
+    # sender reached its send), so both wait. Grouping the lists splits the Exchange, its send first.
     stage0 = [LoadMicrobatch(0), Forward(0), Exchange((SendActivation(0), RecvGrad(0))), Backward(0), *TAIL]
     stage1 = [RecvActivation(0), LoadMicrobatch(0), Forward(0), Backward(0), SendGrad(0), *TAIL]
-    result = simulate([stage0, stage1])
-    assert result.makespan == 4.0
-    # The Exchange waits for the late SendGrad either way; so does the blocking send.
-    assert simulate([stage0, stage1], sends="rendezvous").makespan == 4.0
+    for sends in ("eager", "rendezvous"):
+        with pytest.raises(Deadlock) as stuck:
+            simulate([stage0, stage1], sends=sends)
+        assert stuck.value.positions == [2, 0] and stuck.value.phases == ["descriptions", "transfer"]
+    grouped = group_transfers([stage0, stage1])
+    assert grouped[0][2:4] == [SendActivation(0), RecvGrad(0)]
+    assert simulate(grouped).makespan == simulate(grouped, sends="rendezvous").makespan == 4.0
 
 
 def test_missing_backward_is_reported():

@@ -109,7 +109,7 @@ def build_schedule(*, name: str, stage_id: int, num_stages: int, num_microbatche
     return list(_grouped(ALIASES.get(name, name), num_stages, num_microbatches, num_chunks)[stage_id])
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)
 def _grouped(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> tuple[tuple[Instruction, ...], ...]:
     """Every stage's list of schedule ``name``, its transfers grouped as the peers post them
     (:func:`merak.pipeline.transfers.group_transfers`: the lists of all stages are needed together)."""
