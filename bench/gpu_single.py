@@ -196,8 +196,9 @@ def variants(args) -> list[str]:
 
 
 def measure(name: str, args: argparse.Namespace, peak_tflops: float | None,
-            energy: _EnergyCounter | None = None) -> dict:
-    """Time every loop of ``variants(args)`` on model ``name``; a crash is reported in the row."""
+            energy: _EnergyCounter | None = None, on_variant=None) -> dict:
+    """Time every loop of ``variants(args)`` on model ``name``; a crash is reported in the row.
+    ``on_variant(row)`` is called after each loop with the row so far."""
     energy = energy or _EnergyCounter()
     recipe = MODELS[name][0]
     row = {"model": name, "recipe": recipe, "overrides": _overrides(name, args)}
@@ -222,6 +223,8 @@ def measure(name: str, args: argparse.Namespace, peak_tflops: float | None,
             make = (lambda compiled=compiled: _plain(name, args, compiled=compiled)) if who.startswith("plain") else \
                 (lambda who=who, compiled=compiled: _merak(name, args, f"{output_dir}/{who}", compiled=compiled))
             _run_variant(row, who, make, args, energy)
+            if on_variant is not None:
+                on_variant(row)
     for who in variants(args):
         if f"{who}_s" in row:
             row[f"{who}_samples_per_s"] = samples / row[f"{who}_s"]
@@ -276,10 +279,15 @@ def main(argv=None) -> list[dict]:
     names = sorted(MODELS) if args.all else (args.model or list(DEFAULT_MODELS))
     energy = _EnergyCounter()
     rows = []
+
+    def save(partial=None) -> None:
+        # After every loop, so a run stopped at its time limit keeps what it measured.
+        common.write_json(args.json, {"machine": facts, "args": vars(args),
+                                      "results": rows + ([partial] if partial is not None else [])})
+
     for name in names:
-        rows.append(measure(name, args, peak, energy))
-        # After every model, so a run stopped at its time limit keeps the models it finished.
-        common.write_json(args.json, {"machine": facts, "args": vars(args), "results": rows})
+        rows.append(measure(name, args, peak, energy, on_variant=save))
+        save()
     print(common.format_facts(facts), f"| {facts['gpu']}, bf16 peak {peak} TFLOP/s")
     print(common.format_table(*_table(rows, args)))
     return rows

@@ -107,11 +107,13 @@ def _crossing(flat: list[list[Instruction]]) -> tuple | None:
 
 
 def _post_times(lists: Sequence[Sequence[Instruction]]) -> dict[tuple[int, P2POp], float]:
-    """When each transfer is reached in the schedule's own timeline (unit costs, buffered sends)."""
+    """When each transfer is reached in the schedule's own timeline (unit costs, buffered sends, every
+    transfer on its own)."""
     from merak.pipeline.simulate import simulate
 
+    flat = [[op for instruction in stage for op in (p2p_ops(instruction) or (instruction,))] for stage in lists]
     times = {}
-    for event in simulate(lists).timeline:
+    for event in simulate(flat).timeline:
         for op in p2p_ops(event.instruction):
             times[(event.stage, op)] = event.start
     return times
