@@ -11,9 +11,17 @@ import json
 import os
 
 
+_IN_WORKER = False
+
+
+def pytest_configure(config) -> None:
+    global _IN_WORKER
+    _IN_WORKER = hasattr(config, "workerinput")  # an xdist worker: the controller writes its reports
+
+
 def pytest_runtest_logreport(report) -> None:
     path = os.environ.get("MERAK_GPU_CASES")
-    if not path or not (report.when == "call" or report.failed or report.skipped):
+    if not path or _IN_WORKER or not (report.when == "call" or report.failed or report.skipped):
         return
     outcome = "error" if report.failed and report.when != "call" else report.outcome
     message = str(report.longrepr)[-1500:] if report.longrepr else ""
