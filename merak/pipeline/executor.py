@@ -186,7 +186,8 @@ class PipelineExecutor:
                     self._dispatch(instruction)
                     if self.record_timeline:
                         self.timeline.append((instruction, start, clock()))
-                    self._prune_sends()
+                    if self._step.pending:
+                        self._prune_sends()
             self._wait_sends()
         finally:
             self.hooks.on_step_end()
@@ -411,11 +412,12 @@ class PipelineExecutor:
             leaf.data = placeholder
 
     def _prune_sends(self) -> None:
-        """Drop finished sends, so their buffers can be freed before the step ends."""
+        """Drop finished sends from the front of the queue, so their buffers can be freed before the step
+        ends (sends finish in about the order they were posted; a later one that finished first waits
+        its turn, which keeps this check cheap however many are queued)."""
         pending = self._step.pending
-        if pending:
-            pending[:] = [(payload, works) for payload, works in pending
-                          if not all(work.is_completed() for work in works)]
+        while pending and all(work.is_completed() for work in pending[0][1]):
+            pending.pop(0)
 
     def _wait_sends(self) -> None:
         self._arrive_all()
