@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 
-
 _IN_WORKER = False
 
 
