@@ -158,12 +158,10 @@ def _sorted_groups(grouped: list[list[Instruction]]) -> list[list[Instruction]]:
     """Every group's operations in the order both ranks of each pair post them: per pair of ranks and
     direction, by the sender's group, then the receiver's."""
     num_stages = len(grouped)
-    where: dict[tuple, list[int]] = {}  # (pair, message) -> [sender's group index, receiver's]
-    for s, stage in enumerate(grouped):
-        for index, instruction in enumerate(stage):
-            for op in p2p_ops(instruction):
-                ends = where.setdefault((_pair_of(op, s, num_stages), message_of(op, s, num_stages)), [-1, -1])
-                ends[0 if is_send(op) else 1] = index
+    placed = _placements(grouped)
+    where = {(pair, message): [placed.get((pair, message, True), (0, -1))[1],
+                               placed.get((pair, message, False), (0, -1))[1]]
+             for pair, message, _ in placed}  # (pair, message) -> [sender's group index, receiver's]
     result = []
     for s, stage in enumerate(grouped):
         out = []
@@ -177,17 +175,21 @@ def _sorted_groups(grouped: list[list[Instruction]]) -> list[list[Instruction]]:
     return result
 
 
+def _placements(grouped: list[list[Instruction]]) -> dict[tuple, tuple[int, int]]:
+    """``(pair, message, is_send) -> (rank, index of the group that posts it)`` for every transfer."""
+    num_stages = len(grouped)
+    return {(_pair_of(op, s, num_stages), message_of(op, s, num_stages), is_send(op)): (s, index)
+            for s, stage in enumerate(grouped) for index, instruction in enumerate(stage)
+            for op in p2p_ops(instruction)}
+
+
 def _split_waiting_groups(grouped: list[list[Instruction]], stuck: Deadlock) -> bool:
     """Split each group that waits for a description from a sender that has not reached its send: its
     sends, the receives whose descriptions have come and those that cross its sends, first; the other
     receives in a group after it. (A group posts nothing before it has the description of
     everything it receives.) True if any split."""
     num_stages = len(grouped)
-    where = {}
-    for s, stage in enumerate(grouped):
-        for index, instruction in enumerate(stage):
-            for op in p2p_ops(instruction):
-                where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), is_send(op))] = (s, index)
+    where = _placements(grouped)
     changed = False
     for s, phase in enumerate(stuck.phases):
         if phase != "descriptions":
@@ -221,11 +223,7 @@ def _delay_a_send(grouped: list[list[Instruction]], stuck: Deadlock, receive_tim
     rank (or a point of their own at the end). Of the sends whose receivers have not reached them, the one
     whose receiver asks for it latest (``latest``; else earliest). False if there is none."""
     num_stages = len(grouped)
-    reached = {}
-    for s, stage in enumerate(grouped):
-        for index, instruction in enumerate(stage):
-            for op in p2p_ops(instruction):
-                reached[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), is_send(op))] = (s, index)
+    reached = _placements(grouped)
     candidates = []
     for s, phase in enumerate(stuck.phases):
         if phase != "transfer":
