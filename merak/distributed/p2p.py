@@ -15,6 +15,12 @@ What crosses travels on two paths:
 A receive returns its payload at once, its tensors still arriving: :meth:`Transfer.wait` (which the
 executor calls just before the payload's first use) makes them usable, on NCCL without blocking the
 host (the compute stream waits for the transfer).
+
+On the CPU with gloo's own transport (``posted``), where every message costs host time and no device is
+involved, a transfer is **one packed message**: the header and every tensor, aligned, in one byte
+buffer of the size the receiver expects (the previous payload's on that channel). When the description
+changed, the sender first fills the expected size with the header alone, then sends the description
+and the new packed payload; the receiver reads the header from what arrived and follows.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from merak.distributed.transports import HEADER_TAG, Transport, make_transport
+from merak.distributed.transports import HEADER_TAG, PAYLOAD_TAG, PostedTransport, Transport, make_transport
 
 _DTYPES = {str(dtype): dtype for dtype in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -63,6 +69,37 @@ def _description_text(signature: tuple) -> bytes:
     return json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": leaves}).encode()
 
 
+HEADER_BYTES = 16  # two int64: "a description follows", its length
+_ALIGN = 16  # every packed tensor starts at a multiple of this many bytes
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def _packed_size(tensor_notes: Sequence[tuple[str, Sequence[int]]]) -> int:
+    """Bytes of a packed payload: the header, then each tensor ``(dtype name, shape)`` aligned."""
+    size = HEADER_BYTES
+    for dtype_name, shape in tensor_notes:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        size += _aligned(numel * _DTYPES[dtype_name].itemsize)
+    return size
+
+
+def _pack(tensors: Sequence[torch.Tensor], size: int) -> torch.Tensor:
+    """One byte buffer: a zero header (no description follows), then each tensor's bytes, aligned."""
+    packed = torch.empty(size, dtype=torch.uint8)
+    packed[:HEADER_BYTES].view(torch.int64).zero_()
+    offset = HEADER_BYTES
+    for tensor in tensors:
+        data = _wire_tensor(tensor).reshape(-1).view(torch.uint8)
+        packed[offset:offset + data.numel()].copy_(data)
+        offset += _aligned(data.numel())
+    return packed
+
+
 def _wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
     # Not every backend moves bool tensors; their bytes travel as uint8.
     tensor = tensor.detach().contiguous()
@@ -72,11 +109,13 @@ def _wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
 @dataclass
 class _SendChannel:
     last: tuple | None = None
+    size: int = HEADER_BYTES  # packed messages: what the receiver expects next
 
 
 @dataclass
 class _RecvChannel:
     layout: dict | None = field(default=None, repr=False)
+    size: int = HEADER_BYTES  # packed messages: what the sender sends next
 
 
 class Transfer:
@@ -89,11 +128,13 @@ class Transfer:
             unchanged until they complete.
     """
 
-    def __init__(self, received: list, recv_works: list, send_works: list, grad_leaves: list[torch.Tensor]) -> None:
+    def __init__(self, received: list, recv_works: list, send_works: list, grad_leaves: list[torch.Tensor],
+                 buffers: Sequence[torch.Tensor] = ()) -> None:
         self.received = received
         self.send_works = send_works
         self._recv_works = recv_works
         self._grad_leaves = grad_leaves
+        self._buffers = buffers  # packed messages in flight, alive as long as their works
 
     def wait(self) -> None:
         """Make the received tensors usable (on NCCL: the current stream waits, the host does not)."""
@@ -129,6 +170,7 @@ class PointToPoint:
             if transport is None or isinstance(transport, str) else transport
         self._send_channels: dict[tuple[int, object], _SendChannel] = {}
         self._recv_channels: dict[tuple[int, object], _RecvChannel] = {}
+        self.packed = isinstance(self.transport, PostedTransport) and self.device.type == "cpu"
 
     def post(self, sends: Sequence[tuple[object, int, object]], recvs: Sequence[tuple[int, object]]) -> Transfer:
         """Post sends and receives together, as one batched group.
@@ -141,6 +183,8 @@ class PointToPoint:
         direction); it only keys the description cache. Matching is by posting order: the peer must post
         its receives (sends) from this rank in the order of these sends (receives).
         """
+        if self.packed:
+            return self._post_packed(sends, recvs)
         send_works, wire = [], []
         for payload, peer, channel in sends:
             signature, tensors = _signature(payload)
@@ -163,6 +207,77 @@ class PointToPoint:
         sent, recv_works = self.transport.post(wire, buffers)
         return Transfer(received, recv_works, send_works + sent, grad_leaves)
 
+    def _post_packed(self, sends, recvs) -> Transfer:
+        """:meth:`post` as one packed message per transfer (gloo on the CPU: see the module docstring)."""
+        works, buffers = [], []
+        for payload, peer, channel in sends:
+            signature, tensors = _signature(payload)
+            state = self._send_channels.setdefault((peer, channel), _SendChannel())
+            if signature != state.last:
+                text = _description_text(signature)
+                notice = torch.zeros(state.size, dtype=torch.uint8)
+                notice[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([1, len(text)]))
+                description = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+                works += [dist.isend(notice, peer, group=self.group, tag=PAYLOAD_TAG),
+                          dist.isend(description, peer, group=self.group, tag=PAYLOAD_TAG)]
+                buffers += [notice, description]
+                state.last = signature
+                state.size = _packed_size([note[:2] for note in signature[1] if len(note) == 3])
+            packed = _pack(tensors, state.size)
+            works.append(dist.isend(packed, peer, group=self.group, tag=PAYLOAD_TAG))
+            buffers.append(packed)
+        received, grad_leaves = [], []
+        for peer, channel in recvs:
+            state = self._recv_channels.setdefault((peer, channel), _RecvChannel())
+            packed = torch.empty(state.size, dtype=torch.uint8)
+            dist.recv(packed, peer, group=self.group, tag=PAYLOAD_TAG)
+            changed, length = packed[:HEADER_BYTES].view(torch.int64).tolist()
+            if changed:
+                text = torch.empty(length, dtype=torch.uint8)
+                dist.recv(text, peer, group=self.group, tag=PAYLOAD_TAG)
+                state.layout = self._parse(text)
+                state.size = _packed_size([note["tensor"][:2] for note in state.layout["leaves"] if "tensor" in note])
+                packed = torch.empty(state.size, dtype=torch.uint8)
+                dist.recv(packed, peer, group=self.group, tag=PAYLOAD_TAG)
+            elif state.layout is None:
+                raise RuntimeError(f"received a payload from rank {peer} before its description")
+            payload, needs_grad = self._unpack(packed, state.layout)
+            received.append(payload)
+            grad_leaves += needs_grad
+        transfer = Transfer(received, [], works, grad_leaves, buffers)
+        transfer.wait()  # nothing in flight: flags the leaves that require grad
+        return transfer
+
+    @staticmethod
+    def _unpack(packed: torch.Tensor, layout: dict) -> tuple[object, list[torch.Tensor]]:
+        """The payload of a packed message (its tensors copied out of ``packed``)."""
+        leaves, needs_grad, offset = [], [], HEADER_BYTES
+        for note in layout["leaves"]:
+            if "tensor" not in note:
+                leaves.append(note["value"])
+                continue
+            dtype_name, shape, requires_grad = note["tensor"]
+            dtype = _DTYPES[dtype_name]
+            wire = torch.uint8 if dtype == torch.bool else dtype
+            size = _packed_size([(dtype_name, shape)]) - HEADER_BYTES
+            count = 1
+            for dim in shape:
+                count *= dim
+            # A copy of its own: views of one byte buffer as several dtypes could not be saved, and a
+            # small tensor a stage keeps would hold the whole buffer.
+            leaf = packed[offset:offset + count * wire.itemsize].view(wire).view(shape).clone()
+            leaf = leaf.view(torch.bool) if dtype == torch.bool else leaf
+            offset += size
+            leaves.append(leaf)
+            if requires_grad:
+                needs_grad.append(leaf)
+        return pytree.tree_unflatten(leaves, layout["spec"]), needs_grad
+
+    @staticmethod
+    def _parse(text: torch.Tensor) -> dict:
+        description = json.loads(text.numpy().tobytes().decode())
+        return {"spec": pytree.treespec_loads(description["spec"]), "leaves": description["leaves"]}
+
     def _layout(self, peer: int, channel) -> dict:
         """The next payload's layout from ``peer``: the header says whether a new description follows."""
         header = torch.empty(2, dtype=torch.int64)
@@ -172,8 +287,7 @@ class PointToPoint:
         if changed:
             text = torch.empty(length, dtype=torch.uint8)
             dist.recv(text, peer, group=self.group, tag=HEADER_TAG)
-            description = json.loads(text.numpy().tobytes().decode())
-            state.layout = {"spec": pytree.treespec_loads(description["spec"]), "leaves": description["leaves"]}
+            state.layout = self._parse(text)
         elif state.layout is None:
             raise RuntimeError(f"received a payload from rank {peer} before its description")
         return state.layout
