@@ -226,6 +226,10 @@ def _cross_section_problems(trainer: TrainerSettings, grid: RankGrid | None) -> 
         problems.append("trainer.zero_stage=2 reduces gradients as autograd produces them, and "
                         "tp_overlapping_level=2 produces them on two threads in no fixed order: use "
                         "zero_stage=1 or tp_overlapping_level 0 or 1")
+    if trainer.activation_checkpointing and _uses_cuda_graphs(trainer):
+        problems.append("trainer.cuda_graphs=true (or a torch_compile_mode with CUDA graphs) with recomputation "
+                        "failed on a GPU: the recomputed parts' saved tensors were not on the device the first run "
+                        "saved them on (docs/gpu.md); set trainer.activation_checkpointing=false")
     traced = trainer.trace_method is not None
     if grid and not traced and _chunks_or_one(trainer) > 1:
         problems.append("interleaved schedules cut the model into pp x pipeline_chunks pieces: they need a "
@@ -233,6 +237,15 @@ def _cross_section_problems(trainer: TrainerSettings, grid: RankGrid | None) -> 
     if tp > 1 and not traced and grid and grid.pp > 1:
         problems.append("tensor parallelism with pp > 1 needs a captured graph: use trace_method=fx or dynamo")
     return problems
+
+
+def _uses_cuda_graphs(trainer: TrainerSettings) -> bool:
+    """Whether compiled stages replay as CUDA graphs (False when the compile settings are invalid: the
+    compile section reports that)."""
+    try:
+        return trainer.compile.options().uses_cuda_graphs
+    except ValueError:
+        return False
 
 
 def _schedule_usable(trainer: TrainerSettings) -> bool:

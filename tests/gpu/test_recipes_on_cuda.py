@@ -110,7 +110,9 @@ def test_toy_losses_on_cuda_equal_the_cpu(recipe, tmp_path, cache_dir):
 def test_compiled_toy_tracks_eager_on_cuda(recipe, cuda_graphs, tmp_path, cache_dir):
     """trainer.torch_compile (and CUDA graph replay) trains the toy to the eager losses, every range compiled."""
     eager = _train(recipe, TOY, tmp_path / "eager", cache_dir, device="cuda")
-    flags = ["trainer.torch_compile=true", *(["trainer.cuda_graphs=true"] if cuda_graphs else [])]
+    # CUDA graphs run without recomputation (refused before launch: it failed on an H200, docs/gpu.md).
+    flags = ["trainer.torch_compile=true",
+             *(["trainer.cuda_graphs=true", "trainer.activation_checkpointing=false"] if cuda_graphs else [])]
     compiled = _train(recipe, [*TOY, *flags], tmp_path / "compiled", cache_dir, device="cuda")
     report = compiled["compile"]
     assert report["enabled"] and report["eager_ranges"] == {} and report["compile_s"] > 0, report

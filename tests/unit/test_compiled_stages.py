@@ -246,4 +246,13 @@ def test_bad_compile_settings_are_named(override, fragment):
 def test_cuda_graphs_need_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="needs CUDA devices"):
-        resolve_settings(GPT, compose_gpt("trainer.torch_compile=true", "trainer.cuda_graphs=true"))
+        resolve_settings(GPT, compose_gpt("trainer.torch_compile=true", "trainer.cuda_graphs=true",
+                                          "trainer.activation_checkpointing=false"))
+
+
+@pytest.mark.parametrize("flags", [["trainer.cuda_graphs=true"], ["trainer.torch_compile_mode=reduce-overhead"]])
+def test_cuda_graphs_refuse_recomputation_before_launch(monkeypatch, flags):
+    """On an H200 CUDA graphs with recomputation failed in the backward (docs/gpu.md): refused up front."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError, match="with recomputation failed on a GPU.*activation_checkpointing=false"):
+        resolve_settings(GPT, compose_gpt("trainer.torch_compile=true", *flags))
