@@ -148,9 +148,6 @@ class Transfer:
             leaf.requires_grad_(True)
         self._grad_leaves = []
 
-    def sends_completed(self) -> bool:
-        return all(work.is_completed() for work in self.send_works)
-
 
 class PointToPoint:
     """Sends and receives pytrees with other stages.
@@ -205,7 +202,7 @@ class PointToPoint:
             buffers += [(t, peer) for t in tensors]
             grad_leaves += needs_grad
         sent, recv_works = self.transport.post(wire, buffers)
-        return Transfer(received, recv_works, send_works + sent, grad_leaves)
+        return Transfer(received, recv_works, send_works + sent, grad_leaves, [t for t, _ in wire])
 
     def _post_packed(self, sends, recvs) -> Transfer:
         """:meth:`post` as one packed message per transfer (gloo on the CPU: see the module docstring)."""

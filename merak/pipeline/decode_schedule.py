@@ -37,8 +37,7 @@ from merak.pipeline.instructions import (
     SendActivation,
     SendToken,
 )
-from merak.pipeline.schedules.common import check_pipeline_args
-from merak.pipeline.validate import ScheduleError
+from merak.pipeline.validate import ScheduleError, check_pipeline_args
 
 DECODE_LIST_TYPES = (DecodeForward, PickToken, SendToken, RecvToken, SendActivation, RecvActivation)
 

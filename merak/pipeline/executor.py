@@ -375,8 +375,8 @@ class PipelineExecutor:
                 recvs.append(op)
         transfer = self.p2p.post([(payload, self._peer(op), self._channel(op)) for op, payload in sends],
                                  [(self._peer(op), self._channel(op)) for op in recvs])
-        if sends:
-            step.pending.append(([payload for _, payload in sends], transfer.send_works))
+        if sends:  # the payloads and the transfer (its wire buffers) stay alive until the sends complete
+            step.pending.append((([payload for _, payload in sends], transfer), transfer.send_works))
         if self.free_sent_outputs:
             for op, payload in sends:
                 if isinstance(op, ins.SendActivation):

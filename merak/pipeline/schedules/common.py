@@ -15,30 +15,7 @@ from merak.pipeline.instructions import (
     SendActivation,
     SendGrad,
 )
-
-
-def check_pipeline_args(stage_id: int, num_stages: int, num_microbatches: int) -> None:
-    """Reject impossible pipeline shapes.
-
-    Args:
-        stage_id: Stage index, ``0 <= stage_id < num_stages``.
-        num_stages: Number of pipeline stages, at least 1.
-        num_microbatches: Number of microbatches per step, at least 1.
-
-    Raises:
-        ValueError: If a number is not an int or out of range; the message quotes the numbers.
-    """
-    values = {"stage_id": stage_id, "num_stages": num_stages, "num_microbatches": num_microbatches}
-    for name, value in values.items():
-        # bool is an int subclass; True stages is surely a caller bug.
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"{name} must be an int, got {value!r}")
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
-    if not 0 <= stage_id < num_stages:
-        raise ValueError(f"stage_id must be in [0, {num_stages - 1}] for num_stages={num_stages}, got {stage_id}")
+from merak.pipeline.validate import check_pipeline_args  # noqa: F401  (the schedules check shapes with it)
 
 
 def forward_run(microbatch: int, *, first: bool, last: bool) -> list[Instruction]:
