@@ -174,8 +174,8 @@ def single_stage_engine(args: argparse.Namespace, state, *, num_microbatches: in
     """A PipelineEngine over the whole benchmark GPT as one stage (no capture), on ``state``'s grid."""
     import functools
 
-    from merak.assemble import assemble
     from merak.engine import PipelineEngine
+    from merak.session.assemble import assemble
     from merak.shard.plan import ShardingOptions
     from recipes.gpt.model import causal_lm_loss
 

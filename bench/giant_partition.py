@@ -66,7 +66,7 @@ def _measure(tool: str, stages: int, micro_batch: int) -> dict:
     else:
         from torch.distributed.pipelining import SplitPoint, pipeline
 
-        from merak.shard.partition import uniform_boundaries
+        from merak.core.partition import uniform_boundaries
 
         # Blocks cut evenly, the first stage also embeds.
         shard_bounds = uniform_boundaries(cfg.num_layers + 1, stages)

@@ -271,7 +271,7 @@ def main(argv=None) -> list[dict]:
     common.setup_logging()
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("gpu_single.py needs a CUDA device (--smoke runs it on the CPU)")
-    from merak.report import peak_tflops
+    from merak.report.metrics import peak_tflops
 
     peak = None if args.smoke else peak_tflops(torch.bfloat16)
     gpu = "CPU (smoke)" if args.smoke else torch.cuda.get_device_name()

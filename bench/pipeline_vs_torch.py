@@ -48,10 +48,10 @@ import torch.distributed as dist
 from gpt_stages import hand_stages
 from torch import nn
 
-from merak.assemble import shared_machine_rates
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
+from merak.session.assemble import shared_machine_rates
 from merak.shard.plan import ShardingOptions, plan_pipeline
 from recipes.gpt.model import causal_lm_loss
 

@@ -6,7 +6,7 @@ this one process on one thread:
 * plain: for each of M microbatches ``model(input_ids).logits`` -> causal_lm_loss
   -> (loss / M).backward(); then clip_grad_norm_(1.0), AdamW step, zero_grad.
 * merak: ``PipelineEngine(schedule="1f1b", num_microbatches=M)`` on
-  ``groups.init(1, 1, 1)`` with the whole model as its one stage (``merak.assemble.CallModel``),
+  ``groups.init(1, 1, 1)`` with the whole model as its one stage (``merak.session.assemble.CallModel``),
   ``train_step(microbatches)`` (clipping at 1.0, the same AdamW, a constant learning rate).
 
 The machine is shared and noisy, so the two alternate: R rounds of
@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # first: sets OMP_NUM_THREADS before torch starts threads)
 import torch
 
-from merak.assemble import CallModel
 from merak.distributed import groups
 from merak.engine import OptimizerOptions, PipelineEngine
 from merak.pipeline.stage import StageModule
+from merak.session.assemble import CallModel
 from recipes.gpt.model import causal_lm_loss
 
 logger = logging.getLogger("bench.plain_vs_merak")

@@ -42,11 +42,11 @@ import common  # first: sets OMP_NUM_THREADS before torch starts threads
 import torch
 import torch.distributed as dist
 
-from merak.assemble import shared_machine_rates
 from merak.compat.allocator import keep_freed_memory
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
+from merak.session.assemble import shared_machine_rates
 from merak.shard.plan import ShardingOptions, plan_pipeline
 from recipes.gpt.model import causal_lm_loss
 

@@ -1,7 +1,7 @@
 """Two ways to train a recipe's model in this process, step by step, for side-by-side timing.
 
 * :class:`MerakLoop`: the recipe's real path at ``parallel=single`` (Hydra config, capture, the
-  engine, the data loader, metrics), driven through :class:`merak.session.TrainingSession`.
+  engine, the data loader, metrics), driven through :class:`merak.session.training.TrainingSession`.
 * :class:`PlainLoop`: the loop one writes without merak over the same ``build_model``, the same
   samples in the same order, the same loss, AdamW and gradient clipping.
 
@@ -42,7 +42,7 @@ class MerakLoop:
     def __init__(self, recipe: str, overrides: Sequence[str], output_dir: str) -> None:
         from merak.config import resolve_settings, total_steps
         from merak.distributed import groups
-        from merak.session import TrainingSession
+        from merak.session.training import TrainingSession
 
         self.spec = recipe_spec(recipe)
         cfg = compose_recipe(recipe, ["parallel=single", f"trainer.output_dir={output_dir}",
@@ -179,7 +179,7 @@ class PlainLoop:
         return times
 
     def _input_names(self, batch) -> list[str]:
-        from merak.assemble import default_input_names
+        from merak.session.assemble import default_input_names
 
         if not hasattr(self, "_names"):
             self._names = list(self.spec.input_names or default_input_names(self.model, batch))

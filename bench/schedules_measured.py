@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from merak.assemble import assemble
 from merak.compat.allocator import keep_freed_memory
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
@@ -47,6 +46,7 @@ from merak.pipeline.timeline import (
     events_from_simulation,
 )
 from merak.pipeline.wall_clock import measured_events
+from merak.session.assemble import assemble
 from merak.shard.plan import ShardingOptions
 from recipes.gpt import model as gpt_model
 from recipes.gpt import parallel as gpt_parallel

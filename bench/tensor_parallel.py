@@ -25,10 +25,10 @@ import common
 import torch
 import torch.distributed as dist
 
-from merak.assemble import assemble
 from merak.distributed import collectives, groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine
+from merak.session.assemble import assemble
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel.options import TensorParallelOptions
 from recipes.gpt import model as gpt_model

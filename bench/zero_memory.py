@@ -30,7 +30,7 @@ from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions
 from merak.optim.distributed import ZeroOptions
 from merak.optim.precision import PrecisionOptions
-from merak.report import peak_rss_bytes
+from merak.report.metrics import peak_rss_bytes
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -37,8 +37,8 @@ __version__ = "0.1.0"
 
 def hydra_main(*, config_path: str, config_name: str):
     """``hydra.main`` for a recipe's ``train.py``: command-line overrides of ``trainer.*`` and
-    ``launcher.*`` are checked first, a problem reported in one line. See :mod:`merak.overrides`."""
-    from merak.overrides import hydra_main as _hydra_main
+    ``launcher.*`` are checked first, a problem reported in one line. See :mod:`merak.config.overrides`."""
+    from merak.config.overrides import hydra_main as _hydra_main
 
     return _hydra_main(config_path=config_path, config_name=config_name)
 

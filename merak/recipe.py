@@ -61,7 +61,7 @@ class RecipeSpec:
         tp_plan: how the model splits for tensor parallelism: a TPPlan, or
             ``(model_cfg) -> TPPlan`` when it depends on the model option (None: tp must be 1).
         collate: ``(list of samples) -> dict of tensors``, one microbatch (default: stack each field).
-        model_schema, data_schema: dataclasses whose fields (merak.config_fields.setting: type, default,
+        model_schema, data_schema: dataclasses whose fields (merak.core.fields.setting: type, default,
             range) are every key of the ``model`` / ``data`` config groups; each value is checked against
             its field before check_layout / check_data run, which then see values of the right types.
         channels_last: a convolutional model: on CUDA its weights and 4-D inputs are kept in the

@@ -22,7 +22,9 @@ from merak.checkpoint import CheckpointError, find_checkpoint
 from merak.checkpoint.files import read_manifest
 from merak.compat.allocator import keep_freed_memory
 from merak.config import ConfigError, RunSettings, resolve_settings, total_steps
-from merak.console import configure_worker_logging, only_errors, use_merak_format
+from merak.config.options import pipeline_chunks
+from merak.core.files import write_json_atomic
+from merak.core.partition import PartitionError
 from merak.data.batching import BatchPlan
 from merak.distributed import groups
 from merak.distributed.launch import (
@@ -34,16 +36,14 @@ from merak.distributed.launch import (
 )
 from merak.energy.profile import run_profile
 from merak.energy.runtime import start_energy
-from merak.report import (
+from merak.report.console import configure_worker_logging, only_errors, use_merak_format
+from merak.report.metrics import (
     format_partition,
     format_summary,
     peak_rss_bytes,
-    write_json_atomic,
 )
-from merak.run_directory import RunDirectoryBusy, RunDirectoryLock
-from merak.run_options import pipeline_chunks
-from merak.session import TrainingSession, assemble_worker
-from merak.shard.partition import PartitionError
+from merak.session.run_directory import RunDirectoryBusy, RunDirectoryLock
+from merak.session.training import TrainingSession, assemble_worker
 from merak.shard.split import ShardingError
 from merak.tensor_parallel.plan import TPPlanError
 from merak.trace.capture import TraceError
@@ -68,7 +68,7 @@ def run(spec, cfg) -> dict:
 
     Raises:
         ConfigError: before any worker starts, when the config cannot work.
-        merak.run_directory.RunDirectoryBusy: another run is using the output directory.
+        merak.session.run_directory.RunDirectoryBusy: another run is using the output directory.
         merak.distributed.launch.WorkerFailed: when a worker fails (others are stopped).
         merak.distributed.launch.RunInterrupted: on SIGINT or SIGTERM (workers are stopped).
     """

@@ -9,10 +9,12 @@ e.g. GPT-2's sequence parallelism); the copy uses merak's generic ``trainer: def
 
 from __future__ import annotations
 
+import argparse
 import keyword
 import logging
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,3 +145,23 @@ def next_steps(made: NewRecipe) -> str:
         "guide: docs/writing_a_recipe.md",
     ]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, *, prog: str = "merak new-recipe") -> int:
+    """``merak new-recipe NAME [--from gpt] [--dest DIR]``; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Copy a recipe directory as the recipe NAME; the copy trains as it is.")
+    parser.add_argument("name", metavar="NAME", help="the new recipe's name (a Python identifier)")
+    parser.add_argument("--from", dest="source", default="gpt",
+                        help="the recipe to copy: a name under recipes/ (gpt, bert, t5, vit, swin, wide_resnet) "
+                             "or a recipe directory (default: gpt)")
+    parser.add_argument("--dest", default=None, help="the new recipe's directory (default: recipes/NAME)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        made = new_recipe(args.name, source=args.source, dest=args.dest)
+    except ScaffoldError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return 2
+    print(next_steps(made))
+    return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import finite, positive, setting
+from merak.core.fields import finite, positive, setting
 
 POSITIVE_INTEGER = "must be a positive integer"
 

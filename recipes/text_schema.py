@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import non_negative, positive, setting
+from merak.core.fields import non_negative, positive, setting
 from recipes.schema import positive_int
 
 

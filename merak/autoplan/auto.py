@@ -22,7 +22,7 @@ from merak.autoplan.planner import PlanError, plan_for_settings, requested_globa
 from merak.autoplan.table import format_table
 from merak.autoplan.trials import TRIAL_SECONDS, TRIAL_STEPS, TRIALS, Train, layout_config, run_trials
 from merak.config import ConfigError
-from merak.report import write_json_atomic
+from merak.core.files import write_json_atomic
 
 logger = logging.getLogger(__name__)
 

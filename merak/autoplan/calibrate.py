@@ -50,16 +50,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
-from merak.assemble import CallModel, default_input_names
 from merak.autoplan.busy_collectives import own_group, time_busy_collectives, time_lone_collectives
 from merak.autoplan.profile import GraphProfile
 from merak.compat.allocator import keep_freed_memory
+from merak.core.files import write_json_atomic
 from merak.distributed.launch import spawn_workers
 from merak.optim.clip import global_grad_norm
 from merak.optim.distributed import DistributedOptimizer, ZeroOptions
 from merak.optim.grad_sync import all_reduce_tensors, ensure_grads
 from merak.optim.schedule import make_optimizer
-from merak.report import write_json_atomic
+from merak.session.assemble import CallModel, default_input_names
 from merak.shard.costs import LOSS_OPS, LOSS_PASSES_BACKWARD, LOSS_PASSES_FORWARD, MachineRates
 
 logger = logging.getLogger(__name__)

@@ -56,8 +56,8 @@ def parse_layout(text: str, world_size: int, global_batch_size: int) -> tuple[st
     return name or "compare", layout
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="merak-plan", description=__doc__.split("\n\n")[0],
+def _parser(prog: str = "merak-plan") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("recipe", help="a recipe under recipes/ (gpt, bert, t5, llama, vit, swin, wide_resnet)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe (model=..., trainer.*=...)")
@@ -77,9 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "merak-plan") -> int:
     """Run ``merak-plan`` with ``argv``; returns the exit status (2: the request cannot be planned)."""
-    args = _parser().parse_args(argv)
+    args = _parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from merak.autoplan.auto import default_processes
 

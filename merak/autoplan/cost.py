@@ -38,6 +38,7 @@ from merak.autoplan.calibrate import BACKWARD_FLOPS_FACTOR, Calibration
 from merak.autoplan.cluster import Cluster, Link
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile
+from merak.core.partition import PartitionError
 from merak.distributed.topology import RankGrid
 from merak.pipeline.instructions import (
     COMPUTE_TYPES,
@@ -60,7 +61,6 @@ from merak.shard.costs import (
     loss_seconds,
     nominal_rates,
 )
-from merak.shard.partition import PartitionError
 from merak.shard.plan import ShardingOptions, stage_unit_bounds
 from merak.shard.split import ShardingError
 

@@ -26,9 +26,9 @@ from merak.autoplan.cost import CostModel, LayoutError, device_rates
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile, profile_recipe
 from merak.autoplan.search import MEMORY_HEADROOM, Candidate, SearchSpace, explain, search
+from merak.config.options import sharding_options
+from merak.core.files import write_json_atomic
 from merak.pipeline.simulate import ScheduleError
-from merak.report import write_json_atomic
-from merak.run_options import sharding_options
 
 logger = logging.getLogger(__name__)
 

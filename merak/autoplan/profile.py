@@ -28,9 +28,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx
 
-from merak.assemble import build_model, default_input_names
 from merak.autoplan.attention import ATTENTION_TARGETS, attention_on
 from merak.core.group_registry import simulated_groups
+from merak.session.assemble import build_model, default_input_names
 from merak.shard.costs import measure_units
 from merak.shard.graph import GraphUnits, _params_of_node
 from merak.tensor_parallel.options import split_model
@@ -329,8 +329,8 @@ def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_ba
 
 def _profile_at(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int,
                 device_type: str) -> GraphProfile:
-    from merak.run_options import precision_options, sharding_options
-    from merak.session import example_inputs
+    from merak.config.options import precision_options, sharding_options
+    from merak.session.training import example_inputs
 
     trainer = settings.trainer
     model, _ = build_model(functools.partial(spec.build_model, settings.model_cfg), seed=trainer.seed,

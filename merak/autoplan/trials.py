@@ -36,8 +36,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from merak.autoplan.layout import Layout
 from merak.autoplan.search import Candidate
 from merak.config import ConfigError
-from merak.console import only_errors
 from merak.distributed.launch import WorkerFailed
+from merak.report.console import only_errors
 
 logger = logging.getLogger(__name__)
 

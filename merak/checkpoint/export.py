@@ -36,8 +36,8 @@ def export_pretrained(checkpoint: str, out_dir: str, *, dtype: torch.dtype | Non
     return write_pretrained(state, source.manifest.get("model_info"), out_dir, source=checkpoint)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="merak-export", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, prog: str = "merak-export") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="a checkpoint directory (…/checkpoint-<step>)")
     parser.add_argument("out_dir", help="where to write the Hugging Face model")
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,

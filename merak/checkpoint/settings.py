@@ -1,11 +1,11 @@
 """The checkpoint section of the ``trainer`` config: ``<output_dir>/checkpoint-<step>/``
-(docs/checkpoints.md). Consumed by merak.checkpoint (SaveOptions, LoadOptions) through merak.session."""
+(docs/checkpoints.md). Consumed by merak.checkpoint (SaveOptions, LoadOptions) through merak.session.training."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import positive_int_problem, setting
+from merak.core.fields import positive_int_problem, setting
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """The batch and run-length section of the ``trainer`` config: how many samples a step takes and how
-many steps a run makes. Consumed by merak.data.batching and the run loop (merak.session)."""
+many steps a run makes. Consumed by merak.data.batching and the run loop (merak.session.training)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import finite, positive_int_problem, setting
+from merak.core.fields import finite, positive_int_problem, setting
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import positive, positive_finite, setting
+from merak.core.fields import positive, positive_finite, setting
 
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 BACKENDS = ("auto", "gloo", "nccl")

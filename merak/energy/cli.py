@@ -25,12 +25,12 @@ import sys
 import time
 from dataclasses import dataclass
 
+from merak.core.files import write_json_atomic, write_text_atomic
 from merak.energy.dag import StepGraph, step_graph
 from merak.energy.frontier import FrontierError, write_frontier
 from merak.energy.planner import FrequencyPlanner, PlanPoint
 from merak.energy.plans import PlanError, write_plan
 from merak.energy.profile_csv import Overheads, ProfileError, check_coverage, read_overheads, read_profile
-from merak.report import write_json_atomic, write_text_atomic
 
 logger = logging.getLogger("merak.energy")
 
@@ -214,9 +214,9 @@ def serve_command(args) -> int:
     return 0
 
 
-def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def _parser(prog: str = "merak-energy") -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The command-line parser and its subcommands' parsers (which report their own usage errors)."""
-    parser = argparse.ArgumentParser(prog="merak-energy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     plan = commands.add_parser("plan", help="time-energy frontier and frequency plans from a profile")
     plan.add_argument("profile", help="instruction profile CSV (trainer.profile=true writes it)")
@@ -247,10 +247,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     return parser, {"plan": plan, "serve": serve}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "merak-energy") -> int:
     """Run ``merak-energy``; returns the exit code (bad options exit with status 2, as argparse does)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser, commands = _parser()
+    parser, commands = _parser(prog)
     args = parser.parse_args(argv)
     try:
         return plan_command(args) if args.command == "plan" else serve_command(args)

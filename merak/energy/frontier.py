@@ -14,9 +14,9 @@ import json
 import os
 from dataclasses import dataclass
 
+from merak.core.files import write_json_atomic
 from merak.energy.dag import StepGraph, step_graph
 from merak.energy.plans import PlanError, StagePlans, check_plan
-from merak.report import write_json_atomic
 
 FORMAT = 1
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import ast
 import os
 
+from merak.core.files import write_text_atomic
 from merak.energy.dag import StepGraph
-from merak.report import write_text_atomic
 
 StagePlans = list[list[tuple[str, int]]]
 

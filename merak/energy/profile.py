@@ -20,11 +20,11 @@ import os
 import statistics
 import time
 
+from merak.core.files import write_json_atomic
 from merak.distributed import groups
 from merak.energy.dag import step_graph
 from merak.energy.paths import LevelledGraph
 from merak.energy.profile_csv import Overheads, ProfileRow, profile_file_name, write_overheads, write_profile
-from merak.report import write_json_atomic
 
 logger = logging.getLogger(__name__)
 

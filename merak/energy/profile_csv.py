@@ -16,7 +16,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 
-from merak.report import write_text_atomic
+from merak.core.files import write_text_atomic
 
 COLUMNS = ["rank", "dp_rank", "pp_rank", "tp_rank", "stage", "instruction", "frequency", "time", "energy"]
 

@@ -7,7 +7,7 @@ import importlib.util
 import logging
 from dataclasses import dataclass
 
-from merak.config_fields import non_negative, positive, positive_finite, setting
+from merak.core.fields import non_negative, positive, positive_finite, setting
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from merak.lora import unwrap_peft
+from merak.hf.lora import unwrap_peft
 from merak.pipeline.decode_adapter import DecoderFamilies, GenerationError, register_decoder_families
 
 

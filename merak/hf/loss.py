@@ -28,7 +28,7 @@ def is_causal_lm(model: nn.Module) -> bool:
     """Whether ``model`` is a Hugging Face causal language model (its labels are the inputs, shifted)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from merak.lora import unwrap_peft
+    from merak.hf.lora import unwrap_peft
 
     return type(unwrap_peft(model)[0]).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 

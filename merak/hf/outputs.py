@@ -97,7 +97,7 @@ class TrainerOutputs:
 
     def save_adapter(self, directory: str) -> None:
         """Write the LoRA adapter alone (peft's ``save_pretrained`` layout); collective."""
-        from merak.lora import save_adapter
+        from merak.hf.lora import save_adapter
 
         save_adapter(self, directory)
 

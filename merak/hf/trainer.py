@@ -7,7 +7,7 @@ Every process runs the same script (torchrun, srun, or one process)::
     trainer.train()
 
 The trainer turns the model, data and arguments into the same run settings a
-recipe has, and drives the same :class:`merak.session.TrainingSession`.
+recipe has, and drives the same :class:`merak.session.training.TrainingSession`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import EvalPrediction, PredictionOutput, TrainOutput
 
 from merak.config import ConfigError, resolve_settings, total_steps
-from merak.console import DATE_FORMAT, log_format
 from merak.data.batching import BatchPlan
 from merak.distributed import groups
 from merak.energy.runtime import start_energy
@@ -44,9 +43,10 @@ from merak.hf.outputs import TrainerOutputs
 from merak.hf.predictions import gather_predictions
 from merak.hf.samples import Samples, default_collate
 from merak.recipe import RecipeSpec
-from merak.report import format_summary
-from merak.run_directory import RunDirectoryBusy, RunDirectoryLock
-from merak.session import TrainingSession
+from merak.report.console import DATE_FORMAT, log_format
+from merak.report.metrics import format_summary
+from merak.session.run_directory import RunDirectoryBusy, RunDirectoryLock
+from merak.session.training import TrainingSession
 from merak.tensor_parallel import MissingTPPlanError, plan_for
 from merak.tensor_parallel.seed_api import user_plan
 
@@ -109,7 +109,7 @@ class MerakTrainer(TrainerOutputs):
             torch.backends.cuda.matmul.allow_tf32 = bool(self.args.tf32)
             torch.backends.cudnn.allow_tf32 = bool(self.args.tf32)
         if model is not None and self.args.lora_config:
-            from merak.lora import apply_lora
+            from merak.hf.lora import apply_lora
 
             model = apply_lora(model, self.args.lora_config, adapter_name=self.args.adapter_name)
         self.model = model
@@ -319,7 +319,7 @@ class MerakTrainer(TrainerOutputs):
                 logger.info("loaded the best model (%s %.4g) from %s", cadence.best_metric,
                             self.state.best_metric, self.state.best_model_checkpoint)
         if self.args.lora_config:
-            from merak.lora import save_adapter
+            from merak.hf.lora import save_adapter
 
             save_adapter(self, os.path.join(self.settings.output_dir, "adapter"))
         if self.args.text_generation and self.eval_data is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from merak.config_fields import finite, non_negative, non_negative_finite, positive, positive_finite, setting
+from merak.core.fields import finite, non_negative, non_negative_finite, positive, positive_finite, setting
 
 NOT_ELEMENTWISE_WARNING = "is not elementwise, so ZeRO's flat pieces change its updates"
 ZERO_STAGES = (0, 1, 2)  # off, optimizer state sharded, gradients too

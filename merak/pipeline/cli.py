@@ -18,9 +18,9 @@ from merak.pipeline.schedules import (
 from merak.pipeline.simulate import Costs, ScheduleError, render_text_timeline, simulate
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "merak-simulate") -> int:
     """Simulate every stage of a schedule together and print makespan, bubble and timeline."""
-    parser = argparse.ArgumentParser(prog="merak-simulate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b", choices=schedule_names())
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)

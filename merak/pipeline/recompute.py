@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from merak.shard.build import RebuildOutput
+from merak.trace.capture import RebuildOutput
 from merak.trace.simplify import DROPOUT_CALLS, is_inactive_dropout
 
 # What the stage forward currently runs: "configured" (the stage's checkpointing) or "none".

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import positive, setting
+from merak.core.fields import positive, setting
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from merak.core.partition import uniform_boundaries
 from merak.pipeline import memory, recompute
 from merak.pipeline.compiled import CompiledParts, CompileOptions, running_eagerly
-from merak.shard.partition import uniform_boundaries
 
 
 class StageModule(nn.Module):

@@ -19,7 +19,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
-from merak.shard.partition import PartitionError, check_counts
+from merak.core.partition import PartitionError, check_counts
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def _min_max_start(costs: list[float], num_parts: int) -> list[int]:
     has its largest part equal to the smallest feasible sum (no sum lies strictly between the bounds).
     The partition is built by filling the reversed list from the front (each part as full as the
     bottleneck allows, one item left for every later part) and mirroring, so the later stages take as
-    much as they can, as in :func:`merak.shard.partition.parameter_boundaries`.
+    much as they can, as in :func:`merak.core.partition.parameter_boundaries`.
     """
     num_items = len(costs)
     reversed_costs = costs[::-1]

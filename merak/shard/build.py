@@ -19,23 +19,12 @@ import operator
 from collections.abc import Sequence
 
 from torch import fx, nn
-from torch.utils import _pytree as pytree
 
 from merak.shard.graph import GraphUnits
+from merak.trace.capture import RebuildOutput
 from merak.trace.devices import attach_anchor, follow_stage_device, new_anchor
 from merak.trace.mutation import copy_inputs_written_in_place
 from merak.trace.simplify import simplify_shard
-
-
-class RebuildOutput(nn.Module):
-    """Rebuilds the model's output structure (e.g. a ModelOutput) from an exported graph's flat outputs."""
-
-    def __init__(self, spec: pytree.TreeSpec) -> None:
-        super().__init__()
-        self.spec = spec
-
-    def forward(self, flat):
-        return pytree.tree_unflatten(list(flat), self.spec)
 
 
 def _lookup(env: dict[fx.Node, fx.Node], graph: fx.Graph, index: int, recomputable: set[fx.Node],

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
+from merak.core import partition as part
 from merak.core.group_registry import simulated_groups
 from merak.pipeline.stage import StageModule
-from merak.shard import partition as part
 from merak.shard.autopipe import autopipe_boundaries, balance_other_stages, cheapen_boundaries, simulate_1f1b
 from merak.shard.build import shard_modules
 from merak.shard.costs import MachineRates, UnitCosts, calibrate, measure_units, nominal_rates
@@ -289,7 +289,7 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
 
     Raises:
         merak.trace.capture.TraceError: the model cannot be captured.
-        merak.shard.split.ShardingError / merak.shard.partition.PartitionError: impossible splits.
+        merak.shard.split.ShardingError / merak.core.partition.PartitionError: impossible splits.
     """
     if has_meta_parameters(model):  # a weightless model is captured and measured on meta inputs
         example_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}

@@ -1,12 +1,15 @@
 """The automatic pipeline-splitting section of the ``trainer`` config: capture the unmodified model,
 cut it into shards, group shards into stages. Consumed by merak.shard.plan (ShardingOptions) and
-merak.assemble."""
+merak.session.assemble."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import positive_int_problem, setting
+from merak.core.fields import positive_int_problem, setting
+
+# Where a worker builds the model before its own stage is materialized (merak.session.assemble).
+INIT_DEVICES = ("auto", "cpu", "meta")
 
 
 @dataclass(frozen=True)
@@ -34,8 +37,7 @@ class ShardingSettings:
     def problems(self, *, pp: int | None, has_split_points: bool, builds_own_stages: bool) -> list[str]:
         """What is wrong with these values for ``pp`` stages (None: the layout is invalid), given
         whether the recipe has default split points and hand-made stages."""
-        from merak.assemble import INIT_DEVICES
-        from merak.shard.partition import custom_boundary_problem
+        from merak.core.partition import custom_boundary_problem
         from merak.shard.plan import AUTOPIPE_COSTS, PARTITION_METHODS
         from merak.shard.split import SPLIT_METHODS
         from merak.trace.capture import TRACE_METHODS

@@ -1,6 +1,6 @@
 """Tensor parallelism for unmodified models: plans, parallel layers, collectives, sequence parallel.
 
-Typical use (merak.assemble does this for every worker)::
+Typical use (merak.session.assemble does this for every worker)::
 
     resolved = resolve_plan(model, plan, tp=2)       # exact changes, or TPPlanError
     apply_plan(model, resolved, ParallelContext(rank=tp_rank, size=2))

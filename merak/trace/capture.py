@@ -245,3 +245,14 @@ def capture(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, met
 
 _LEAF_HINT = ("If a submodule cannot be traced, name it in leaf_modules (its class, class name or "
               "qualified name) so it is kept whole, or set trace_method=None and supply the stages.")
+
+
+class RebuildOutput(nn.Module):
+    """Rebuilds the model's output structure (e.g. a ModelOutput) from an exported graph's flat outputs."""
+
+    def __init__(self, spec: pytree.TreeSpec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, flat):
+        return pytree.tree_unflatten(list(flat), self.spec)

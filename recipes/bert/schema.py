@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import setting
+from merak.core.fields import setting
 from recipes.schema import TransformerSizes, positive_int
 from recipes.text_schema import SelfTrainedText
 

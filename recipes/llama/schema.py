@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import positive_finite, setting
+from merak.core.fields import positive_finite, setting
 from recipes.gpt.schema import GptData
 from recipes.schema import TransformerSizes, positive_int
 

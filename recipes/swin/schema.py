@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import positive_finite, setting
+from merak.core.fields import positive_finite, setting
 from recipes.schema import dropout_probability, positive_int, positive_items
 from recipes.vision.schema import HfOrTimmModel, ImageData
 

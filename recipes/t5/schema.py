@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import finite, setting
+from merak.core.fields import finite, setting
 from recipes.schema import ModelOption, dropout_probability, positive_int
 from recipes.text_schema import SelfTrainedText
 

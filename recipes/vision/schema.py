@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import non_negative_finite, setting
+from merak.core.fields import non_negative_finite, setting
 from recipes.schema import ModelOption, dropout_probability, positive_int
 
 

@@ -18,7 +18,7 @@ import torch
 from gpt_reference import PARITY_OPTIONS, relative_error, train_reference, vocab_padded
 from omegaconf import OmegaConf
 
-from merak.assemble import assemble
+from merak.session.assemble import assemble
 from merak.core.slices import parameter_slices
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups

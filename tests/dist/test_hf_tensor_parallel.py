@@ -15,7 +15,7 @@ from microbatch_reference import train_microbatches
 from tp_parity import compare_workers, save_worker, step_record
 
 import merak  # noqa: F401  (before transformers)
-from merak.assemble import assemble
+from merak.session.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine

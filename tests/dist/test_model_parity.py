@@ -16,7 +16,7 @@ import tiny_models
 import torch
 from microbatch_reference import train_microbatches
 
-from merak.assemble import assemble
+from merak.session.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine

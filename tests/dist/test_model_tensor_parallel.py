@@ -17,7 +17,7 @@ import torch
 from microbatch_reference import train_microbatches
 from tp_parity import compare_workers, save_worker, step_record
 
-from merak.assemble import assemble
+from merak.session.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import OptimizerOptions, PipelineEngine

@@ -16,7 +16,7 @@ import pytest
 import torch
 from gpt_reference import PARITY_OPTIONS, assert_steps_match, train_reference
 
-from merak.assemble import assemble
+from merak.session.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers

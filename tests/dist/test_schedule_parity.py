@@ -23,7 +23,7 @@ import torch
 from gpt_reference import assert_steps_match
 from omegaconf import OmegaConf
 
-from merak.assemble import assemble
+from merak.session.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gpt_reference import PARITY_OPTIONS, relative_error, train_reference, vocab_padded
 
-from merak.assemble import assemble
+from merak.session.assemble import assemble
 from merak.core.slices import parameter_slices
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups

@@ -10,7 +10,7 @@ from train_py import run_train_py
 
 pytestmark = pytest.mark.recipe
 
-# HH:MM:SS [main|rank N] LEVEL logger: message (merak.console)
+# HH:MM:SS [main|rank N] LEVEL logger: message (merak.report.console)
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d \[(main|rank \d+)\] (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+: ")
 REPO = Path(__file__).resolve().parents[2]
 TOY = ["model=toy", "trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=4"]

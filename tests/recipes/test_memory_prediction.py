@@ -16,7 +16,7 @@ from merak.autoplan.cluster import load_cluster
 from merak.autoplan.cost import CostModel
 from merak.autoplan.layout import Layout
 from merak.autoplan.planner import ProfileCache, compose_recipe, single_process_settings
-from merak.run_options import sharding_options
+from merak.config.options import sharding_options
 
 pytestmark = pytest.mark.recipe
 

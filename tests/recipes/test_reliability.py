@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from train_py import GPT_TRAIN, REPO, read_metrics, recipe_env, run_train_py
 
-from merak.run_directory import LOCK_NAME
+from merak.session.run_directory import LOCK_NAME
 
 pytestmark = pytest.mark.recipe
 

@@ -14,8 +14,8 @@ from merak.autoplan.layout import Layout
 from merak.autoplan.planner import ProfileCache, compose_recipe
 from merak.autoplan.profile import GraphProfile
 from merak.config import resolve_settings
-from merak.run_options import sharding_options
-from merak.session import assemble_worker
+from merak.config.options import sharding_options
+from merak.session.training import assemble_worker
 from merak.shard.plan import ShardingOptions, stage_unit_bounds
 
 LAYOUTS = [  # (tp, pp, chunks, microbatch, microbatches): deep pipelines, tensor parallelism, interleaving

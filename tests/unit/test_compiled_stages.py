@@ -16,13 +16,13 @@ from torch import nn
 
 import merak
 from merak.config import ConfigError, resolve_settings
+from merak.config.options import compile_options
 from merak.distributed import groups
 from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions
 from merak.hf.arguments import trainer_settings
 from merak.optim.precision import PrecisionOptions
 from merak.pipeline.compiled import CompiledParts, CompileOptions, eager_execution, range_module
 from merak.pipeline.stage import StageModule
-from merak.run_options import compile_options
 from recipes.gpt.spec import SPEC as GPT
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "recipes" / "gpt" / "conf")

@@ -10,8 +10,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from merak.config import ConfigError, resolve_settings
+from merak.config.options import pipeline_chunks
 from merak.distributed.topology import RankGrid
-from merak.run_options import pipeline_chunks
 from merak.runner import plan_before_launch
 from recipes.gpt.spec import SPEC
 

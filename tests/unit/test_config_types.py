@@ -1,5 +1,5 @@
 """Every trainer and launcher setting is typed and range-checked before launch, naming the field: a
-command-line override before Hydra composes (one line each, merak.overrides), a wrong type or
+command-line override before Hydra composes (one line each, merak.config.overrides), a wrong type or
 unknown name also when Hydra composes (the typed schemas), and every value again in resolve_settings
 (for configs built without the schemas, as MerakTrainer's)."""
 
@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from test_config import compose
 
 from merak.config import ConfigError, LauncherSettings, TrainerSettings, resolve_settings
-from merak.config_fields import typed_section
-from merak.overrides import override_problems
+from merak.config.overrides import override_problems
+from merak.core.fields import typed_section
 from recipes.gpt.spec import SPEC
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -10,12 +10,12 @@ import pytest
 import tiny_models
 import torch
 
-from merak.assemble import assemble
 from merak.core import group_registry
 from merak.core.plan_sources import PlanSource, register_plan_source, unregister_plan_source
 from merak.core.slices import sequence_partial
 from merak.hf.family_plans import bert_plan, gpt2_plan, t5_plan
 from merak.hf.tp_translation import translate_plan
+from merak.session.assemble import assemble
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel import MissingTPPlanError, TPPlan, TPPlanError, default_plan, plan_for, resolve_plan
 from merak.tensor_parallel.options import TensorParallelOptions

@@ -16,8 +16,8 @@ import torch
 from torch import fx
 
 import merak  # noqa: F401  (before transformers/torchvision/timm)
-from merak.assemble import assemble
 from merak.core.group_registry import simulated_groups
+from merak.session.assemble import assemble
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel.options import TensorParallelOptions
 from merak.trace.devices import ANCHOR, device_constants, follow_stage_device

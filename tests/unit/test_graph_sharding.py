@@ -209,7 +209,7 @@ def test_dynamo_method_uses_export_even_where_fx_works():
 
 
 def test_no_tracing_runs_the_whole_model_as_one_stage():
-    from merak.assemble import assemble
+    from merak.session.assemble import assemble
 
     _, batch, _ = _model("skip_net")
     built = assemble(build=tiny_models.SkipNet, seed=3, init_device="cpu",

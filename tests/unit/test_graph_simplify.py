@@ -137,7 +137,7 @@ def test_gpt_stages_send_the_hidden_state_alone(toy_model_cfg):
     its hidden state, mbs x S x H floats, and nothing else; no plan sends a mask."""
     import functools
 
-    from merak.assemble import assemble
+    from merak.session.assemble import assemble
     from merak.shard.plan import ShardingOptions
     from recipes.gpt import model, parallel
 

@@ -1,4 +1,5 @@
-"""The import graph of the merak package: no cycle between modules, and merak.core depends on nothing.
+"""The import graph of the merak package: no cycle between modules or between packages, merak.core
+depends on nothing, and the top level holds only the entry points.
 
 The graph is read from the source with ``ast`` (nothing is imported), from every
 import statement, at module level or inside a function:
@@ -85,6 +86,18 @@ def import_graph(root: Path = MERAK) -> dict[str, set[str]]:
                 graph[importer].update(t for t in (target, *_enclosing_packages(modules, importer, target))
                                        if t != importer)
     return graph
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph seen a level up: ``merak.a.b`` counts as package ``merak.a``; a top-level module
+    (``merak.runner``) is a node of its own; edges within one package are dropped."""
+    def package(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    packages: dict[str, set[str]] = {package(name): set() for name in graph}
+    for importer, targets in graph.items():
+        packages[package(importer)].update(package(t) for t in targets if package(t) != package(importer))
+    return packages
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -199,3 +212,24 @@ def test_core_imports_nothing_else_from_merak():
                for module, targets in graph.items() if module == CORE or module.startswith(CORE + ".")}
     assert outside.get(CORE) is not None, "merak.core is missing"
     assert not {m: t for m, t in outside.items() if t}, f"merak.core imports other merak modules: {outside}"
+
+
+def test_packages_import_each_other_one_way():
+    tmp = {"merak.a.x": {"merak.b.y"}, "merak.a.z": set(), "merak.b.y": {"merak.b.w"}, "merak.b.w": {"merak.a.z"},
+           "merak.c": {"merak.a.x"}}
+    assert package_graph(tmp) == {"merak.a": {"merak.b"}, "merak.b": {"merak.a"}, "merak.c": {"merak.a"}}
+    assert strongly_connected(package_graph(tmp)) == [["merak.a", "merak.b"]]
+    packages = package_graph(import_graph())
+    groups = strongly_connected(packages)
+    assert not groups, "packages of merak import each other:\n" + describe_cycles(packages, groups)
+
+
+# The top level keeps the entry points; everything else lives in a package that says what it is for
+# (docs/architecture.md). A new module here needs a reason as good as these.
+TOP_LEVEL = {"__init__", "__main__", "cli", "runner", "engine", "recipe", "generation", "scaffold"}
+
+
+def test_the_top_level_holds_only_entry_points():
+    modules = {path.stem for path in MERAK.glob("*.py")}
+    assert modules == TOP_LEVEL, (f"new at the top level: {sorted(modules - TOP_LEVEL)}; "
+                                  f"gone: {sorted(TOP_LEVEL - modules)}")

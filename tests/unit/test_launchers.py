@@ -16,8 +16,8 @@ from omegaconf import OmegaConf
 
 from merak.config import ConfigError
 from merak.distributed import groups, launch
-from merak.sweep import SweepSummary, collect, format_table
-from merak.sweep import main as sweep_main
+from merak.report.sweep import SweepSummary, collect, format_table
+from merak.report.sweep import main as sweep_main
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.parent.parent.name for p in REPO.glob("recipes/*/conf/train.yaml"))
@@ -37,7 +37,7 @@ def test_every_recipe_finds_the_slurm_preset_and_the_sweep_callback(recipe):
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     world = cfg.parallel.dp * cfg.parallel.tp * cfg.parallel.pp
     assert launcher.tasks_per_node == world and launcher.nodes == 1
-    assert cfg.hydra.callbacks.sweep_summary._target_ == "merak.sweep.SweepSummary"
+    assert cfg.hydra.callbacks.sweep_summary._target_ == "merak.report.sweep.SweepSummary"
 
 
 @pytest.mark.parametrize("overrides,nodes,tasks", [

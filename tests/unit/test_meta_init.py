@@ -9,7 +9,7 @@ import tiny_models
 import torch
 from torch import nn
 
-from merak.assemble import assemble, build_model
+from merak.session.assemble import assemble, build_model
 from merak.shard.plan import ShardingOptions
 from merak.trace.meta import materialize, parameters_on_meta
 

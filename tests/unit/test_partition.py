@@ -11,6 +11,13 @@ import pytest
 import torch
 from torch import nn
 
+from merak.core.partition import (
+    PartitionError,
+    check_custom_boundaries,
+    parameter_boundaries,
+    uniform_boundaries,
+    uniform_floor_boundaries,
+)
 from merak.pipeline.stage import (
     StageModule,
     TiedParameter,
@@ -23,13 +30,6 @@ from merak.shard.autopipe import (
     native_available,
     python_autopipe_boundaries,
     simulate_1f1b,
-)
-from merak.shard.partition import (
-    PartitionError,
-    check_custom_boundaries,
-    parameter_boundaries,
-    uniform_boundaries,
-    uniform_floor_boundaries,
 )
 
 

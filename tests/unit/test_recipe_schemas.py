@@ -13,7 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from merak.config import ConfigError, resolve_settings
-from merak.config_fields import typed_section
+from merak.core.fields import typed_section
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = ("gpt", "bert", "t5", "llama", "vit", "swin", "wide_resnet")

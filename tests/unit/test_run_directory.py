@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from merak.run_directory import LOCK_NAME, RunDirectoryBusy, RunDirectoryLock
+from merak.session.run_directory import LOCK_NAME, RunDirectoryBusy, RunDirectoryLock
 
 HOLD = """
 import sys, time
-from merak.run_directory import RunDirectoryLock
+from merak.session.run_directory import RunDirectoryLock
 lock = RunDirectoryLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(60)
@@ -58,7 +58,7 @@ def test_lock_of_a_killed_run_is_taken_over_with_a_message(tmp_path, caplog):
     holder.kill()  # no release: the file stays, the kernel drops the lock
     holder.wait()
     assert (tmp_path / LOCK_NAME).exists()
-    with caplog.at_level(logging.WARNING, logger="merak.run_directory"):
+    with caplog.at_level(logging.WARNING, logger="merak.session.run_directory"):
         lock = RunDirectoryLock(str(tmp_path)).acquire()
     try:
         assert f"pid {holder.pid}" in caplog.text and "ended without releasing" in caplog.text

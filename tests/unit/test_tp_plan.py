@@ -6,9 +6,9 @@ import pytest
 import tiny_models
 import torch
 
-from merak.assemble import assemble
 from merak.core import group_registry
 from merak.core.slices import TensorSlice, parameter_slices
+from merak.session.assemble import assemble
 from merak.shard.plan import ShardingOptions
 from merak.tensor_parallel import SequenceParallelPlan, TPPlan, TPPlanError, resolve_plan, set_tp_layer_lists
 from merak.tensor_parallel.options import TensorParallelOptions, option_problems

@@ -18,8 +18,8 @@ import sys
 import typing
 from collections.abc import Callable, Sequence
 
-from merak.config_fields import field_problem, unknown_field_problem
-from merak.console import DATE_FORMAT, log_format
+from merak.core.fields import field_problem, unknown_field_problem
+from merak.report.console import DATE_FORMAT, log_format
 
 logger = logging.getLogger(__name__)
 

@@ -18,14 +18,14 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from merak.checkpoint.settings import CheckpointSettings
-from merak.config_fields import positive_int_problem, typed_section
+from merak.core.fields import positive_int_problem, typed_section
 from merak.data.settings import BatchSettings
 from merak.distributed.settings import LauncherSettings
 from merak.distributed.topology import RankGrid
 from merak.energy.settings import EnergySettings
 from merak.optim.settings import OptimizerSettings, PrecisionSettings, ZeroSettings
 from merak.pipeline.settings import CompileSettings, ScheduleSettings
-from merak.report_settings import ReportSettings
+from merak.report.settings import ReportSettings
 from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel.settings import TensorParallelSettings
 
@@ -104,7 +104,7 @@ class RunSettings:
 
 
 def _section(cfg: DictConfig, name: str, cls, problems: list[str]):
-    """Config group ``name`` as a ``cls``, each value type- and range-checked (merak.config_fields)."""
+    """Config group ``name`` as a ``cls``, each value type- and range-checked (merak.core.fields)."""
     values = OmegaConf.to_container(cfg.get(name) or {}, resolve=True)
     return typed_section(values, cls, name, problems)
 

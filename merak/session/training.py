@@ -19,25 +19,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.data import Subset
 
-from merak.assemble import assemble
 from merak.checkpoint import load_checkpoint, load_pretrained, save_checkpoint
 from merak.checkpoint.load import LoadOptions
 from merak.checkpoint.save import SaveOptions
 from merak.config import RunSettings
-from merak.data.batching import BatchPlan, MicrobatchLoader
-from merak.distributed import groups
-from merak.distributed.groups import ParallelState
-from merak.engine import PipelineEngine, StepResult
-from merak.pipeline.hooks import PipelineHook
-from merak.pipeline.wall_clock import write_timelines
-from merak.report import (
-    MetricsWriter,
-    StepRecord,
-    peak_rss_bytes,
-    peak_tflops,
-    write_json_atomic,
-)
-from merak.run_options import (
+from merak.config.options import (
     compile_options,
     optimizer_options,
     pipeline_chunks,
@@ -47,9 +33,23 @@ from merak.run_options import (
     tensor_parallel_options,
     zero_options,
 )
+from merak.core.files import write_json_atomic
+from merak.data.batching import BatchPlan, MicrobatchLoader
+from merak.distributed import groups
+from merak.distributed.groups import ParallelState
+from merak.engine import PipelineEngine, StepResult
+from merak.pipeline.hooks import PipelineHook
+from merak.pipeline.wall_clock import write_timelines
+from merak.report.metrics import (
+    MetricsWriter,
+    StepRecord,
+    peak_rss_bytes,
+    peak_tflops,
+)
+from merak.report.trackers import Trackers, tracker_names
+from merak.session.assemble import assemble
 from merak.shard.costs import calibrate
 from merak.shard.plan import needs_calibration
-from merak.trackers import Trackers, tracker_names
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Write docs/config/<section>.md from the typed config sections, so the documentation of every
-setting (type, default, range, meaning) is the code's: ``python -m merak.config_docs [DIR]``.
+setting (type, default, range, meaning) is the code's: ``python -m merak.config.docs [DIR]``.
 tests/unit/test_config_docs.py fails when a file is out of date."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Every recipe's train.yaml registers :class:`SweepSummary` as a Hydra callback::
     hydra:
       callbacks:
         sweep_summary:
-          _target_: merak.sweep.SweepSummary
+          _target_: merak.report.sweep.SweepSummary
 
 Each job, in its own process (a subprocess or SLURM task with hydra-submitit-launcher), writes
 ``sweep_job.json`` next to its ``summary.json``: number, overrides, status (ok / failed) and the
@@ -17,7 +17,7 @@ Hydra's basic sweeper runs every job of the sweep and only then raises the first
 exception, so Hydra never calls ``on_multirun_end`` when a job failed; the summary is then written
 when the process exits (the command still exits with status 1).
 
-``python -m merak.sweep SWEEP_DIR`` writes the summary again from the files (e.g. after SLURM jobs
+``python -m merak.report.sweep SWEEP_DIR`` writes the summary again from the files (e.g. after SLURM jobs
 that were still running when the launching process stopped waiting have finished).
 """
 
@@ -27,6 +27,7 @@ import atexit
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -261,18 +262,19 @@ class SweepSummary(Callback):
         print(f"\n{table}\n(written to {self._sweep_dir}/sweep_summary.md and sweep_summary.json)", flush=True)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """python -m merak.sweep SWEEP_DIR: (re)write and print the summary of a finished sweep."""
+def main(argv: list[str] | None = None, *, prog: str = "merak sweep-summary") -> int:
+    """merak sweep-summary SWEEP_DIR: (re)write and print the summary of a finished sweep; returns 0."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m merak.sweep", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("sweep_dir", type=Path)
     sweep_dir = parser.parse_args(argv).sweep_dir.absolute()
     rows = collect(sweep_dir, [])
     if not rows:
         parser.error(f"no job of a sweep under {sweep_dir}")
     print(write_summary(sweep_dir, rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(prog="python -m merak.report.sweep"))

@@ -1,12 +1,12 @@
 """The reporting section of the ``trainer`` config: where the run writes, how often it logs,
-evaluates held-out samples and reports to trackers. Consumed by merak.report (MetricsWriter),
-merak.trackers and the run loop (merak.session)."""
+evaluates held-out samples and reports to trackers. Consumed by merak.report.metrics (MetricsWriter),
+merak.report.trackers and the run loop (merak.session.training)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from merak.config_fields import positive, positive_finite, setting
+from merak.core.fields import positive, positive_finite, setting
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,6 @@ class ReportSettings:
     run_name: str | None = setting(None, "the trackers' run name")
 
     def problems(self) -> list[str]:
-        from merak.trackers import tracker_problems
+        from merak.report.trackers import tracker_problems
 
         return tracker_problems(self.report_to)

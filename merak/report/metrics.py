@@ -56,7 +56,7 @@ class MetricsWriter:
                  enabled: bool, logging_steps: int = 1, start_step: int = 0, progress_bar: bool = True,
                  trackers=None) -> None:
         self.enabled = enabled
-        self.trackers = trackers  # merak.trackers.Trackers (rank 0), or None
+        self.trackers = trackers  # merak.report.trackers.Trackers (rank 0), or None
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
         self.logging_steps = max(1, logging_steps)
@@ -164,19 +164,6 @@ def _lines_up_to(path: str, step: int) -> list[str]:
             except (json.JSONDecodeError, KeyError, TypeError):
                 break  # a line cut short by a crash ends what can be kept
     return kept
-
-
-def write_text_atomic(path: str, text: str) -> None:
-    """Write ``text`` so that readers see the old file or the new one, never half of one."""
-    temporary = f"{path}.tmp.{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(temporary, path)
-
-
-def write_json_atomic(path: str, payload: dict) -> None:
-    """Write JSON so that readers see the old file or the new one, never half of one."""
-    write_text_atomic(path, json.dumps(payload, indent=2))
 
 
 def format_summary(summary: dict) -> str:

@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 # Above this many parameters (4 GB in fp32) 'auto' builds on the meta device. The rule depends on the
 # model only, never on the layout, so every layout of a model initializes it the same way.
 META_THRESHOLD_PARAMS = 1_000_000_000
-INIT_DEVICES = ("auto", "cpu", "meta")
 
 
 @dataclass
