@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 REPO = Path(__file__).resolve().parents[2]
 GPT_TRAIN = REPO / "recipes/gpt/train.py"
@@ -30,3 +34,24 @@ def run_train_py(args, cache_dir, *, script: Path = GPT_TRAIN, cwd: Path = REPO,
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of a run's metrics.jsonl."""
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def compose_recipe(recipe: str, overrides=()) -> DictConfig:
+    """``recipes/<recipe>/conf/train.yaml`` composed with ``overrides``, as its train.py would (in this process)."""
+    import hydra
+
+    with hydra.initialize_config_dir(config_dir=str(REPO / "recipes" / recipe / "conf"), version_base=None):
+        return hydra.compose("train", overrides=list(overrides))
+
+
+def run_in_process(recipe: str, overrides, output_dir) -> dict:
+    """``merak.run`` of a recipe in this process (its workers forked from it), the summary returned.
+
+    What a train.py adds around it (the command-line check, exit statuses, one-line errors) is
+    tested once, through a real train.py; this skips the seconds of imports a new interpreter pays.
+    """
+    import merak
+    from merak.recipe import load_spec
+
+    spec = load_spec(REPO / "recipes" / recipe / "train.py")
+    return merak.run(spec, compose_recipe(recipe, [*overrides, f"trainer.output_dir={output_dir}"]))
