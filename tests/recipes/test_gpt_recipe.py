@@ -1,8 +1,10 @@
-"""The gpt recipe end to end through its real train.py: runs, sweeps, errors, torchrun."""
+"""The gpt recipe end to end: one run through its real train.py, the rest through merak.run in this process
+(layouts, compiled stages, config errors, plans). Launchers and sweeps: test_launch_modes.py."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +15,6 @@ import pytest
 from train_py import run_in_process
 
 from merak.config import ConfigError
-from merak.distributed.launch import free_port
 
 pytestmark = pytest.mark.recipe
 
@@ -62,62 +63,40 @@ def test_train_writes_metrics_and_summary(tmp_path, cache_dir):
 
 
 @pytest.mark.timeout(300)
-def test_same_losses_single_process_and_pipeline(tmp_path, cache_dir):
-    """Through train.py, one process, dp2 x pp2 and dp2 x tp2 x pp2 print the same loss curve."""
+def test_same_losses_single_process_and_3d(tmp_path, cache_dir):
+    """The recipe's wiring of every axis at once: one process and dp2 x tp2 x pp2 (sequence parallel,
+    overlap level 1) print the same loss curve and count the same model FLOPs. (Each layout against a
+    plain PyTorch loop: tests/dist/test_parity.py, test_model_tensor_parallel.py.)"""
     runs, flops = {}, {}
     for name, layout in (("single", ["parallel=single", "trainer.gradient_accumulation_steps=8",
                                      "trainer.per_device_train_batch_size=2"]),
-                         ("dp2_pp2", ["parallel=dp2_pp2"]),
                          ("dp2_tp2_pp2", ["parallel=dp2_tp2_pp2", "trainer.sequence_parallel=true",
                                           "trainer.tp_overlapping_level=1"])):
-        run_dir = tmp_path / name
-        result = _train([*TOY, *layout, "trainer.max_steps=3", f"hydra.run.dir={run_dir}"], cache_dir)
-        assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = [m["loss"] for m in _metrics(run_dir)]
-        flops[name] = json.loads((run_dir / "summary.json").read_text())["flops"]["model_flops_per_step"]
-    assert runs["single"] == pytest.approx(runs["dp2_pp2"], rel=1e-6)
+        summary = run_in_process("gpt", [*TOY, *layout, "trainer.max_steps=3"], tmp_path / name)
+        runs[name] = [m["loss"] for m in _metrics(tmp_path / name)]
+        flops[name] = summary["flops"]["model_flops_per_step"]
+    assert len(runs["single"]) == 3
     assert runs["single"] == pytest.approx(runs["dp2_tp2_pp2"], rel=1e-6)
     # The model's FLOPs do not depend on the layout (tp ranks do not each count the replicated layers).
-    assert flops["single"] > 0 and flops["dp2_pp2"] == flops["single"] == flops["dp2_tp2_pp2"], flops
-
-
-@pytest.mark.timeout(600)
-def test_torch_compile_through_train_py(tmp_path, cache_dir):
-    """trainer.torch_compile=true at pp=2: the eager loss curve, every range compiled, the time reported."""
-    losses, results = {}, {}
-    for name, flags in (("eager", []), ("compiled", ["trainer.torch_compile=true"])):
-        run_dir = tmp_path / name
-        results[name] = _train([*TOY, "parallel=pp2", "trainer.max_steps=3", *flags, f"hydra.run.dir={run_dir}"],
-                               cache_dir, timeout=540)
-        assert results[name].returncode == 0, results[name].stderr[-3000:]
-        losses[name] = [m["loss"] for m in _metrics(run_dir)]
-    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
-    report = json.loads((tmp_path / "compiled" / "summary.json").read_text())["compile"]
-    assert report["enabled"] and report["backend"] == "inductor" and report["eager_ranges"] == {}
-    assert report["compile_s"] > 0
-    printed = results["compiled"].stdout + results["compiled"].stderr
-    assert "compiled stages    inductor" in printed and "s compiling (slowest rank)" in printed
+    assert flops["single"] > 0 and flops["dp2_tp2_pp2"] == flops["single"], flops
 
 
 @pytest.mark.timeout(300)
-def test_spawn_start_method(tmp_path, cache_dir):
-    """The start method used with CUDA: workers re-import everything they are given."""
-    run_dir = tmp_path / "run"
-    result = _train([*TOY, "parallel=pp2", "trainer.max_steps=2", "launcher.start_method=spawn",
-                     f"hydra.run.dir={run_dir}"], cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert [m["step"] for m in _metrics(run_dir)] == [1, 2]
-
-
-@pytest.mark.timeout(300)
-def test_multirun_sweep_launches_each_job(tmp_path, cache_dir):
-    sweep = tmp_path / "sweep"
-    result = _train(["-m", *TOY, "parallel=pp2,dp2", "trainer.max_steps=2", f"hydra.sweep.dir={sweep}"],
-                    cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    layouts = sorted(json.loads((job / "summary.json").read_text())["layout"]["pp"]
-                     for job in sweep.iterdir() if (job / "summary.json").exists())
-    assert layouts == [1, 2]
+def test_torch_compile_through_the_recipe(tmp_path, cache_dir, capfd, caplog):
+    """trainer.torch_compile=true at pp=2 (aot_eager here; inductor's numbers: tests/dist/test_compiled_parity.py):
+    the eager loss curve, every range compiled, the compile time reported and printed."""
+    caplog.set_level(logging.INFO)
+    losses, summaries = {}, {}
+    for name, flags in (("eager", []), ("compiled", ["trainer.torch_compile=true",
+                                                      "trainer.torch_compile_backend=aot_eager"])):
+        summaries[name] = run_in_process("gpt", [*TOY, "parallel=pp2", "trainer.max_steps=3", *flags], tmp_path / name)
+        losses[name] = [m["loss"] for m in _metrics(tmp_path / name)]
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-6)
+    report = summaries["compiled"]["compile"]
+    assert report["enabled"] and report["backend"] == "aot_eager" and report["eager_ranges"] == {}
+    assert report["compile_s"] > 0 and not summaries["eager"]["compile"]["enabled"]
+    printed = "".join(capfd.readouterr()) + caplog.text  # the workers' output and the launcher's log
+    assert "compiled stages    aot_eager" in printed and "s compiling (slowest rank)" in printed
 
 
 @pytest.mark.timeout(60)
@@ -142,29 +121,12 @@ def test_bad_config_fails_before_workers_start(overrides, expected, tmp_path, ca
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-@pytest.mark.timeout(400)
-def test_torchrun_two_nodes_on_localhost(tmp_path, cache_dir):
-    """Two torchrun "nodes" of 2 processes each form one dp2 x pp2 world."""
-    run_dir = tmp_path / "run"
-    port = free_port()
-    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
-              "--master_addr", "127.0.0.1", "--master_port", str(port), str(TRAIN), *TOY,
-              "parallel=dp2_pp2", "trainer.max_steps=3", f"hydra.run.dir={run_dir}"]
-    nodes = [subprocess.Popen(common[:3] + ["--node_rank", str(rank)] + common[3:], cwd=REPO, env=_env(cache_dir),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outputs = [node.communicate(timeout=360)[0] for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), "\n".join(o[-3000:] for o in outputs)
-    metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert json.loads((run_dir / "summary.json").read_text())["layout"] == {"dp": 2, "tp": 1, "pp": 2}
-
-
 @pytest.mark.timeout(300)
-def test_dry_run_prints_and_writes_the_plan(tmp_path, cache_dir):
+def test_dry_run_prints_and_writes_the_plan(tmp_path, cache_dir, capfd, caplog):
+    caplog.set_level(logging.INFO)
     run_dir = tmp_path / "plan"
-    result = _train([*TOY, "parallel=pp4", "parallel.tp=2", "dry_run=true", "trainer.partition_method=autopipe",
-                     f"hydra.run.dir={run_dir}"], cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_in_process("gpt", [*TOY, "parallel=pp4", "parallel.tp=2", "dry_run=true", "trainer.partition_method=autopipe"],
+                   run_dir)
     report = json.loads((run_dir / "partition.json").read_text())
     assert not (run_dir / "metrics.jsonl").exists()  # nothing trained
     assert report["trace_method"] == "export" and report["partition_method"] == "autopipe"
@@ -185,7 +147,7 @@ def test_dry_run_prints_and_writes_the_plan(tmp_path, cache_dir):
     for stage in stages[:-1]:
         assert {full, chunk} & set(stage["sends"].values()), stage["sends"]
     assert any(chunk in stage["sends"].values() for stage in stages[:-1])
-    printed = result.stdout + result.stderr
+    printed = "".join(capfd.readouterr()) + caplog.text  # the workers' output and the launcher's log
     assert "pipeline plan (gpt / toy, pp=4)" in printed and "fwd FLOPs" in printed
 
 

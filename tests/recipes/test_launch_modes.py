@@ -152,11 +152,11 @@ def test_merak_slurm_preset_runs_one_task_per_rank(tmp_path, cache_dir, spawn_lo
 
 @pytest.mark.timeout(300)
 def test_sweep_with_a_failing_job_still_writes_its_summary(tmp_path, cache_dir):
-    """Hydra's basic launcher runs every job, then raises the first failure (exit status 1): the
-    sweep summary is written anyway, with the failed job marked."""
+    """Hydra's basic launcher runs every job (each launching its own workers), then raises the first
+    failure (exit status 1): the sweep summary is written anyway, with the failed job marked."""
     sweep = tmp_path / "sweep"
     result = subprocess.run(
-        [sys.executable, str(TRAIN), "-m", *TOY[:3], "parallel=single", "trainer.max_steps=2",
+        [sys.executable, str(TRAIN), "-m", *TOY[:3], "parallel=pp2", "trainer.max_steps=2",
          "trainer.train_schedule=zigzag,1f1b", f"hydra.sweep.dir={sweep}"],
         cwd=REPO, env=_env(cache_dir), check=False, capture_output=True, text=True, timeout=240)
     assert result.returncode == 1, result.stderr[-3000:]
@@ -165,7 +165,9 @@ def test_sweep_with_a_failing_job_still_writes_its_summary(tmp_path, cache_dir):
     failed, ok = summary["jobs"]
     assert (failed["job"], failed["status"], ok["job"], ok["status"]) == (0, "failed", 1, "ok")
     assert "trainer.train_schedule='zigzag' is unknown" in failed["error"]
-    assert ok["final_loss"] == pytest.approx(json.loads((sweep / "1" / "summary.json").read_text())["final_loss"])
+    ok_summary = json.loads((sweep / "1" / "summary.json").read_text())
+    assert ok["final_loss"] == pytest.approx(ok_summary["final_loss"])
+    assert ok_summary["layout"] == {"dp": 1, "tp": 1, "pp": 2}  # a job launches its own workers
     table = (sweep / "sweep_summary.md").read_text()
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| 1 ")]
     assert [(cells[2].strip(), cells[-2].strip()) for cells in rows] == [("trainer.train_schedule=1f1b", "ok")]
