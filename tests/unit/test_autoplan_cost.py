@@ -519,3 +519,34 @@ def test_one_microbatch_keeps_one_pipeline_stage_busy_at_a_time():
     assert CostModel._busy(layout(pp=4, num_microbatches=1), [1.0] * 4, 4) == pytest.approx(1.0)
     # Replicas count whole; a node holds its share of them.
     assert CostModel._busy(layout(dp=8, tp=2, num_microbatches=1), [1.0], 8) == pytest.approx(8.0)
+
+
+# --- the cost model's simulation against autopipe's 1F1B score --------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_autopipes_1f1b_score_bounds_the_simulated_instruction_lists(seed):
+    """merak.shard.autopipe scores partitions with a 1F1B model of data dependencies alone (Python and C++ alike);
+    the cost model runs the real instruction lists through merak.pipeline.simulate, whose exchanges also wait for
+    their partners. With free transfers the two agree on two stages, and autopipe's is a lower bound beyond."""
+    import random
+
+    from merak.autoplan.cost import StageCostModel, VirtualStage, _lists, _stage_ends
+    from merak.shard import autopipe
+
+    rng = random.Random(seed)
+    for stages in range(1, 7):
+        microbatches = rng.randint(1, 12)
+        forward = [rng.uniform(0.1, 3.0) for _ in range(stages)]
+        backward = [rng.uniform(0.1, 6.0) for _ in range(stages)]
+        pieces = [VirtualStage(forward=f, backward=b, recompute=0.0, send_bytes=0, params=0, saved=0, kept=0,
+                               largest_layer=0, tp_seconds=0.0) for f, b in zip(forward, backward)]
+        model = StageCostModel(pieces, stages, Link(bandwidth_gbs=1.0, latency_us=0.0), recompute=False)
+        simulated = max(_stage_ends(_lists("1f1b", stages, 1, microbatches), model))
+        scored = autopipe.simulate_1f1b(forward, backward, microbatches)
+        if autopipe.native_available():
+            assert autopipe._native.simulate_1f1b(forward, backward, microbatches) == scored
+        if stages <= 2:
+            assert simulated == pytest.approx(scored, rel=1e-12)
+        else:
+            assert simulated >= scored * (1 - 1e-12)
