@@ -3,7 +3,7 @@
 For each recipe:model pair and world size the recipe is planned at a fixed
 global batch (``--global-batch``, the same for every layout) as
 ``parallel=auto`` plans it: ``plan_for_settings`` ranks every layout (cluster
-``this``, calibrated in this process), then ``run_trials`` trains the leading
+``this``, its rates and link measured in this process), then ``run_trials`` trains the leading
 layouts (``--trials``, ``--trial-steps``) and the fastest is the first choice.
 The layouts measured are the first choice, the best prediction and the
 best-predicted fitting candidate of every (dp, tp, pp) grid. Each trains the
@@ -12,12 +12,7 @@ subprocess (one thread per process):
 
 * timing runs of ``--steps`` steps, one per pass over the layouts (``--timing-runs``,
   the second pass in the opposite order): the fastest run's median step time past
-  the warm-up (the first ``TRIAL_WARMUP`` steps), as a trial times it; with
-  ``--recalibrate``, each layout's timing runs back to back right after a fresh
-  calibration (``PlanReport.calibrated_again``), which prices the layout again
-  (``recalibrated_step_s``): the machine's speed drifts by a fifth over the
-  minutes between the plan and a layout's runs, and this prediction separates
-  the cost model's error from that drift;
+  the warm-up (the first ``TRIAL_WARMUP`` steps), as a trial times it;
 * a memory run of 2 steps with ``trainer.measure_activation_memory=true`` (which
   slows the step, hence its own run): per pipeline stage, parameters +
   gradients + master weights + optimizer state + peak activations (bytes, the
@@ -34,6 +29,7 @@ The results JSON is rewritten after every recipe/world.
 
     .venv/bin/python bench/auto_plan.py
     .venv/bin/python bench/auto_plan.py --recipes gpt:toy --worlds 4 --limit 2 --steps 3 --out /tmp/auto_plan.json
+    .venv/bin/python bench/auto_plan.py --reprice bench/results/auto_plan_210eb90.json   # the current planner on it
 """
 
 from __future__ import annotations
@@ -57,8 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # first: sets OMP_NUM_THREADS before torch starts threads
 
 from merak.autoplan.cluster import load_cluster
+from merak.autoplan.layout import Layout
 from merak.autoplan.planner import compose_recipe, plan_for_settings, single_process_settings
-from merak.autoplan.trials import TRIAL_STEPS, TRIAL_WARMUP, TRIALS, run_trials
+from merak.autoplan.trials import TRIAL_STEPS, TRIAL_WARMUP, TRIALS, run_trials, trial_candidates
 from merak.runner import run
 
 logger = logging.getLogger("bench.auto_plan")
@@ -84,10 +81,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="steps of each timing run (the median is over those past the warm-up)")
     parser.add_argument("--timing-runs", type=int, choices=(1, 2), default=2,
                         help="timing runs per layout (2: a second pass in the opposite order; the faster counts)")
-    parser.add_argument("--recalibrate", action="store_true",
-                        help="also price each layout on a calibration timed right before its timing runs, which "
-                             "then run back to back (a shared machine's speed drifts over the minutes a sweep "
-                             "takes: the plan's calibration prices the machine as it ran then)")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory runs")
     parser.add_argument("--global-batch", type=int, default=16, help="trainer.global_batch_size of every layout")
     parser.add_argument("--cluster", default="this", help="plan_recipe's cluster")
@@ -103,6 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default="bench/results/auto_plan.json", help="results JSON ('' for none)")
     parser.add_argument("--report", metavar="RESULTS_JSON", default=None,
                         help="only print the tables and summary of an earlier run's results JSON")
+    parser.add_argument("--reprice", metavar="RESULTS_JSON", default=None,
+                        help="price an earlier run's measured layouts with the current planner (nothing trains): "
+                             "per recipe/world, the rank correlation with the measured steps and whether the "
+                             "measured fastest grid is among those the trials would try")
     args = parser.parse_args(argv)
     args.pairs = [parse_pair(text, parser) for text in args.recipes]
     return args
@@ -382,16 +379,12 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
     trialled = {t.candidate.layout.key(): t.measured_step_s for t in outcome.trials}
     timings = {}
     memories = {}
-    recalibrated = {}
     for index, candidate in enumerate(layouts, 1):
         logger.info("%s:%s world %d: layout %d/%d %s", recipe, model, world, index, len(layouts),
                     candidate.layout.key())
-        if args.recalibrate:
-            recalibrated[index] = priced_again(report, candidate)
-        runs = args.timing_runs if args.recalibrate else 1
-        timings[index] = [timing_run(recipe, model, candidate, args) for _ in range(runs)]
+        timings[index] = [timing_run(recipe, model, candidate, args)]
         memories[index] = memory_run(recipe, model, candidate, args) if args.memory else {"error": NOT_MEASURED}
-    for index in reversed(range(1, len(layouts) + 1 if args.timing_runs > 1 and not args.recalibrate else 1)):
+    for index in reversed(range(1, len(layouts) + 1 if args.timing_runs > 1 else 1)):
         logger.info("%s:%s world %d: layout %d/%d %s again", recipe, model, world, index, len(layouts),
                     layouts[index - 1].layout.key())
         timings[index].append(timing_run(recipe, model, layouts[index - 1], args))
@@ -401,9 +394,6 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
         row["trial_step_s"] = trialled.get(row["key"])
         row["scaled_step_error_pct"] = (None if scale is None
                                         else error_pct(scale * row["predicted_step_s"], row["measured_step_s"]))
-        if index in recalibrated:
-            row.update(recalibrated[index])
-            row["recalibrated_step_error_pct"] = error_pct(row["recalibrated_step_s"], row["measured_step_s"])
         rows.append(row)
         log_row(rows[-1])
     predicted_best = first_choice_check(rows, report.best.layout.key())
@@ -414,21 +404,7 @@ def measure_group(recipe: str, model: str, world: int, args: argparse.Namespace)
             "best_predicted_is_fastest": predicted_best["first_choice_is_fastest"],
             "best_predicted_slower_pct": predicted_best["first_choice_slower_pct"],
             "rows": rows, **first_choice_check(rows, outcome.chosen.layout.key()),
-            # What the planner measured (bench/auto_plan_repriced.py prices later cost models with it).
-            "measured_on": measurement_json(cluster, report.cost_model.calibration)}
-
-
-def priced_again(report, candidate) -> dict:
-    """``candidate``'s layout priced by the plan's cost model on a calibration timed now
-    (``recalibrated_step_s``), and that calibration (``recalibrated_on``)."""
-    again = report.calibrated_again()
-    return {"recalibrated_step_s": float(again.price(candidate.layout).predicted_step_s),
-            "recalibrated_on": measurement_json(report.cluster, again.cost_model.calibration)}
-
-
-def measurement_json(cluster, calibration) -> dict:
-    """What a plan measured (the cluster's rates and link, the calibration), as the results JSON keeps it."""
-    return {"cluster": cluster.to_json(), "calibration": dataclasses.asdict(calibration)}
+            "measured_on": {"cluster": cluster.to_json()}}  # the rates and link the planner measured
 
 
 def log_row(row: dict) -> None:
@@ -583,6 +559,9 @@ def main(argv=None) -> int:
         results = json.loads(Path(args.report).read_text(encoding="utf-8"))
         print_tables(results["groups"], results["args"], results["machine"])
         return 0
+    if args.reprice:
+        reprice(json.loads(Path(args.reprice).read_text(encoding="utf-8")), args)
+        return 0
     facts = common.machine_facts()
     logger.info("%s", common.format_facts(facts))
     groups = []
@@ -592,6 +571,27 @@ def main(argv=None) -> int:
             common.write_json(args.out, payload(args, command, facts, groups))
     print_tables(groups, vars(args), facts)
     return 0
+
+
+def reprice(results: dict, args: argparse.Namespace) -> None:
+    """Each recipe/world of ``results`` planned again now, its measured layouts priced by the current planner."""
+    tables.info("| recipe | world | rank correlation, then | now | measured fastest grid | grids the trials "
+                "would try now | among them |\n|---|---|---|---|---|---|---|")
+    for group in (g for g in results["groups"] if not g.get("error")):
+        rows = [r for r in group["rows"] if r.get("measured_step_s") is not None]
+        spec, cfg = compose_recipe(group["recipe"], [f"model={group['model']}",
+                                                     f"trainer.global_batch_size={results['args']['global_batch']}"])
+        report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=group["world"],
+                                   cluster=load_cluster(args.cluster, processes=group["world"]),
+                                   global_batch_size=results["args"]["global_batch"])
+        now = [report.price(Layout(**r["planner"]["layout"])).predicted_step_s for r in rows]
+        fastest = tuple(min(rows, key=lambda r: r["measured_step_s"])["grid"])
+        tried = [c.layout.grid for c in trial_candidates(report.candidates, args.trials)]
+        measured = [r["measured_step_s"] for r in rows]
+        tables.info("| %s:%s | %d | %.2f | %.2f | %s | %s | %s |", group["recipe"], group["model"], group["world"],
+                    spearman([r["predicted_step_s"] for r in rows], measured), spearman(now, measured),
+                    "x".join(map(str, fastest)), ", ".join("x".join(map(str, g)) for g in tried),
+                    "yes" if fastest in tried else "no")
 
 
 def print_tables(groups: list[dict], options: dict, facts: dict) -> None:

@@ -43,8 +43,7 @@ def main(argv=None) -> int:
     global_batch = args.layout[0].global_batch_size
     spec, cfg = compose_recipe(args.recipe, [f"model={args.model}", f"trainer.global_batch_size={global_batch}"])
     report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=args.world,
-                               cluster=load_cluster("this", processes=args.world), global_batch_size=global_batch,
-                               calibrate=False)
+                               cluster=load_cluster("this", processes=args.world), global_batch_size=global_batch)
     failed = 0
     for layout in args.layout:
         candidate = report.price(layout)

@@ -3,9 +3,8 @@
 The planner profiles a model on meta, where ``scaled_dot_product_attention`` always takes the math path:
 it saves the ``[batch, heads, S, S]`` attention probabilities. The devices merak trains on take a fused
 kernel where they can (flash attention on CPU unless dropout is on; flash, memory-efficient or cuDNN
-attention on CUDA), which saves only the inputs, the output and one log-sum-exp per query row. On the
-bert toy's attention stages the math path's probabilities were an eighth of a MiB per microbatch the
-runs never held (12 % of a pipeline stage's measured peak).
+attention on CUDA), which saves only the inputs, the output and one log-sum-exp per query row: the
+probabilities would be counted as activations the runs never hold.
 """
 
 from __future__ import annotations

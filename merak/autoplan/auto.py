@@ -1,12 +1,9 @@
 """``parallel=auto``: plan the layout before the run is resolved, then run the chosen one.
 
-The recipe's config selects ``parallel: auto`` (``merak/conf/parallel/auto.yaml``) and, optionally,
-a ``cluster`` (``cluster=h100-80 cluster.nodes=64``; default: this machine). The planner ranks
-every layout for ``trainer.global_batch_size`` on the processes at hand; on this machine it then
-trains the leading layouts for a few steps each and takes the fastest, or one it ranked higher within
-3 % of it (``parallel.trials``, :mod:`merak.autoplan.trials`). It writes ``plan.json`` to the run
-directory, logs the table, and returns the config with the chosen degrees and trainer settings, which
-then runs (or, with ``dry_run=true``, is only partitioned and reported: no trials).
+The config selects ``parallel: auto`` and optionally a ``cluster`` (``cluster=h100-80 cluster.nodes=64``;
+default: this machine's processes). The planner ranks every layout for ``trainer.global_batch_size``; on
+this machine the trials then choose (:mod:`merak.autoplan.trials`). It writes ``plan.json``, logs the table
+and returns the config with the chosen settings (``dry_run=true``: only partitioned, no trials).
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
-from merak.autoplan.cluster import THIS, Cluster, load_cluster
+from merak.autoplan.cluster import THIS, Cluster, load_cluster, usable_cores
 from merak.autoplan.planner import PlanError, plan_for_settings, requested_global_batch, single_process_settings
 from merak.autoplan.table import format_table
 from merak.autoplan.trials import TRIAL_SECONDS, TRIAL_STEPS, TRIALS, Train, layout_config, run_trials
@@ -35,12 +32,11 @@ def wants_auto(cfg: DictConfig) -> bool:
     return bool(parallel.get("auto", False))
 
 
-def _cluster(cfg: DictConfig, world_size: int | None, deterministic: bool) -> Cluster:
+def _cluster(cfg: DictConfig, world_size: int | None) -> Cluster:
     spec = cfg.get("cluster")
     spec = OmegaConf.to_container(spec, resolve=True) if spec is not None else THIS
-    processes = world_size
     try:
-        return load_cluster(spec, processes=processes, measure=not deterministic)
+        return load_cluster(spec, processes=world_size)
     except ValueError as error:
         raise ConfigError(f"invalid configuration:\n  - cluster: {error}") from None
 
@@ -57,26 +53,19 @@ def _world_size(cfg: DictConfig, outside_world: int | None) -> int | None:
 
 
 def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None, train: Train | None = None) -> DictConfig:
-    """The config with ``parallel`` and the trainer settings the planner chose (see the module docstring).
-
-    Under an outside launcher (torchrun, srun) every rank plans by itself, so the plan must not depend
-    on timings: the machine is then described by nominal rates and the model is not timed.
-
-    Args:
-        train: runs a composed config of this recipe (:func:`merak.runner.run`): given, on this machine
-            the leading layouts are tried for a few steps each and the fastest is chosen
-            (:mod:`merak.autoplan.trials`; ``parallel.trials=0`` turns it off).
-    """
+    """The config with ``parallel`` and the trainer settings chosen (see the module docstring). Under an
+    outside launcher (torchrun, srun) every rank plans by itself and nothing is tried; ``train`` runs a composed
+    config of this recipe (:func:`merak.runner.run`) for the trials (``parallel.trials=0``: none)."""
     deterministic = outside_world is not None
     world = _world_size(cfg, outside_world)
     trials, trial_steps, trial_seconds = _trial_settings(cfg)
-    cluster = _cluster(cfg, world or default_processes(), deterministic)
+    cluster = _cluster(cfg, world or usable_cores())
     if world is None:
         world = cluster.world_size
     settings = single_process_settings(spec, cfg)
     try:
         report = plan_for_settings(spec, settings, world_size=world, cluster=cluster,
-                                   global_batch_size=requested_global_batch(cfg), calibrate=not deterministic)
+                                   global_batch_size=requested_global_batch(cfg))
     except PlanError as error:
         raise ConfigError(f"invalid configuration:\n  - parallel=auto: {error}") from None
     outcome = None
@@ -110,11 +99,3 @@ def _trial_settings(cfg: DictConfig) -> tuple[int, int, float]:
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     return values["trials"], values["trial_steps"], float(seconds)
-
-
-def default_processes() -> int:
-    """Processes to plan for on this machine when nothing says: one per usable core."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1

@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 
-from merak.autoplan.cluster import load_cluster
+from merak.autoplan.cluster import load_cluster, usable_cores
 from merak.autoplan.layout import Layout
 from merak.autoplan.planner import (
     PlanError,
@@ -71,8 +71,6 @@ def _parser(prog: str = "merak-plan") -> argparse.ArgumentParser:
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default: 10)")
     parser.add_argument("--compare", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="price this layout beside the ranked ones (repeatable)")
-    parser.add_argument("--no-calibrate", action="store_true",
-                        help="with --cluster this: do not time the model, use the device rates alone")
     parser.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
     return parser
 
@@ -81,18 +79,16 @@ def main(argv: list[str] | None = None, *, prog: str = "merak-plan") -> int:
     """Run ``merak-plan`` with ``argv``; returns the exit status (2: the request cannot be planned)."""
     args = _parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from merak.autoplan.auto import default_processes
-
     try:
-        processes = args.world or (default_processes() if args.cluster == "this" else None)
-        cluster = load_cluster(args.cluster, processes=processes, measure=not args.no_calibrate)
+        processes = args.world or (usable_cores() if args.cluster == "this" else None)
+        cluster = load_cluster(args.cluster, processes=processes)
         cluster = cluster.with_size(nodes=args.nodes, devices_per_node=args.devices_per_node)
         world = args.world or cluster.world_size
         spec, cfg = compose_recipe(args.recipe, args.overrides)
         batch = requested_global_batch(cfg)
         compared = [parse_layout(text, world, batch) for text in args.compare]
         report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=world, cluster=cluster,
-                                   global_batch_size=batch, calibrate=not args.no_calibrate)
+                                   global_batch_size=batch)
         extra = [(name, report.price(layout)) for name, layout in compared]
     except (PlanError, ValueError) as error:
         logger.error("%s", error)

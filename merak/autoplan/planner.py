@@ -1,8 +1,5 @@
-"""Planning a recipe's layout: profile its model, price every layout, rank them.
-
-:func:`plan_for_settings` is what ``parallel=auto`` and ``merak-plan`` run; :func:`plan_recipe`
-composes a recipe's config first (benchmarks, notebooks).
-"""
+"""Planning a recipe's layout: profile its model, price every layout, rank them (:func:`plan_for_settings`,
+what ``parallel=auto`` and ``merak-plan`` run; :func:`plan_recipe` composes the recipe's config first)."""
 
 from __future__ import annotations
 
@@ -20,9 +17,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from merak.autoplan.calibrate import BACKWARD_FLOPS_FACTOR, Calibration, measure
 from merak.autoplan.cluster import Cluster, load_cluster
-from merak.autoplan.cost import CostModel, LayoutError, device_rates
+from merak.autoplan.cost import BACKWARD_FLOPS_FACTOR, CostModel, LayoutError
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile, profile_recipe
 from merak.autoplan.search import MEMORY_HEADROOM, Candidate, SearchSpace, explain, search
@@ -33,7 +29,6 @@ from merak.pipeline.simulate import ScheduleError
 logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-CALIBRATION_MICRO_BATCHES = (1, 4, 16)  # microbatch sizes timed (at most the global batch)
 
 
 class PlanError(ValueError):
@@ -52,7 +47,6 @@ class PlanReport:
     candidates: list[Candidate]
     profile_seconds: float
     search_seconds: float
-    timing_seconds: float = 0.0  # calibrating on this machine (merak.autoplan.calibrate)
     flops_per_sample: float = 0.0  # forward + backward matrix FLOPs of one sample (recomputation not counted)
     peak_flops: float | None = None  # per device, of the run's dtype
     cost_model: CostModel | None = None
@@ -69,21 +63,6 @@ class PlanReport:
         candidate.why_not = explain(candidate, self.best) if candidate.fits else (
             f"does not fit: {prediction.max_memory / 2**30:.3g} GiB, {usable / 2**30:.3g} GiB usable")
         return candidate
-
-    def on_calibration(self, calibration: Calibration) -> PlanReport:
-        """This request's cost model on ``calibration`` (:meth:`price` prices by it), the candidates left as
-        ranked."""
-        model = self.cost_model
-        return dataclasses.replace(self, cost_model=CostModel(model.profiles, self.cluster, model.dtype,
-                                                              calibration=calibration, sharding=model.sharding))
-
-    def calibrated_again(self) -> PlanReport:
-        """:meth:`on_calibration` with a calibration timed now: on a CPU cluster, whose shared machine's speed
-        drifts by a fifth over minutes, a layout measured long after the plan is priced as the machine runs
-        then."""
-        model = self.cost_model
-        return self.on_calibration(measure_for(model.profiles, self.cluster, self.world_size,
-                                               self.global_batch_size))
 
     def mfu(self, candidate: Candidate) -> float | None:
         """Model FLOPs utilization the prediction means: model FLOPs per step over peak FLOPs of the step."""
@@ -112,7 +91,6 @@ class PlanReport:
                 "best": {**self.best.to_json(), "mfu": self.mfu(self.best)},
                 "candidates": [{**c.to_json(), "mfu": self.mfu(c)} for c in shown],
                 "num_candidates": len(self.candidates), "profile_seconds": round(self.profile_seconds, 3),
-                "timing_seconds": round(self.timing_seconds, 3),
                 "search_seconds": round(self.search_seconds, 3)}
 
 
@@ -130,9 +108,7 @@ def cache_directory() -> Path:
 
 
 class ProfileCache:
-    """Profiles of one model, taken on first use per (tp, sequence_parallel) and kept on disk, keyed by
-    everything that shapes the captured graph and what it saves on the run's device (a giant model's capture takes
-    seconds per degree)."""
+    """Profiles of one model per (tp, sequence_parallel), taken once and kept on disk keyed by what shapes them."""
 
     def __init__(self, spec, settings, directory: Path | None = None, device_type: str = "cpu") -> None:
         self.spec, self.settings, self.device_type = spec, settings, device_type
@@ -183,19 +159,9 @@ def _supports_sequence_parallel(profiles: ProfileCache, tp: int) -> bool:
 
 
 def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, global_batch_size: int,
-                      space_overrides: dict | None = None, calibrate: bool | Calibration = True) -> PlanReport:
-    """Rank every layout of ``world_size`` devices of ``cluster`` for the recipe's model.
-
-    Args:
-        spec: the recipe.
-        settings: the resolved settings of a single-process run of the recipe (model, data, trainer).
-        world_size: the devices to plan for.
-        cluster: the devices and links.
-        global_batch_size: samples per optimizer step (fixed; everything else is chosen).
-        space_overrides: fields of :class:`SearchSpace` to narrow (e.g. ``{"zero_stages": (0,)}``).
-        calibrate: on a CPU cluster (the processes at hand), time the model for a few seconds
-            (:mod:`merak.autoplan.calibrate`); False: the device rates alone; a :class:`Calibration`: that
-            one (an earlier plan's, ``PlanReport.cost_model.calibration``), nothing timed.
+                      space_overrides: dict | None = None) -> PlanReport:
+    """Rank every layout of ``world_size`` devices of ``cluster`` for the recipe's model, from ``settings``
+    (a single-process run's) at the fixed ``global_batch_size``; ``space_overrides`` narrow :class:`SearchSpace`.
 
     Raises:
         PlanError: no layout fits or the global batch does not divide; the message says what would.
@@ -215,21 +181,13 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
                      and tp <= cluster.devices_per_node and not spec.check_layout(model_cfg, 1, tp, 1)]
         if tp_values and not _supports_sequence_parallel(profiles, tp_values[0]):
             space = dataclasses.replace(space, sequence_parallel=(False,))
-    calibration = calibrate if isinstance(calibrate, Calibration) else Calibration()
-    profiles(1, False)  # before the timing starts: its seconds are profiling's
-    timing_started = time.perf_counter()
-    if cluster.cores_per_node is not None and calibrate is True:  # the processes at hand: time the model here
-        calibration = measure_for(profiles, cluster, world_size, global_batch_size)
-    timing_seconds = time.perf_counter() - timing_started
-    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), calibration=calibration,
-                      sharding=sharding_options(spec, settings))
+    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), sharding=sharding_options(spec, settings))
     capacity = cluster.accelerator.memory_gib * 2**30
     candidates = search(model, space, capacity)
     elapsed = time.perf_counter() - started
     report = PlanReport(recipe=spec.name, model=str(model_cfg.get("name", "?")), cluster=cluster,
                         world_size=world_size, global_batch_size=global_batch_size, candidates=candidates,
-                        profile_seconds=profiles.seconds, timing_seconds=timing_seconds,
-                        search_seconds=elapsed - profiles.seconds - timing_seconds,
+                        profile_seconds=profiles.seconds, search_seconds=elapsed - profiles.seconds,
                         flops_per_sample=_flops_per_sample(profiles(1, False)),
                         peak_flops=_peak_flops(cluster, _dtype_name(settings.trainer)), cost_model=model,
                         capacity_bytes=capacity)
@@ -238,16 +196,6 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
     if not candidates[0].fits:
         raise PlanError(_too_big_message(report, capacity))
     return report
-
-
-def measure_for(profiles: ProfileCache, cluster: Cluster, world_size: int, global_batch_size: int) -> Calibration:
-    """Time the profiled recipe's model on this machine as a plan of ``world_size`` of ``cluster``'s CPU
-    processes needs it (:func:`merak.autoplan.calibrate.measure`)."""
-    settings = profiles.settings
-    sizes = tuple(max(1, min(size, global_batch_size)) for size in CALIBRATION_MICRO_BATCHES)
-    return measure(profiles.spec, settings, profiles(1, False), device_rates(cluster, "float32"),
-                   micro_batch_sizes=sizes, threads=settings.launcher.threads_per_rank,
-                   processes=min(world_size, cluster.devices_per_node), cores=cluster.cores_per_node)
 
 
 def _flops_per_sample(profile: GraphProfile) -> float:
@@ -270,8 +218,7 @@ def _too_big_message(report: PlanReport, capacity: float) -> str:
     smallest = min(report.candidates, key=lambda c: c.prediction.max_memory)
     need = smallest.prediction.max_memory / MEMORY_HEADROOM
     factor = need / capacity
-    # Pipeline stages and ZeRO divide the model state about linearly: the next power of two that gives
-    # each device its share.
+    # Pipeline stages and ZeRO divide the model state about linearly: the next power of two giving each its share.
     devices = 1 << max(0, math.ceil(math.log2(report.world_size * factor)))
     return (f"{report.model} does not fit on {report.world_size} x {report.cluster.accelerator.name}: the "
             f"smallest layout ({smallest.layout.key()}) needs {need / 2**30:.3g} GiB per device, "

@@ -1,18 +1,11 @@
 """What a model costs per unit of its captured graph, at one tensor-parallel degree.
 
-The planner prices every layout from one capture per tensor-parallel setting. The model is built
-on the meta device (no weights, so a 175 B model costs nothing), split for tensor rank 0 as a
-worker would split it (collectives simulated), captured, and run once on meta tensors:
-
-* per unit, as :mod:`merak.shard.costs` measures for the partitioner: matrix FLOPs, bytes moved,
-  operations, parameters (rank-local, counted once);
-* per unit, the bytes autograd saves for backward (what the activation meter counts in a run);
-* per unit, the bytes of the tensor-parallel collectives in its forward and in its backward, and how
-  many collectives move them (merak's collective ops are nodes of the captured graph);
-* per cut between units, the bytes that cross it (what a stage boundary would send).
-
-A profile is taken at one microbatch size; everything but parameters and operation counts grows
-linearly with the microbatch, which :meth:`GraphProfile.scaled` uses.
+The model is built on the meta device (no weights: a 175 B model costs nothing), split for tensor rank
+0 as a worker splits it (collectives simulated), captured and run once on meta tensors. Per unit: what
+:mod:`merak.shard.costs` measures for the partitioner (matrix FLOPs, bytes moved, operations,
+parameters), the bytes autograd saves for backward, and the bytes and count of the tensor-parallel
+collectives in forward and backward; per cut between units, the bytes that cross it. Everything but
+parameters and operation counts grows linearly with the microbatch (:meth:`GraphProfile.scaled`).
 """
 
 from __future__ import annotations
@@ -40,8 +33,7 @@ from merak.trace.simplify import simplify_captured
 
 logger = logging.getLogger(__name__)
 
-# merak's tensor-parallel collectives (merak.tensor_parallel.comm) as graph nodes: what each moves
-# (all-reduce or all-gather/reduce-scatter, of its output or of its input) in forward and backward.
+# merak's tensor-parallel collectives (merak.tensor_parallel.comm) as graph nodes: what each moves, forward and back.
 _ALL_REDUCE, _GATHER = "all_reduce", "gather"
 _COLLECTIVES = {
     "copy_to_tp": (None, _ALL_REDUCE),
@@ -57,12 +49,8 @@ _LAYER_INDEX = re.compile(r"\.\d+$")
 
 @dataclass(frozen=True)
 class GraphProfile:
-    """Per-unit costs of one rank's model at ``micro_batch_size`` (see the module docstring).
-
-    ``crossing_bytes[k]`` is what crosses a cut before unit ``k`` (index 0 unused);
-    ``layer_starts`` are the units where a repeated layer (``...h.3``) begins: where recomputation
-    checkpoints and where a pipeline stage boundary sends the least.
-    """
+    """Per-unit costs of one rank's model at ``micro_batch_size``: ``crossing_bytes[k]`` crosses a cut before
+    unit ``k``; ``layer_starts`` are where a repeated layer (``...h.3``) begins (checkpoints, cheapest cuts)."""
 
     micro_batch_size: int
     tp: int
@@ -80,23 +68,19 @@ class GraphProfile:
     crossing_bytes: tuple[int, ...]
     layer_starts: tuple[int, ...]
     output_bytes: int  # the logits a loss reads (its forward and backward read them again)
-    # Parameters read by several units (tied embeddings): (elements, the units reading it). ``params``
-    # counts each at its first use; a later stage that reads it keeps a copy (and its gradient) too.
+    # Parameters read by several units (tied embeddings): (elements, the units reading it); a later stage
+    # reading one keeps a copy. ``params`` counts each at its first use.
     shared_params: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    # The part of ``bytes_moved`` read from weights and buffers: the same at every microbatch size.
-    weight_bytes: tuple[int, ...] = ()
-    # Per unit, how many collectives make up each of the four byte counts above (a unit may hold several, e.g.
-    # BERT's separate query, key and value projections each all-reduce their input's gradient): each pays the
-    # ring's latency. Empty (a profile without them): one per unit that moves bytes.
+    weight_bytes: tuple[int, ...] = ()  # the part of ``bytes_moved`` read from weights and buffers
+    # Per unit, the collectives making up each byte count above, each paying the ring's latency (empty: one
+    # per unit that moves bytes).
     forward_all_reduce_calls: tuple[int, ...] = ()
     forward_gather_calls: tuple[int, ...] = ()
     backward_all_reduce_calls: tuple[int, ...] = ()
     backward_gather_calls: tuple[int, ...] = ()
-    # Per cut, the part of ``crossing_bytes`` first saved at or after it (``saved_bytes`` files it there): a
-    # stage keeps all it receives, so it holds ``crossing_bytes`` of its first cut, less these, besides its saves.
+    # Per cut, the part of ``crossing_bytes`` first saved at or after it: a stage keeps all it receives.
     received_saved_bytes: tuple[int, ...] = ()
-    # Per field, the part that does not grow with the microbatch (position embeddings, masks, weights),
-    # from a second capture at twice the microbatch (:func:`with_fixed_parts`); ``weight_bytes`` without it.
+    # Per field, the part that does not grow with the microbatch (:func:`with_fixed_parts`).
     fixed: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __len__(self) -> int:
@@ -317,9 +301,8 @@ def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor
 
 def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int = 1,
                    device_type: str = "cpu") -> GraphProfile:
-    """The profile of ``spec``'s model as the run's settings build it, at tensor-parallel degree ``tp``, for a
-    run on ``device_type``, with what does not grow with the microbatch taken from a second capture at twice
-    ``micro_batch_size``."""
+    """The profile of ``spec``'s model as the run builds it at tensor degree ``tp`` for ``device_type``, with
+    what does not grow with the microbatch from a second capture at twice ``micro_batch_size``."""
     profile = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
                           micro_batch_size=micro_batch_size, device_type=device_type)
     larger = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,

@@ -1,11 +1,8 @@
 """The search over layouts: every valid one is priced, the ones that fit are ranked by step time.
 
-Candidates are every (dp, tp, pp) whose product is the world size and that the recipe accepts
-(``check_layout``), tensor groups within a node, every microbatch size that divides the per-replica
-batch, the schedules 1F1B, zero-bubble (zb_h1) and interleaved 1F1B, recomputation off or on, ZeRO
-stages 0-2 with dp > 1 and sequence parallelism with tp > 1. Each is priced in closed form first;
-the best ones, and the best of every (dp, tp, pp) that is not far behind, are then simulated with
-their real schedules.
+Candidates: every (dp, tp, pp) the recipe accepts (tensor groups within a node), microbatch, schedule (1F1B,
+zb_h1, interleaved), recomputation, ZeRO 0-2 (dp > 1) and sequence parallelism (tp > 1), priced in closed
+form; the best, and the best of every grid not far behind, are then simulated with their real schedules.
 """
 
 from __future__ import annotations
@@ -125,8 +122,7 @@ _PARTS = {"bubble_s": "pipeline bubble", "tp_comm_s": "tensor-parallel communica
           "recompute_s": "recomputation", "dp_comm_s": "data-parallel gradient reduction",
           "tied_comm_s": "summing tied weights' gradients between stages",
           "optimizer_s": "optimizer step", "compute_s": "compute on the busiest stage",
-          "sync_s": "the loss and gradient norm reduced over every process",
-          "load_s": "loading the step's microbatches"}
+          "sync_s": "the loss and gradient norm reduced over every process"}
 
 
 def explain(candidate: Candidate, best: Candidate) -> str:

@@ -21,10 +21,8 @@ def _row(rank: int, candidate: Candidate, report: PlanReport, note: str) -> list
 
 def format_table(report: PlanReport, top: int = 10, extra: list[tuple[str, Candidate]] = (),
                  chosen: Candidate | None = None) -> str:
-    """The first ``top`` candidates (and ``extra`` named ones, e.g. a published layout) as a text table.
-
-    ``chosen``: the layout trials chose (:mod:`merak.autoplan.trials`), when not the best predicted; it is
-    marked, and shown after the others when it ranks below ``top``."""
+    """The first ``top`` candidates and ``extra`` named ones as a text table; ``chosen``, the layout trials
+    chose when not the best predicted, is marked (and shown after the others when below ``top``)."""
     chosen = chosen if chosen is not None and chosen is not report.best else None
 
     def note(rank: int, candidate: Candidate) -> str:
@@ -47,5 +45,5 @@ def format_table(report: PlanReport, top: int = 10, extra: list[tuple[str, Candi
     head = (f"{report.recipe}/{report.model} on {report.world_size} x {cluster.accelerator.name} ({cluster.name}, "
             f"{cluster.nodes} node(s) x {cluster.devices_per_node}), global batch {report.global_batch_size}: "
             f"{len(report.candidates)} layouts priced in {report.search_seconds:.1f} s "
-            f"(+{report.profile_seconds:.1f} s profiling the model, +{report.timing_seconds:.1f} s timing it here)")
+            f"(+{report.profile_seconds:.1f} s profiling the model)")
     return "\n".join([head, *lines])

@@ -1,22 +1,11 @@
 """Trials: the leading layouts trained for a few steps on the processes at hand, the fastest chosen.
 
-On this machine (cluster ``this``: CPU processes that outnumber or share the cores) a step's time
-depends on how the operating system schedules the processes, which the cost model prices only
-roughly: layouts predicted within a few tens of percent of each other can finish in either order.
-A few steps of each settle it. The candidates tried are the first-ranked layout of each of the
-first-ranked (dp, tp, pp) grids, predicted at most :data:`TRIAL_WINDOW` times the first's step: the
-runner-ups of one grid differ from its first in details (ZeRO stage, schedule) that the cost model
-prices better than the sharing of the cores between grids.
-
-Each trial is a real run of the recipe (``parallel.trial_steps`` steps, more for short steps until about
-``parallel.trial_seconds`` are timed; checkpoints and evaluation off, its own scratch run directory);
-its time is the median step past the warm-up. The layouts
-measured within :data:`RERUN_WITHIN` of the fastest run once more, in the opposite order, and keep
-their faster run; the fastest is chosen unless a layout the planner ranked higher came within
-:data:`TRIAL_TIE` of it (less than a step varies from run to run: the planner breaks such ties). A trial
-that fails is recorded with its error and left out of the choice. The
-measured over predicted times also give one factor that fits the cost model to this machine
-(:attr:`TrialOutcome.step_scale`).
+On cluster ``this`` a step's time depends on how the operating system schedules processes sharing the
+cores: the cost model ranks, the trials decide. Tried: the best layout of each of the first grids within
+:data:`TRIAL_WINDOW` of the best prediction, each a real run of the recipe (checkpoints and evaluation off,
+its own scratch directory) timed by its median step past the warm-up. Those within :data:`RERUN_WITHIN`
+of the fastest run again in the opposite order; the fastest is chosen unless one ranked higher came within
+:data:`TRIAL_TIE` of it. A failed trial is recorded and left out.
 """
 
 from __future__ import annotations
@@ -48,9 +37,8 @@ TRIAL_MOST_STEPS = 60
 TRIAL_WARMUP = 3  # first steps left out of a trial's time (allocator, caches, lazy initialization)
 TRIAL_WINDOW = 2.0  # only layouts predicted at most this many times slower than the best are tried
 RERUN_WITHIN = 0.15  # layouts measured this close to the fastest are run once more
-# A trial must beat a layout the planner ranked higher by more than this to replace it: a few percent is
-# less than a step time here varies from run to run (the same layout measured minutes apart: 7.6 % apart,
-# the median of 45), and the ranking of near-equal layouts is the planner's to break.
+# A trial must beat a layout the planner ranked higher by more than this to replace it: less than a layout's
+# step varies between runs minutes apart, so the ranking breaks such ties.
 TRIAL_TIE = 0.03
 
 Train = Callable[[DictConfig], dict]  # runs a composed config to its end (merak.runner.run for one recipe)
@@ -59,8 +47,7 @@ Train = Callable[[DictConfig], dict]  # runs a composed config to its end (merak
 @dataclass
 class Trial:
     """One layout tried: each run's step times; its time is the fastest run's median step past the warm-up
-    (a run's level varies by several percent from run to run here, and the machine's noise only ever adds
-    time), or None when a run failed (``error``)."""
+    (the machine's noise only ever adds time), or None when a run failed (``error``)."""
 
     candidate: Candidate
     runs: list[list[float]] = field(default_factory=list)
@@ -112,8 +99,7 @@ class TrialOutcome:
 
 
 def trial_candidates(candidates: list[Candidate], count: int, window: float = TRIAL_WINDOW) -> list[Candidate]:
-    """In the planner's ranking (``candidates``, best first), the first fitting candidate of each (dp, tp, pp)
-    grid, at most ``count`` of them, each predicted at most ``window`` times the first one's step."""
+    """The first fitting candidate of each of the first ``count`` grids, within ``window`` times the best's step."""
     fitting = [c for c in candidates if c.fits]
     if not fitting or count < 1:
         return []
@@ -166,8 +152,7 @@ def _step_times(output_dir: str) -> list[float]:
 
 
 def measure(train: Train, cfg: DictConfig, trial: Trial, steps: int) -> None:
-    """Train ``trial``'s layout for ``steps`` steps once more (see :func:`trial_config`) and add the run's step
-    times to it (or its error)."""
+    """Train ``trial``'s layout ``steps`` steps once more (:func:`trial_config`), adding its step times or error."""
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="merak-trial-") as output_dir:
         try:
@@ -181,9 +166,8 @@ def measure(train: Train, cfg: DictConfig, trial: Trial, steps: int) -> None:
 
 
 def trial_steps(candidate: Candidate, steps: int, seconds: float) -> int:
-    """Steps to train ``candidate`` for: ``steps``, or more when its predicted step is short, so that about
-    ``seconds`` are timed past the warm-up (at most :data:`TRIAL_MOST_STEPS`): the median of a handful of
-    100 ms steps among processes sharing the cores can be off by a third."""
+    """Steps to train ``candidate`` for: ``steps``, more for short predicted steps until about ``seconds`` are
+    timed past the warm-up (at most :data:`TRIAL_MOST_STEPS`): a few short steps give a noisy median."""
     if seconds <= 0 or candidate.predicted_step_s <= 0:
         return steps
     wanted = TRIAL_WARMUP + math.ceil(seconds / candidate.predicted_step_s - 1e-9)  # 3 / 0.1 is 30.000...04
@@ -192,11 +176,9 @@ def trial_steps(candidate: Candidate, steps: int, seconds: float) -> int:
 
 def run_trials(candidates: list[Candidate], cfg: DictConfig, train: Train, *, count: int = TRIALS,
                steps: int = TRIAL_STEPS, seconds: float = TRIAL_SECONDS) -> TrialOutcome:
-    """Try the leading candidates (:func:`trial_candidates`) for :func:`trial_steps` steps each, then once
-    more, in the opposite order, those within :data:`RERUN_WITHIN` of the fastest (two layouts that close
-    can swap places from one run to the next); choose the fastest measured, or the planner's higher-ranked
-    layout measured within :data:`TRIAL_TIE` of it. The best prediction when none could be measured, or when
-    only one grid is in the running (nothing tried)."""
+    """Train the leading candidates (:func:`trial_candidates`) :func:`trial_steps` steps each, those within
+    :data:`RERUN_WITHIN` of the fastest once more in the opposite order; choose the fastest measured, or a
+    higher-ranked layout within :data:`TRIAL_TIE` of it (the best prediction when nothing was measured or tried)."""
     leading = trial_candidates(candidates, count)
     if len(leading) < 2:  # nothing to choose between
         return TrialOutcome(trials=[], chosen=candidates[0])
@@ -206,28 +188,18 @@ def run_trials(candidates: list[Candidate], cfg: DictConfig, train: Train, *, co
         logger.info("trying %s for %d steps (predicted %.1f ms per step)", trial.candidate.layout.key(), length,
                     trial.candidate.predicted_step_s * 1e3)
         measure(train, cfg, trial, length)
-    close = _close_to_fastest(tried)
+    close = _within(tried, RERUN_WITHIN)
     if len(close) > 1:
         for trial in reversed(close):
             logger.info("trying %s again (%.1f ms per step, within %.0f %% of the fastest)",
                         trial.candidate.layout.key(), trial.measured_step_s * 1e3, RERUN_WITHIN * 100)
             measure(train, cfg, trial, trial_steps(trial.candidate, steps, seconds))
-    return TrialOutcome(trials=tried, chosen=_chosen(tried) or candidates[0])
+    chosen = _within(tried, TRIAL_TIE)
+    return TrialOutcome(trials=tried, chosen=chosen[0].candidate if chosen else candidates[0])
 
 
-def _chosen(trials: list[Trial]) -> Candidate | None:
-    """The planner's highest-ranked layout measured within :data:`TRIAL_TIE` of the fastest (``trials`` are in
-    its ranking order); None when none was measured."""
+def _within(trials: list[Trial], margin: float) -> list[Trial]:
+    """The measured trials within ``margin`` of the fastest, in the planner's ranking order."""
     measured = [t for t in trials if t.measured_step_s is not None]
-    if not measured:
-        return None
-    fastest = min(t.measured_step_s for t in measured)
-    return next(t.candidate for t in measured if t.measured_step_s <= fastest * (1 + TRIAL_TIE))
-
-
-def _close_to_fastest(trials: list[Trial]) -> list[Trial]:
-    measured = [t for t in trials if t.measured_step_s is not None]
-    if not measured:
-        return []
-    fastest = min(t.measured_step_s for t in measured)
-    return [t for t in measured if t.measured_step_s <= fastest * (1 + RERUN_WITHIN)]
+    fastest = min((t.measured_step_s for t in measured), default=0.0)
+    return [t for t in measured if t.measured_step_s <= fastest * (1 + margin)]

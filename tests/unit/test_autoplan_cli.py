@@ -12,7 +12,7 @@ import pytest
 from merak.autoplan.cli import main, parse_layout
 from merak.autoplan.layout import Layout
 
-TOY = ["gpt", "model=toy", "trainer.global_batch_size=16", "--world", "4", "--no-calibrate"]
+TOY = ["gpt", "model=toy", "trainer.global_batch_size=16", "--world", "4"]
 
 
 def test_parse_layout_fills_in_data_parallel_and_microbatches():

@@ -194,10 +194,10 @@ def toy(cache_dir):
 
 
 def plan_toy(toy, cluster, world_size: int = 4, global_batch_size: int = 16):
-    """Plan the toy GPT on ``world_size`` devices of ``cluster`` from the device rates (no timing)."""
+    """Plan the toy GPT on ``world_size`` devices of ``cluster`` from the device rates."""
     spec, settings, _ = toy
     return plan_for_settings(spec, settings, world_size=world_size, cluster=cluster,
-                             global_batch_size=global_batch_size, calibrate=False)
+                             global_batch_size=global_batch_size)
 
 
 def tiny_memory(cluster, memory_gib: float):
@@ -207,7 +207,7 @@ def tiny_memory(cluster, memory_gib: float):
 
 @pytest.fixture(scope="module")
 def report(toy):
-    return plan_toy(toy, this_machine(4, measure=False))
+    return plan_toy(toy, this_machine(4))
 
 
 def test_requested_global_batch(toy):
@@ -267,28 +267,6 @@ def test_toy_price_of_a_written_layout(report):
     assert priced.why_not.startswith("+")
     with pytest.raises(PlanError, match="cannot run"):
         report.price(dataclasses.replace(mine, schedule="no_such_schedule"))
-
-
-def test_toy_plan_priced_again_on_a_calibration_timed_later(report, monkeypatch):
-    from merak.autoplan import planner
-    from merak.autoplan.calibrate import Calibration
-
-    asked = []
-
-    def slower_machine(spec, settings, profile, rates, **options):
-        asked.append(options)
-        return Calibration(work_scale=3.0, launch_scale=3.0)
-
-    monkeypatch.setattr(planner, "measure", slower_machine)
-    again = report.calibrated_again()
-    # Timed as a plan of the same request times it: its sizes (at most the global batch), its processes.
-    assert asked == [{"micro_batch_sizes": (1, 4, 16), "threads": 1, "processes": 4,
-                      "cores": report.cluster.cores_per_node}]
-    assert again.cost_model.calibration == Calibration(work_scale=3.0, launch_scale=3.0)
-    assert report.cost_model.calibration == Calibration()  # the plan itself is left as it was
-    layout = report.best.layout
-    assert again.price(layout).predicted_step_s > 2 * report.price(layout).predicted_step_s
-    assert again.candidates is report.candidates
 
 
 def test_toy_profiles_tensor_collectives_and_crossings(report):

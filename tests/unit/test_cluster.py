@@ -75,17 +75,6 @@ def test_link_seconds_and_link_for():
     assert link.seconds(4e9) == pytest.approx(2.0 + 1e-5)
 
 
-def test_compute_share():
-    cpu = Cluster("cpu", 1, 4, Accelerator("cpu", {"float32": 0.05}, 4.0, 10.0, 2e-6, 1.0),
-                  NOMINAL_GLOO_LINK, NOMINAL_GLOO_LINK, cores_per_node=2)
-    assert cpu.compute_share(4) == 0.5
-    assert cpu.compute_share(2) == 1.0
-    assert cpu.compute_share(1) == 1.0
-    assert preset("a100-40").compute_share(8) == 1.0
-    with pytest.raises(ValueError, match="processes_per_node"):
-        cpu.compute_share(0)
-
-
 def test_load_cluster_names_mappings_and_files(tmp_path):
     assert load_cluster("h100-80") is PRESETS["h100-80"]
     big = load_cluster({"preset": "h100-80", "nodes": 64, "inter_node": {"bandwidth_gbs": 25},
@@ -134,13 +123,11 @@ def test_load_cluster_errors():
     with pytest.raises(ValueError, match="missing key.*inter_node"):
         load_cluster(data)
     with pytest.raises(ValueError, match="processes"):
-        load_cluster("this", measure=False)
+        load_cluster("this")
 
 
-def test_this_machine_nominal(monkeypatch):
-    monkeypatch.setattr(cluster_module, "measure_link", _refuse)
-    monkeypatch.setattr(cluster_module, "calibrate", _refuse)
-    described = this_machine(4, measure=False)
+def test_this_machine_nominal():
+    described = this_machine(4)
     cpu = NOMINAL_RATES["cpu"]
     assert (described.name, described.nodes, described.devices_per_node, described.world_size) == ("this", 1, 4, 4)
     assert described.accelerator.name == "cpu"
@@ -150,13 +137,12 @@ def test_this_machine_nominal(monkeypatch):
     assert described.accelerator.seconds_per_op == cpu.seconds_per_op
     assert described.accelerator.matmul_efficiency == 1.0
     assert described.intra_node == described.inter_node == NOMINAL_GLOO_LINK == Link(1.0, 50.0)
-    assert described.cores_per_node == cluster_module._usable_cores() >= 1
-    assert 0 < described.accelerator.memory_gib * 4 == pytest.approx(this_machine(1, measure=False).accelerator
+    assert described.cores_per_node == cluster_module.usable_cores() >= 1
+    assert 0 < described.accelerator.memory_gib * 4 == pytest.approx(this_machine(1).accelerator
                                                                          .memory_gib)
-    assert described.compute_share(4) == min(1.0, described.cores_per_node / 4)
-    via_load = load_cluster("this", processes=4, measure=False)
+    via_load = load_cluster("this", processes=4)
     assert via_load == described
-    assert load_cluster({"preset": "this", "devices_per_node": 3}, processes=8, measure=False).world_size == 3
+    assert load_cluster({"preset": "this", "devices_per_node": 3}, processes=8).world_size == 3
 
 
 def test_hydra_presets_load():
@@ -165,7 +151,7 @@ def test_hydra_presets_load():
     for file in files:
         node = yaml.safe_load(file.read_text())
         assert node["preset"] == file.stem
-        described = load_cluster(node, processes=2, measure=False)
+        described = load_cluster(node, processes=2)
         if file.stem == "this":
             assert node["devices_per_node"] is None
             assert (described.name, described.world_size) == ("this", 2)
@@ -182,33 +168,3 @@ def test_hydra_composed_node_loads():
                              "inter_node": {"bandwidth_gbs": 25}})
     assert load_cluster(node).world_size == 512
     assert load_cluster(node).inter_node.bandwidth_gbs == 25.0
-
-
-def _refuse(*_args, **_kwargs):
-    raise AssertionError("must not measure")
-
-
-@pytest.mark.timeout(120)
-def test_this_machine_measures_once_then_reuses_cache(tmp_path, monkeypatch):
-    measured = this_machine(2, measure=True, cache_dir=tmp_path)
-    link = measured.intra_node
-    assert link.bandwidth_gbs > 0 and link.latency_us > 0
-    assert measured.accelerator.peak_tflops["float32"] > 0
-    assert measured.accelerator.memory_bandwidth_gbs > 0
-    assert (measured.name, measured.world_size) == ("this", 2)
-    cache = tmp_path / "this_machine.json"
-    entries = json.loads(cache.read_text())
-    assert list(entries) == [cluster_module._cache_key()]
-    assert not list(tmp_path.glob("*.tmp"))
-
-    monkeypatch.setattr(cluster_module, "measure_link", _refuse)
-    monkeypatch.setattr(cluster_module, "calibrate", _refuse)
-    again = this_machine(2, measure=True, cache_dir=tmp_path)
-    assert again == measured
-    assert this_machine(4, cache_dir=str(tmp_path)).intra_node == link
-
-    # A stale entry is measured again (here: refused, which proves the attempt).
-    entries[cluster_module._cache_key()]["measured_at"] -= 2 * 24 * 3600
-    cache.write_text(json.dumps(entries))
-    with pytest.raises(AssertionError, match="must not measure"):
-        this_machine(2, cache_dir=tmp_path)
