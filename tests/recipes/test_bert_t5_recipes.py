@@ -1,37 +1,25 @@
-"""The bert and t5 recipes end to end through their real train.py: data, training, dry run."""
+"""The bert and t5 recipes end to end: data, training, dry run (in this process through merak.run; t5's dry
+run through its real train.py, the one CPU run of that script; bert's train.py runs in test_auto_parallel.py)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from train_py import run_in_process, run_train_py
 
 pytestmark = pytest.mark.recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = ("bert", "t5")
 MICRO_BATCH = 4
+STEPS = 5
 COMMON = ["model=toy", f"trainer.per_device_train_batch_size={MICRO_BATCH}", "trainer.gradient_accumulation_steps=4"]
-
-
-def _env(cache_dir) -> dict:
-    env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def _train(recipe: str, args, cache_dir, timeout=200) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO / "recipes" / recipe / "train.py"), *COMMON, *args]
-    return subprocess.run(command, cwd=REPO, env=_env(cache_dir), capture_output=True, text=True, timeout=timeout,
-                          check=False)
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -91,39 +79,38 @@ def test_t5_data_is_shifted_seq2seq_and_deterministic():
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_train_pp2_pp3_and_tp2_same_decreasing_losses(recipe, tmp_path, cache_dir):
-    """The real train.py on the default data (real text) at pp=2, pp=3 and tp=2 x pp=2: finite,
-    decreasing, the same losses (lr 5e-3: masked LM on text learns too slowly at 1e-3 for 8 steps)."""
+def test_one_process_and_tp2_pp2_same_decreasing_losses(recipe, tmp_path, cache_dir):
+    """The recipe's wiring on the default data (real text), in this process: one process and tp=2 x pp=2 print
+    the same finite, decreasing losses (lr 5e-3: masked LM on text learns too slowly at 1e-3). Each layout
+    against a plain PyTorch loop: tests/dist/test_model_parity.py (pp=2) and test_model_tensor_parallel.py
+    (bert-pp2, t5-pp2-vocab: tp=2 x pp=2)."""
     losses = {}
-    for name, tp, pp in (("pp2", 1, 2), ("pp3", 1, 3), ("tp2_pp2", 2, 2)):
+    for name, tp, pp in (("single", 1, 1), ("tp2_pp2", 2, 2)):
         run_dir = tmp_path / name
-        result = _train(recipe, ["parallel=pp2", f"parallel.pp={pp}", f"parallel.tp={tp}", "trainer.max_steps=8",
-                                 "trainer.learning_rate=5e-3", f"hydra.run.dir={run_dir}"], cache_dir)
-        assert result.returncode == 0, result.stderr[-3000:]
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = run_in_process(recipe, [*COMMON, "parallel=pp2", f"parallel.pp={pp}", f"parallel.tp={tp}",
+                                          f"trainer.max_steps={STEPS}", "trainer.learning_rate=5e-3"], run_dir)
         assert summary["recipe"] == recipe and summary["model"] == "toy"
         assert summary["layout"] == {"dp": 1, "tp": tp, "pp": pp}
         assert [s["stage"] for s in summary["stages"]] == list(range(pp))
         losses[name] = _losses(run_dir)
-        assert len(losses[name]) == 8 and all(math.isfinite(loss) for loss in losses[name])
+        assert len(losses[name]) == STEPS and all(math.isfinite(loss) for loss in losses[name])
         assert summary["final_loss"] == pytest.approx(losses[name][-1])
-    assert losses["pp2"][-1] < losses["pp2"][0] - 0.2, losses["pp2"]
-    assert losses["pp3"] == pytest.approx(losses["pp2"], rel=1e-5)
-    assert losses["tp2_pp2"] == pytest.approx(losses["pp2"], rel=1e-5)
+    assert losses["single"][-1] < losses["single"][0] - 0.2, losses["single"]
+    assert losses["tp2_pp2"] == pytest.approx(losses["single"], rel=1e-5)
 
 
-def _dry_run(recipe: str, args, run_dir: Path, cache_dir) -> dict:
-    result = _train(recipe, ["dry_run=true", *args, f"hydra.run.dir={run_dir}"], cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "pipeline plan" in result.stdout + result.stderr
+def _dry_run(recipe: str, args, run_dir: Path, capfd, caplog) -> dict:
+    caplog.set_level(logging.INFO)
+    run_in_process(recipe, [*COMMON, "dry_run=true", *args], run_dir)
+    assert "pipeline plan" in "".join(capfd.readouterr()) + caplog.text
     assert not (run_dir / "metrics.jsonl").exists()
     return json.loads((run_dir / "partition.json").read_text())
 
 
 @pytest.mark.timeout(120)
-def test_bert_dry_run_lists_stages_and_hidden_states(tmp_path, cache_dir):
+def test_bert_dry_run_lists_stages_and_hidden_states(tmp_path, cache_dir, capfd, caplog):
     model_cfg = _conf("bert", "model", "toy.yaml")
-    report = _dry_run("bert", ["parallel=pp2", "parallel.pp=3"], tmp_path, cache_dir)
+    report = _dry_run("bert", ["parallel=pp2", "parallel.pp=3"], tmp_path, capfd, caplog)
     assert report["recipe"] == "bert" and report["layout"]["pp"] == 3
     stages = report["stages"]
     assert [s["stage"] for s in stages] == [0, 1, 2]
@@ -139,11 +126,17 @@ def test_bert_dry_run_lists_stages_and_hidden_states(tmp_path, cache_dir):
 @pytest.mark.timeout(120)
 def test_t5_dry_run_sends_encoder_output_to_decoder_stages(tmp_path, cache_dir):
     """One stage per block (layer_split): the encoder output leaves the encoder's last stage and is
-    passed on by the decoder stage in between, whose cross-attention and successors need it."""
+    passed on by the decoder stage in between, whose cross-attention and successors need it.
+    Through the real recipes/t5/train.py (the one run of that script on CPU)."""
     model_cfg = _conf("t5", "model", "toy.yaml")
     pp = 1 + model_cfg.num_layers + model_cfg.num_decoder_layers  # embedding + every block
-    report = _dry_run("t5", ["parallel=pp2", f"parallel.pp={pp}", "trainer.split_method=layer_split"], tmp_path,
-                      cache_dir)
+    result = run_train_py([*COMMON, "dry_run=true", "parallel=pp2", f"parallel.pp={pp}",
+                           "trainer.split_method=layer_split", f"hydra.run.dir={tmp_path}"], cache_dir,
+                          script=REPO / "recipes/t5/train.py", timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "pipeline plan" in result.stdout + result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+    report = json.loads((tmp_path / "partition.json").read_text())
     stages = report["stages"]
     assert report["split_method"] == "layer_split" and [s["stage"] for s in stages] == list(range(pp))
     encoder_end = max(s["stage"] for s in stages if any(m.startswith("encoder") for m in s["modules"]))

@@ -1,4 +1,5 @@
-"""The llama recipe (made with `merak new-recipe llama --from gpt`) through its real train.py.
+"""The llama recipe (made with `merak new-recipe llama --from gpt`): one run through its real train.py, the rest
+in this process.
 
 Its tensor-parallel plan is transformers' own (LlamaForCausalLM.tp_plan), translated by merak:
 tp2 and tp2 x pp2 train to the single-process losses; layouts the model cannot take stop before
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from train_py import read_metrics, run_train_py
+from train_py import read_metrics, run_in_process, run_train_py
+
+from merak.config import ConfigError
 
 pytestmark = pytest.mark.recipe
 
@@ -45,44 +48,37 @@ def test_plan_is_transformers_own_translated():
 
 @pytest.mark.timeout(300)
 def test_tensor_and_pipeline_parallel_match_one_process(tmp_path, cache_dir, monkeypatch):
-    """Same global batch, dropout 0: tp2 and tp2 x pp2 print the single-process loss curve."""
+    """Same global batch, dropout 0: tp2 x pp2, through the real train.py (the one CPU run of that script),
+    prints the single-process loss curve (run in this process). tp2 and tp2 x pp2 against a plain PyTorch
+    loop: tests/dist/test_hf_tensor_parallel.py (llama, llama-pp2-vocab)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # run_train_py passes this environment on
-    losses = {}
-    for layout in ("single", "tp2", "tp2_pp2"):
-        run_dir = tmp_path / layout
-        result = _train([f"parallel={layout}", "trainer.max_steps=3", f"hydra.run.dir={run_dir}"], cache_dir)
-        assert result.returncode == 0, result.stderr[-3000:]
-        losses[layout] = [m["loss"] for m in read_metrics(run_dir)]
-        if layout != "single":
-            assert "tensor-parallel plan of LlamaForCausalLM: transformers' plan" in result.stdout + result.stderr
-    assert len(losses["single"]) == 3
-    assert losses["tp2"] == pytest.approx(losses["single"], rel=1e-6)
+    run_in_process("llama", [*TOY, "parallel=single", "trainer.max_steps=2"], tmp_path / "single")
+    result = _train(["parallel=tp2_pp2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'tp2_pp2'}"], cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tensor-parallel plan of LlamaForCausalLM: transformers' plan" in result.stdout + result.stderr
+    losses = {layout: [m["loss"] for m in read_metrics(tmp_path / layout)] for layout in ("single", "tp2_pp2")}
+    assert len(losses["single"]) == 2
     assert losses["tp2_pp2"] == pytest.approx(losses["single"], rel=1e-6)
 
 
-def _error(result) -> str:
-    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
-    return result.stdout + result.stderr
-
-
-@pytest.mark.timeout(200)
-def test_layouts_the_model_cannot_take_name_the_fix(tmp_path, cache_dir):
-    """Each bad combination stops before any worker starts and says what to set."""
-    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
-    printed = _error(_train(["parallel.tp=4", "parallel.pp=1", run_dir], cache_dir))
-    assert "model.num_kv_heads=2 is not divisible by parallel.tp=4: use parallel.tp=1 or 2" in printed
-    printed = _error(_train(["parallel=single", "model.vocab_size=1000", run_dir], cache_dir))
-    assert ("model.vocab_size=1000 is smaller than the vocabulary of data.tokenizer=gpt2 (50257 tokens): "
-            "set model.vocab_size=50257") in printed
-    printed = _error(_train(["parallel=tp2", "trainer.parallel_vocab=true", run_dir], cache_dir))
-    assert "pad the vocabulary, e.g. to 50432, or turn parallel_vocab off" in printed
-    assert "Traceback" not in printed
-
-
-@pytest.mark.timeout(120)
-def test_sequence_parallel_names_the_setting_to_change(tmp_path, cache_dir):
-    """transformers' plan has no sequence-parallel region: the run stops and says to turn the setting off."""
-    printed = _error(_train(["parallel=tp2", "trainer.sequence_parallel=true", f"hydra.run.dir={tmp_path}"],
-                            cache_dir))
-    assert "sequence_parallel=true but this model's TP plan has no sequence-parallel region" in printed
-    assert "trainer.sequence_parallel=false" in printed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("overrides,expected", [
+    (["parallel.tp=4", "parallel.pp=1"],
+     ["model.num_kv_heads=2 is not divisible by parallel.tp=4: use parallel.tp=1 or 2"]),
+    (["parallel=single", "model.vocab_size=1000"],
+     ["model.vocab_size=1000 is smaller than the vocabulary of data.tokenizer=gpt2 (50257 tokens): "
+      "set model.vocab_size=50257"]),
+    (["parallel=tp2", "trainer.parallel_vocab=true"],
+     ["pad the vocabulary, e.g. to 50432, or turn parallel_vocab off"]),
+    # transformers' plan has no sequence-parallel region: the run stops and says to turn the setting off.
+    (["parallel=tp2", "trainer.sequence_parallel=true"],
+     ["sequence_parallel=true but this model's TP plan has no sequence-parallel region",
+      "trainer.sequence_parallel=false"]),
+])
+def test_layouts_the_model_cannot_take_name_the_fix(overrides, expected, tmp_path, cache_dir):
+    """Each bad combination stops before any worker starts (merak.run raises ConfigError in this process) and
+    says what to set (train.py's exit status 2 and one-line message: tests/recipes/test_console.py)."""
+    with pytest.raises(ConfigError) as error:
+        run_in_process("llama", [*TOY, *overrides], tmp_path)
+    assert all(fragment in str(error.value) for fragment in expected), str(error.value)
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
-from train_py import run_train_py
+from train_py import run_in_process
 
 from merak.config import ConfigError
 from recipes import text_tokenizer
@@ -93,14 +93,14 @@ def test_tokenizer_that_cannot_load_names_the_offline_choices(tmp_path):
 
 
 @pytest.mark.recipe
-@pytest.mark.timeout(200)
-def test_train_py_with_a_tokenizer_directory(tmp_path, cache_dir):
-    """The gpt recipe trains with a local tokenizer whose vocabulary sizes the model."""
+@pytest.mark.timeout(120)
+def test_recipe_trains_with_a_tokenizer_directory(tmp_path, cache_dir):
+    """The gpt recipe (in this process, one process) trains with a local tokenizer whose vocabulary sizes
+    the model."""
     folder = _tokenizer_dir(tmp_path / "tok")
-    run_dir = tmp_path / "run"
-    result = run_train_py(["model=toy", "model.vocab_size=300", f"data.tokenizer={folder}", "parallel=single",
-                           "trainer.max_steps=2", "trainer.per_device_train_batch_size=2",
-                           "trainer.gradient_accumulation_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_in_process("gpt", ["model=toy", "model.vocab_size=300", f"data.tokenizer={folder}",
+                                     "parallel=single", "trainer.max_steps=2",
+                                     "trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=2"],
+                             tmp_path / "run")
+    assert summary == json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["first_loss"] == pytest.approx(np.log(300), rel=0.1)

@@ -1,40 +1,30 @@
-"""The vision recipes (vit, swin, wide_resnet): real train.py runs, dry runs, data, loss, config errors."""
+"""The vision recipes (vit, swin, wide_resnet): training runs, dry runs, data, loss, config errors.
+
+Each recipe's toy trains once through its real train.py (the one CPU run of that script); everything else
+runs in this process (merak.run, tests/recipes/train_py.py).
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from train_py import compose_recipe, read_metrics, run_in_process, run_train_py
+
+from merak.config import ConfigError
 
 pytestmark = pytest.mark.recipe
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=2"]
-
-
-def _env(cache_dir) -> dict:
-    env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return env
-
-
-def _train(recipe: str, args, cache_dir, timeout=240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "recipes" / recipe / "train.py"), *args], cwd=REPO,
-                          env=_env(cache_dir), capture_output=True, text=True, timeout=timeout, check=False)
+STEPS = 2
 
 
 def _compose(recipe: str, overrides):
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "recipes" / recipe / "conf"), version_base=None):
-        return compose(config_name="train", overrides=list(overrides))
+    return compose_recipe(recipe, overrides)
 
 
 def _spec(recipe: str):
@@ -43,34 +33,44 @@ def _spec(recipe: str):
     return importlib.import_module(f"recipes.{recipe}.spec").SPEC
 
 
-# --- real train.py runs: every toy model trains under tp=2 x pp=2 ---------------------------------------------
+# --- training runs: every toy model trains under tp=2 x pp=2 ----------------------------------------------
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("recipe,model", [
-    ("vit", "toy"), ("vit", "timm-toy"), ("swin", "toy"), ("swin", "timm-toy"), ("wide_resnet", "toy"),
-])
-def test_toy_trains_with_two_stages_and_its_tp_plan(recipe, model, tmp_path, cache_dir):
-    run_dir = tmp_path / "run"
-    result = _train(recipe, [f"model={model}", "parallel=tp2_pp2", *SMALL, "trainer.max_steps=3",
-                             f"hydra.run.dir={run_dir}"], cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
+def _check_tp2_pp2_run(recipe: str, model: str, run_dir: Path) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["recipe"] == recipe and summary["model"] == model
     assert summary["layout"] == {"dp": 1, "tp": 2, "pp": 2}
-    assert summary["steps"] == 3 and summary["global_batch_size"] == 4
+    assert summary["steps"] == STEPS and summary["global_batch_size"] == 4
     assert [s["stage"] for s in summary["stages"]] == [0, 1]
     assert all(s["num_parameters"] > 0 for s in summary["stages"])
-    losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    losses = [m["loss"] for m in read_metrics(run_dir)]
+    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses)
     assert math.isfinite(summary["first_loss"]) and math.isfinite(summary["final_loss"])
     # Throughput counts images: one "token" per sample.
     assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"])
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recipe", ["vit", "swin", "wide_resnet"])
+def test_train_py_toy_trains_with_two_stages_and_its_tp_plan(recipe, tmp_path, cache_dir):
+    """The recipe's real train.py (its only CPU run in the suite): the toy model at tp=2 x pp=2."""
+    run_dir = tmp_path / "run"
+    result = run_train_py(["model=toy", "parallel=tp2_pp2", *SMALL, f"trainer.max_steps={STEPS}",
+                           f"hydra.run.dir={run_dir}"], cache_dir, script=REPO / "recipes" / recipe / "train.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    _check_tp2_pp2_run(recipe, "toy", run_dir)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recipe", ["vit", "swin"])
+def test_timm_toy_trains_with_two_stages_and_its_tp_plan(recipe, tmp_path, cache_dir):
+    """The timm models (their own TP plan, samples keyed "x"), in this process at tp=2 x pp=2."""
+    run_in_process(recipe, ["model=timm-toy", "parallel=tp2_pp2", *SMALL, f"trainer.max_steps={STEPS}"], tmp_path)
+    _check_tp2_pp2_run(recipe, "timm-toy", tmp_path)
+
+
 @pytest.mark.timeout(180)
 def test_wide_resnet_dry_run_three_stages(tmp_path, cache_dir):
-    result = _train("wide_resnet", ["dry_run=true", "parallel.pp=3", f"hydra.run.dir={tmp_path}"], cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_in_process("wide_resnet", ["dry_run=true", "parallel.pp=3"], tmp_path)
     report = json.loads((tmp_path / "partition.json").read_text())
     assert report["recipe"] == "wide_resnet" and report["layout"]["pp"] == 3
     assert [s["stage"] for s in report["stages"]] == [0, 1, 2]
@@ -86,11 +86,8 @@ def test_wide_resnet_dry_run_three_stages(tmp_path, cache_dir):
     ("wide_resnet", "toy", 4),
 ])
 def test_layer_split_cuts_before_every_block(recipe, model, blocks, tmp_path, cache_dir):
-    import merak
-
-    cfg = _compose(recipe, [f"model={model}", "dry_run=true", "parallel.pp=2", "trainer.split_method=layer_split",
-                            f"trainer.output_dir={tmp_path}"])
-    report = merak.run(_spec(recipe), cfg)
+    report = run_in_process(recipe, [f"model={model}", "dry_run=true", "parallel.pp=2",
+                                     "trainer.split_method=layer_split"], tmp_path)
     assert report["split_method"] == "layer_split"
     assert report["num_shards"] == blocks + 1  # the stem, then one shard per block (the head joins the last)
     assert len(report["stages"]) == 2
@@ -234,11 +231,11 @@ def test_shipped_models_fit_their_layouts():
             assert _spec(recipe).check_layout(cfg.model, 1, 1, 4) == [], (recipe, path.stem)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(60)
 def test_missing_image_folder_fails_before_workers_start(tmp_path, cache_dir):
-    result = _train("vit", ["data=folder", "data.path=/nonexistent/images", f"hydra.run.dir={tmp_path}"],
-                    cache_dir)
-    printed = result.stdout + result.stderr
-    assert result.returncode != 0, printed[-3000:]
-    assert "data folder not found: /nonexistent/images (data.path)" in printed, printed[-3000:]
+    """merak.run raises ConfigError before any worker exists (train.py's exit status and one-line message
+    for such an error: tests/recipes/test_console.py)."""
+    with pytest.raises(ConfigError) as error:
+        run_in_process("vit", ["data=folder", "data.path=/nonexistent/images"], tmp_path)
+    assert "data folder not found: /nonexistent/images (data.path)" in str(error.value)
     assert not (tmp_path / "metrics.jsonl").exists()
