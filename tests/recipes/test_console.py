@@ -27,7 +27,7 @@ def test_default_layout_prints_each_line_once_and_no_warning(tmp_path, cache_dir
     """The default layout (dp2 x tp2 x pp2, sequence parallel): what `make train` runs, with a toy model."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # run_train_py passes this environment on
     run_dir = tmp_path / "run"
-    result = run_train_py([*TOY, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir, timeout=360)
+    result = run_train_py([*TOY, "trainer.max_steps=1", f"hydra.run.dir={run_dir}"], cache_dir, timeout=360)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = _printed_lines(result.stdout + result.stderr)
     starts = [line for line in lines if LOG_LINE.match(line)]

@@ -5,12 +5,10 @@ is counted by its tensors; the cost model, from a profile taken on meta, predict
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from train_py import run_in_process
 
 from merak.autoplan.cluster import load_cluster
 from merak.autoplan.cost import CostModel
@@ -20,7 +18,6 @@ from merak.config.options import sharding_options
 
 pytestmark = pytest.mark.recipe
 
-REPO = Path(__file__).resolve().parents[2]
 MEMORY_FIELDS = ("parameter_bytes", "gradient_bytes", "master_weight_bytes", "optimizer_state_bytes",
                  "peak_activation_bytes")
 EXACT = 0.005  # a few hundred bytes of labels and loss scalars of a stage's several MiB
@@ -41,16 +38,10 @@ CASES = {
 }
 
 
-def _measured_stages(recipe: str, layout: Layout, run_dir: Path, cache_dir: Path) -> list[int]:
-    env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    command = [sys.executable, str(REPO / "recipes" / recipe / "train.py"), "model=toy", *layout.overrides(),
-               "trainer.max_steps=1", "trainer.save=false", "trainer.disable_tqdm=true",
-               "trainer.measure_activation_memory=true", f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+def _measured_stages(recipe: str, layout: Layout, run_dir: Path) -> list[int]:
+    """Each stage's bytes as a one-step run of the recipe counts them (trained in this process's workers)."""
+    run_in_process(recipe, ["model=toy", *layout.overrides(), "trainer.max_steps=1", "trainer.save=false",
+                            "trainer.disable_tqdm=true", "trainer.measure_activation_memory=true"], run_dir)
     stages = json.loads((run_dir / "summary.json").read_text())["stages"]
     return [sum(stage[field] for field in MEMORY_FIELDS) for stage in stages]
 
@@ -67,7 +58,7 @@ def _predicted_stages(recipe: str, layout: Layout, cache_dir: Path) -> list[int]
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_predicted_stage_memory_is_what_the_run_holds(case, tmp_path, cache_dir):
     recipe, layout, last_tolerance = CASES[case]
-    measured = _measured_stages(recipe, layout, tmp_path / "run", cache_dir)
+    measured = _measured_stages(recipe, layout, tmp_path / "run")
     predicted = _predicted_stages(recipe, layout, cache_dir)
     assert len(predicted) == len(measured) == layout.pp
     for stage, (want, got) in enumerate(zip(measured, predicted)):

