@@ -204,7 +204,7 @@ def _chain_shape(lists) -> tuple[int, int]:
 
 
 def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None = None,
-             sends: str = "eager") -> SimulationResult:
+             sends: str = "eager", *, check: bool = True) -> SimulationResult:
     """Run the stage lists of one step together and time them.
 
     Args:
@@ -213,6 +213,7 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
             Defaults to :class:`Costs` ``()`` (unit compute, free p2p and bookkeeping).
         sends: ``"eager"`` (posted sends complete in the background, as the
             executor's do) or ``"rendezvous"`` (a send blocks until received).
+        check: validate each list first (off only for lists already validated and then regrouped).
 
     Returns:
         The timing of every instruction and the derived makespan, busy times
@@ -234,7 +235,7 @@ def simulate(schedules: Sequence[Sequence[Instruction]], costs: CostModel | None
     num_microbatches, num_chunks = _chain_shape(lists)
     training = any(isinstance(instr, BACKWARD_TYPES + (OptimizerStep,)) for stage in lists for instr in stage)
     decoding = any(isinstance(instr, DECODE_TYPES) for stage in lists for instr in stage)
-    for s, stage in enumerate(lists):
+    for s, stage in enumerate(lists if check else ()):
         if decoding:
             validate_decode_list(s, num_stages, num_microbatches, stage)
         else:

@@ -20,6 +20,8 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -75,6 +77,12 @@ def _runs(flat: Sequence[Instruction]) -> list[int]:
 def _pair_of(op: P2POp, stage_id: int, num_stages: int) -> tuple[int, int]:
     peer, _ = peer_of(op, stage_id, num_stages)
     return (stage_id, peer) if is_send(op) else (peer, stage_id)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _key(op: P2POp, stage_id: int, num_stages: int) -> tuple[tuple[int, int], Message]:
+    """``(pair, message)`` of ``op`` run on ``stage_id``: asked for every transfer at every repair."""
+    return _pair_of(op, stage_id, num_stages), message_of(op, stage_id, num_stages)
 
 
 def _crossing(flat: list[list[Instruction]]) -> tuple | None:
@@ -168,8 +176,8 @@ def _sorted_groups(grouped: list[list[Instruction]]) -> list[list[Instruction]]:
         for instruction in stage:
             ops = p2p_ops(instruction)
             if len(ops) > 1:
-                instruction = _group(sorted(ops, key=lambda op, s=s: (
-                    _pair_of(op, s, num_stages), where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages))])))
+                instruction = _group(sorted(ops, key=lambda op, s=s: (_key(op, s, num_stages)[0],
+                                                                      where[_key(op, s, num_stages)])))
             out.append(instruction)
         result.append(out)
     return result
@@ -178,7 +186,7 @@ def _sorted_groups(grouped: list[list[Instruction]]) -> list[list[Instruction]]:
 def _placements(grouped: list[list[Instruction]]) -> dict[tuple, tuple[int, int]]:
     """``(pair, message, is_send) -> (rank, index of the group that posts it)`` for every transfer."""
     num_stages = len(grouped)
-    return {(_pair_of(op, s, num_stages), message_of(op, s, num_stages), is_send(op)): (s, index)
+    return {(*_key(op, s, num_stages), is_send(op)): (s, index)
             for s, stage in enumerate(grouped) for index, instruction in enumerate(stage)
             for op in p2p_ops(instruction)}
 
@@ -198,16 +206,16 @@ def _split_waiting_groups(grouped: list[list[Instruction]], stuck: Deadlock) -> 
         ops = p2p_ops(grouped[s][position])
 
         def described(op, s=s) -> bool:
-            sender, index = where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), True)]
+            sender, index = where[(*_key(op, s, num_stages), True)]
             return stuck.positions[sender] >= index
 
         # A receive whose sender posts it in the group where it receives one of this group's sends stays:
         # split on one side, that pair would wait on itself (NCCL runs one peer's operations in order).
-        receiving = {where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), False)]
+        receiving = {where[(*_key(op, s, num_stages), False)]
                      for op in ops if is_send(op)}
 
         def crossing(op, s=s, receiving=receiving) -> bool:
-            return where[(_pair_of(op, s, num_stages), message_of(op, s, num_stages), True)] in receiving
+            return where[(*_key(op, s, num_stages), True)] in receiving
 
         first = [op for op in ops if is_send(op) or described(op) or crossing(op)]
         rest = [op for op in ops if op not in first]
@@ -229,7 +237,7 @@ def _delay_a_send(grouped: list[list[Instruction]], stuck: Deadlock, receive_tim
         if phase != "transfer":
             continue
         for op in p2p_ops(grouped[s][stuck.positions[s]]):
-            key = (_pair_of(op, s, num_stages), message_of(op, s, num_stages))
+            key = _key(op, s, num_stages)
             receiver, index = reached[(*key, False)]
             if is_send(op) and stuck.positions[receiver] < index:
                 candidates.append((receive_times.get(key, 0.0), s, op))
@@ -279,7 +287,7 @@ def group_transfers(lists: Sequence[Sequence[Instruction]]) -> list[list[Instruc
 
     num_stages = len(lists)
     times = _post_times(lists)
-    receive_times = {(_pair_of(op, s, num_stages), message_of(op, s, num_stages)): time
+    receive_times = {_key(op, s, num_stages): time
                      for (s, op), time in times.items() if not is_send(op)}
     flat = _untangle(lists, times)
     grouped = []
@@ -303,6 +311,8 @@ def group_transfers(lists: Sequence[Sequence[Instruction]]) -> list[list[Instruc
         attempt = [list(stage) for stage in grouped]
         for _ in range(4 * sum(len(stage) for stage in attempt)):
             try:
+                # Each repair is simulated unchecked; the lists that run are checked once, at the end.
+                simulate(attempt, sends="rendezvous", check=False)
                 simulate(attempt, sends="rendezvous")
                 return attempt
             except Deadlock as stuck:
