@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml constraints.txt setup.py merak/shard/_autopipe.cpp
 train: $(STAMP)
 	$(PY) recipes/gpt/train.py $(ARGS)
 
+# One pytest worker per CPU, a test file's cases kept together (its module fixtures and worlds are made once).
 test: lint
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n auto --dist loadfile $(ARGS)
 
 # The project's lint rules are in pyproject.toml ([tool.ruff]).
 lint: $(STAMP)
