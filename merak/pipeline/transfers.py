@@ -21,7 +21,6 @@ Pure Python, no torch.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
