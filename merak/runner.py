@@ -45,6 +45,7 @@ from merak.report.metrics import (
 from merak.session.run_directory import RunDirectoryBusy, RunDirectoryLock
 from merak.session.training import TrainingSession, assemble_worker
 from merak.shard.split import ShardingError
+from merak.tensor_parallel.options import tensor_parallel_state_kept
 from merak.tensor_parallel.plan import TPPlanError
 from merak.trace.capture import TraceError
 
@@ -173,7 +174,8 @@ def plan_before_launch(spec, settings: RunSettings, prepared: str):
     """Capture, shard and partition in this process, so impossible splits fail before any worker
     starts (a giant model stays on the meta device). Returns the assembled model and plan."""
     try:
-        return assemble_worker(spec, settings, prepared, stage_id=0, device=torch.device("cpu"), planning=True)
+        with tensor_parallel_state_kept():
+            return assemble_worker(spec, settings, prepared, stage_id=0, device=torch.device("cpu"), planning=True)
     except (TraceError, ShardingError, PartitionError, TPPlanError) as error:
         raise ConfigError(f"invalid configuration:\n  - {error}") from error
 

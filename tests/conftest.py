@@ -41,3 +41,16 @@ def toy_tokens(cache_dir, toy_model_cfg) -> str:
     data_cfg = OmegaConf.create({"source": "python_docs", "files": None, "text_column": "text",
                                  "cache_dir": str(cache_dir)})
     return data.prepare(data_cfg, toy_model_cfg)
+
+
+@pytest.fixture(autouse=True)
+def _process_state_as_found(monkeypatch):
+    """Test files share pytest worker processes, and dist tests fork their worlds from them: each test
+    leaves merak's process-wide state (tensor-parallel groups, the vocabulary-split loss, the plan of
+    set_tp_layer_lists) as it found it."""
+    from merak.tensor_parallel import seed_api
+    from merak.tensor_parallel.options import tensor_parallel_state_kept
+
+    monkeypatch.setitem(seed_api._USER_PLAN, "plan", seed_api._USER_PLAN["plan"])
+    with tensor_parallel_state_kept():
+        yield

@@ -26,7 +26,7 @@ from merak.core.group_registry import simulated_groups
 from merak.session.assemble import build_model, default_input_names
 from merak.shard.costs import measure_units
 from merak.shard.graph import GraphUnits, _params_of_node
-from merak.tensor_parallel.options import split_model
+from merak.tensor_parallel.options import split_model, tensor_parallel_state_kept
 from merak.trace.capture import capture
 from merak.trace.meta import buffers_on_meta
 from merak.trace.simplify import simplify_captured
@@ -303,10 +303,11 @@ def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_ba
                    device_type: str = "cpu") -> GraphProfile:
     """The profile of ``spec``'s model as the run builds it at tensor degree ``tp`` for ``device_type``, with
     what does not grow with the microbatch from a second capture at twice ``micro_batch_size``."""
-    profile = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
-                          micro_batch_size=micro_batch_size, device_type=device_type)
-    larger = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
-                         micro_batch_size=2 * micro_batch_size, device_type=device_type)
+    with tensor_parallel_state_kept():
+        profile = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
+                              micro_batch_size=micro_batch_size, device_type=device_type)
+        larger = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
+                             micro_batch_size=2 * micro_batch_size, device_type=device_type)
     return profile.with_fixed_parts(larger)
 
 

@@ -87,6 +87,18 @@ def group_size(name: str) -> int:
 
 
 @contextlib.contextmanager
+def groups_kept():
+    """Within this block groups may be registered (planning a layout in the launching process); on
+    exit the registry is as it was, so that process never becomes a worker of the layout it planned."""
+    saved = dict(_GROUPS)
+    try:
+        yield
+    finally:
+        _GROUPS.clear()
+        _GROUPS.update(saved)
+
+
+@contextlib.contextmanager
 def simulated_groups():
     """Within this block every registered group is simulated: shapes as usual, no messages.
 

@@ -29,6 +29,11 @@ def set_vocab_parallel(group: str | None) -> None:
     _STATE["group"] = group
 
 
+def vocab_parallel_group() -> str | None:
+    """The group the logits are split over by vocabulary (None: they are whole)."""
+    return _STATE["group"]
+
+
 def vocab_is_parallel() -> bool:
     return _STATE["group"] is not None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from merak.core import group_registry
 from merak.core.names import module_pattern
-from merak.tensor_parallel.cross_entropy import set_vocab_parallel
+from merak.tensor_parallel.cross_entropy import set_vocab_parallel, vocab_parallel_group
 from merak.tensor_parallel.layers import ParallelContext
 from merak.tensor_parallel.overlap import dropout_modules
 from merak.tensor_parallel.plan import ResolvedPlan, TPPlan, TPPlanError, apply_plan, resolve_plan
@@ -105,3 +106,16 @@ def _check_block_overlap(model: nn.Module, plan: TPPlan) -> None:
                         "use level 1")
     if problems:
         raise TPPlanError("invalid tensor-parallel settings:\n  - " + "\n  - ".join(problems))
+
+
+@contextlib.contextmanager
+def tensor_parallel_state_kept():
+    """The tensor-parallel state :func:`split_model` sets for this process (the registered groups, the
+    vocabulary split of the loss), restored on exit: the launching process splits models to plan a
+    layout, and it, or a later run in it, must not train as a worker of that layout."""
+    vocab_group = vocab_parallel_group()
+    with group_registry.groups_kept():
+        try:
+            yield
+        finally:
+            set_vocab_parallel(vocab_group)

@@ -247,7 +247,7 @@ def test_submitit_local_launcher_runs_a_sweep_point(tmp_path, cache_dir):
     (["parallel=pp2", "trainer.learning_rate=1e-3,3e-4"], [], False),
 ])
 def test_sweeping_layouts_under_slurm_warns(task, hydra_overrides, warned, monkeypatch):
-    from merak import sweep
+    from merak.report import sweep
 
     messages = []
     monkeypatch.setattr(sweep.logger, "warning", lambda message, *args: messages.append(message % args))
