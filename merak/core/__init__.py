@@ -9,5 +9,9 @@ them without depending on another package's internals:
 - :mod:`merak.core.group_registry`: the named tensor-parallel groups the
   collective operators run on;
 - :mod:`merak.core.plan_sources`: where model libraries' adapters register
-  default tensor-parallel plans.
+  default tensor-parallel plans;
+- :mod:`merak.core.fields`: ``setting()``, a config field's default, meaning and
+  range, and the type and range checks every settings section uses;
+- :mod:`merak.core.partition`: which consecutive items each pipeline stage holds;
+- :mod:`merak.core.files`: atomic text and JSON writes.
 """
