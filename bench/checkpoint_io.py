@@ -26,7 +26,7 @@ import torch
 
 from merak.checkpoint import load_checkpoint, save_checkpoint
 from merak.distributed import groups
-from merak.engine import OptimizerOptions
+from merak.optim.settings import OptimizerSettings
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _engine(args, state):
     engine = common.single_stage_engine(args, state, num_microbatches=1, total_steps=10,
-                                        optimizer=OptimizerOptions(learning_rate=1e-4))
+                                        optimizer=OptimizerSettings(learning_rate=1e-4))
     batch = common.random_batches(common.model_config(args), micro_batch_size=1, num_microbatches=1, count=1,
                                   seed=args.seed)[0]
     engine.train_step(batch)

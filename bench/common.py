@@ -176,11 +176,11 @@ def single_stage_engine(args: argparse.Namespace, state, *, num_microbatches: in
 
     from merak.engine import PipelineEngine
     from merak.session.assemble import assemble
-    from merak.shard.plan import ShardingOptions
+    from merak.shard.plan import ShardingSettings
     from recipes.gpt.model import causal_lm_loss
 
     built = assemble(build=functools.partial(build_model, model_config(args), args.seed), seed=args.seed,
-                     init_device="cpu", options=ShardingOptions(trace_method=None, input_names=("input_ids",)),
+                     init_device="cpu", sharding=ShardingSettings(trace_method=None), input_names=("input_ids",),
                      num_stages=1, num_microbatches=num_microbatches, stage_id=0, device=state.device,
                      example_inputs={}, dtype=dtype)
     return PipelineEngine(model=built.model, stages=built.stages, loss_fn=causal_lm_loss, state=state,

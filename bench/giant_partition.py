@@ -53,13 +53,13 @@ def _measure(tool: str, stages: int, micro_batch: int) -> dict:
     model, cfg = _build()
     inputs = {"input_ids": torch.zeros(micro_batch, cfg.seq_length, dtype=torch.long, device="meta")}
     if tool.startswith("merak"):
-        from merak.shard.plan import ShardingOptions, plan_pipeline
+        from merak.shard.plan import ShardingSettings, plan_pipeline
         from merak.trace import repeat
 
         if tool == "merak-whole":
             repeat.MIN_BLOCKS = 10 ** 9  # no stack is long enough: export all 96 blocks
         plan = plan_pipeline(model, inputs, num_stages=stages, num_microbatches=2 * stages,
-                             options=ShardingOptions(trace_method="dynamo"))
+                             sharding=ShardingSettings(trace_method="dynamo"))
         sends = {value for s in range(stages - 1) for value in plan.stage_summary(s)["sends"].values()}
         result = {"shards": len(plan.shards), "boundaries": plan.boundaries, "sends": sorted(sends),
                   "notes": plan.notes}

@@ -50,9 +50,11 @@ from torch import nn
 
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import PipelineEngine
+from merak.optim.settings import OptimizerSettings
 from merak.session.assemble import shared_machine_rates
-from merak.shard.plan import ShardingOptions, plan_pipeline
+from merak.shard.plan import plan_pipeline
+from merak.shard.settings import ShardingSettings
 from recipes.gpt.model import causal_lm_loss
 
 logger = logging.getLogger("bench.pipeline_vs_torch")
@@ -107,12 +109,12 @@ def pipelining_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class MerakMethod:
     def __init__(self, model_cfg, args, state, total_steps: int) -> None:
         model = common.build_model(model_cfg, args.seed, untie=True)
-        options = OptimizerOptions(learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
-                                   max_grad_norm=0.0, lr_scheduler_type="constant")
+        options = OptimizerSettings(learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, max_grad_norm=0.0,
+                                    lr_scheduler_type="constant")
         if args.merak_plan == "auto":
             example = {"input_ids": torch.zeros(args.micro_batch_size, args.seq_length, dtype=torch.long)}
             self.plan = plan_pipeline(model, example, num_stages=args.pp, num_microbatches=args.num_microbatches,
-                                      options=ShardingOptions(autopipe_costs=args.costs, machine_rates=_rates(args)))
+                                      sharding=ShardingSettings(autopipe_costs=args.costs), machine_rates=_rates(args))
             stages = self.plan.stages()
         else:
             self.plan, stages = None, hand_stages(model, args.pp)

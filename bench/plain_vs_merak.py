@@ -30,7 +30,8 @@ import common  # first: sets OMP_NUM_THREADS before torch starts threads)
 import torch
 
 from merak.distributed import groups
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import PipelineEngine
+from merak.optim.settings import OptimizerSettings
 from merak.pipeline.stage import StageModule
 from merak.session.assemble import CallModel
 from recipes.gpt.model import causal_lm_loss
@@ -88,8 +89,8 @@ class MerakLoop:
 
     def __init__(self, model: torch.nn.Module, num_microbatches: int, total_steps: int) -> None:
         state = groups.init(1, 1, 1)
-        options = OptimizerOptions(learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
-                                   max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="constant")
+        options = OptimizerSettings(learning_rate=LEARNING_RATE, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
+                                    lr_scheduler_type="constant")
         self.engine = PipelineEngine(model=model, stages=[StageModule([CallModel(model, ["input_ids"])])],
                                      loss_fn=causal_lm_loss, state=state, schedule="1f1b",
                                      num_microbatches=num_microbatches, total_steps=total_steps, optimizer=options)

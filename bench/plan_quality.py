@@ -45,9 +45,11 @@ import torch.distributed as dist
 from merak.compat.allocator import keep_freed_memory
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import PipelineEngine
+from merak.optim.settings import OptimizerSettings
 from merak.session.assemble import shared_machine_rates
-from merak.shard.plan import ShardingOptions, plan_pipeline
+from merak.shard.plan import plan_pipeline
+from merak.shard.settings import ShardingSettings
 from recipes.gpt.model import causal_lm_loss
 
 logger = logging.getLogger("bench.plan_quality")
@@ -89,8 +91,7 @@ def block_plans(num_shards: int, pp: int) -> list[list[int]]:
 
 
 def _engine(model, plan, args, state, steps: int) -> PipelineEngine:
-    options = OptimizerOptions(learning_rate=1e-4, weight_decay=0.01, max_grad_norm=0.0,
-                               lr_scheduler_type="constant")
+    options = OptimizerSettings(learning_rate=1e-4, weight_decay=0.01, max_grad_norm=0.0, lr_scheduler_type="constant")
     return PipelineEngine(model=model, stages=plan.stages(), loss_fn=causal_lm_loss, state=state,
                           schedule="1f1b", num_microbatches=args.num_microbatches, total_steps=steps,
                           optimizer=options)
@@ -112,10 +113,11 @@ def _worker(options: dict, result_path: str) -> None:
         model = common.build_model(model_cfg, args.seed).train()
         example = {"input_ids": torch.zeros(args.micro_batch_size, model_cfg.seq_length, dtype=torch.long)}
         blocks = plan_pipeline(model, example, num_stages=args.pp, num_microbatches=args.num_microbatches,
-                               options=ShardingOptions(split_method="layer_split", split_points=BLOCK_CUTS,
-                                                       partition_method="uniform"))
+                               sharding=ShardingSettings(split_method="layer_split",
+                                                         custom_split_points=list(BLOCK_CUTS),
+                                                         partition_method="uniform"))
         default = plan_pipeline(model, example, num_stages=args.pp, num_microbatches=args.num_microbatches,
-                                options=ShardingOptions(autopipe_costs=args.costs, machine_rates=_rates(args)))
+                                sharding=ShardingSettings(autopipe_costs=args.costs), machine_rates=_rates(args))
         plans = {"default": default}
         for bounds in block_plans(len(blocks.shards), args.pp):
             cuts = ", ".join(blocks.reports[b].modules[0] for b in bounds[1:-1])

@@ -112,7 +112,7 @@ class PlainLoop:
         self.dtype = dtype
         self.channels_last = channels_last
         self.model_cfg = settings.model_cfg
-        torch.manual_seed(trainer.seed)
+        torch.manual_seed(trainer.batch.seed)
         self.model = self.spec.build_model(self.model_cfg).to(self.device)
         if channels_last:
             self.model = self.model.to(memory_format=torch.channels_last)
@@ -122,15 +122,16 @@ class PlainLoop:
         params = [p for p in self.model.parameters() if p.requires_grad]
         fused = {"fused": True} if self.device.type == "cuda" else {}
         self.optimizer = torch.optim.AdamW(
-            [{"params": [p for p in params if p.ndim >= 2], "weight_decay": trainer.weight_decay},
+            [{"params": [p for p in params if p.ndim >= 2], "weight_decay": trainer.optimizer.weight_decay},
              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-            lr=trainer.learning_rate, betas=(trainer.adam_beta1, trainer.adam_beta2), eps=trainer.adam_epsilon,
+            lr=trainer.optimizer.learning_rate, betas=(trainer.optimizer.adam_beta1, trainer.optimizer.adam_beta2),
+            eps=trainer.optimizer.adam_epsilon,
             **fused)
-        self.max_grad_norm = trainer.max_grad_norm
+        self.max_grad_norm = trainer.optimizer.max_grad_norm
         prepared = self.spec.prepare_data(settings.data_cfg, self.model_cfg)
         self.dataset = self.spec.load_dataset(prepared, self.model_cfg)
-        self.plan = BatchPlan(num_samples=len(self.dataset), micro_batch_size=trainer.per_device_train_batch_size,
-                              num_microbatches=settings.num_microbatches, seed=trainer.seed)
+        self.plan = BatchPlan(num_samples=len(self.dataset), micro_batch_size=trainer.batch.per_device_train_batch_size,
+                              num_microbatches=settings.num_microbatches, seed=trainer.batch.seed)
         self.num_workers = num_workers
         self.step = 0
         self.losses: list[float] = []

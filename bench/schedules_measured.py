@@ -36,8 +36,10 @@ from omegaconf import OmegaConf
 from merak.compat.allocator import keep_freed_memory
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions
+from merak.engine import PipelineEngine
+from merak.optim.settings import OptimizerSettings
 from merak.pipeline.schedules import build_schedule
+from merak.pipeline.settings import ScheduleSettings
 from merak.pipeline.simulate import simulate
 from merak.pipeline.timeline import (
     MeasuredCosts,
@@ -47,7 +49,7 @@ from merak.pipeline.timeline import (
 )
 from merak.pipeline.wall_clock import measured_events
 from merak.session.assemble import assemble
-from merak.shard.plan import ShardingOptions
+from merak.shard.settings import ShardingSettings
 from recipes.gpt import model as gpt_model
 from recipes.gpt import parallel as gpt_parallel
 
@@ -61,19 +63,19 @@ class Contender:
 
     name: str
     schedule: str
-    recompute: RecomputeOptions
+    recompute: ScheduleSettings
     chunks: int = 1
 
 
-NONE = RecomputeOptions(activation_checkpointing=False)
-FULL = RecomputeOptions(activation_checkpointing=True)
+NONE = ScheduleSettings(activation_checkpointing=False)
+FULL = ScheduleSettings(activation_checkpointing=True)
 CONTENDERS = (
     Contender("1f1b none", "1f1b", NONE),
     Contender("1f1b full", "1f1b", FULL),
     Contender("pre_recompute_1f1b full", "pre_recompute_1f1b", FULL),
     Contender("last_no_recompute_1f1b full", "last_no_recompute_1f1b", FULL),
     Contender("shifted_critical_path r0=0.5", "shifted_critical_path",
-              RecomputeOptions(activation_checkpointing=True, activation_checkpoint_ratio=0.5)),
+              ScheduleSettings(activation_checkpointing=True, activation_checkpoint_ratio=0.5)),
     Contender("interleaved_1f1b V=2", "interleaved_1f1b", NONE, chunks=2),
     Contender("zb_h1 none", "zb_h1", NONE),
 )
@@ -116,10 +118,10 @@ def slug(name: str) -> str:
 
 def assemble_pieces(args: argparse.Namespace, model_cfg, pieces: int, stage_id: int):
     """Capture the model and cut it into ``pieces`` stages (every rank gets all of them)."""
-    options = ShardingOptions(split_method="layer_split", split_points=gpt_parallel.SPLIT_POINTS,
-                              partition_method=args.partition_method)
+    options = ShardingSettings(split_method="layer_split", custom_split_points=list(gpt_parallel.SPLIT_POINTS),
+                               partition_method=args.partition_method)
     return assemble(build=functools.partial(gpt_model.build_model, model_cfg), seed=args.seed, init_device="cpu",
-                    options=options, num_stages=pieces, num_microbatches=args.num_microbatches,
+                    sharding=options, num_stages=pieces, num_microbatches=args.num_microbatches,
                     stage_id=stage_id, device=torch.device("cpu"),
                     example_inputs=gpt_parallel.example_inputs(model_cfg, args.micro_batch_size))
 
@@ -153,8 +155,8 @@ def run_contender(args: argparse.Namespace, state, built, contender: Contender, 
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=gpt_model.causal_lm_loss, state=state,
                             schedule=contender.schedule, num_microbatches=args.num_microbatches,
                             total_steps=len(batches),
-                            optimizer=OptimizerOptions(learning_rate=1e-4, weight_decay=0.01,
-                                                       lr_scheduler_type="constant"),
+                            optimizer=OptimizerSettings(learning_rate=1e-4, weight_decay=0.01,
+                                                        lr_scheduler_type="constant"),
                             recompute=contender.recompute, num_chunks=contender.chunks, dropout_seed=args.seed,
                             record_timeline=True)
     walls, losses = [], []

@@ -27,10 +27,12 @@ import torch.distributed as dist
 
 from merak.distributed import collectives, groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import PipelineEngine
+from merak.optim.settings import OptimizerSettings
 from merak.session.assemble import assemble
-from merak.shard.plan import ShardingOptions
-from merak.tensor_parallel.options import TensorParallelOptions
+from merak.shard.settings import ShardingSettings
+from merak.tensor_parallel.options import TensorParallelSplit
+from merak.tensor_parallel.settings import TensorParallelSettings
 from recipes.gpt import model as gpt_model
 from recipes.gpt import parallel as gpt_parallel
 
@@ -82,15 +84,15 @@ def _worker(options: dict, contender: str, out_path: str) -> None:
                                         count=args.warmup_steps + args.steps, seed=args.seed)
         built = assemble(
             build=functools.partial(common.build_model, model_cfg, args.seed), seed=args.seed, init_device="cpu",
-            options=ShardingOptions(), num_stages=1, num_microbatches=args.num_microbatches, stage_id=0,
+            sharding=ShardingSettings(), num_stages=1, num_microbatches=args.num_microbatches, stage_id=0,
             device=state.device, example_inputs={"input_ids": batches[0][0]["input_ids"]},
-            tensor_parallel=TensorParallelOptions(plan=gpt_parallel.TP_PLAN, size=tp, rank=state.coordinates.tp,
-                                                  overlap_level=level))
+            tensor_parallel=TensorParallelSplit(plan=gpt_parallel.TP_PLAN, size=tp, rank=state.coordinates.tp,
+                                                settings=TensorParallelSettings(tp_overlapping_level=level)))
         engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=gpt_model.causal_lm_loss,
                                 state=state, schedule="1f1b", num_microbatches=args.num_microbatches,
                                 total_steps=len(batches),
-                                optimizer=OptimizerOptions(learning_rate=1e-4, weight_decay=0.01,
-                                                           lr_scheduler_type="constant"))
+                                optimizer=OptimizerSettings(learning_rate=1e-4, weight_decay=0.01,
+                                                            lr_scheduler_type="constant"))
         totals = {"comm": 0.0}
         _time_collectives(totals)
         steps = []

@@ -27,9 +27,7 @@ import torch
 
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions
-from merak.optim.distributed import ZeroOptions
-from merak.optim.precision import PrecisionOptions
+from merak.optim.settings import OptimizerSettings, PrecisionSettings, ZeroSettings
 from merak.report.metrics import peak_rss_bytes
 
 
@@ -59,9 +57,9 @@ def _worker(options: dict, dp: int, stage: int, precision: str, out_path: str) -
         engine = common.single_stage_engine(
             args, state, num_microbatches=args.num_microbatches, total_steps=args.steps,
             dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
-            optimizer=OptimizerOptions(learning_rate=1e-4),
-            zero=ZeroOptions(stage=stage, reduce_bucket_size=args.bucket),
-            precision=PrecisionOptions(bf16=precision == "bf16"))
+            optimizer=OptimizerSettings(learning_rate=1e-4),
+            zero=ZeroSettings(zero_optimization=stage > 0, zero_stage=stage or 1, zero_reduce_bucket_size=args.bucket),
+            precision=PrecisionSettings(bf16=precision == "bf16"))
         batches = common.random_batches(model_cfg, micro_batch_size=args.micro_batch_size,
                                         num_microbatches=args.num_microbatches, count=args.steps,
                                         seed=args.seed + state.rank)

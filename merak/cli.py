@@ -6,6 +6,7 @@
     merak energy plan|serve ...                     per-instruction GPU clock plans (merak.energy.cli)
     merak new-recipe NAME [--from gpt]              copy a recipe as a new one (merak.scaffold)
     merak sweep-summary SWEEP_DIR                   the table of a finished multirun (merak.report.sweep)
+    merak settings [SECTION ...]                    every trainer/launcher setting: type, default, meaning
 
 The older names (``merak-plan``, ``merak-simulate``, ``merak-export``, ``merak-energy``) run the same
 code. A verb's module is imported only when that verb runs, so ``merak --help`` is instant.
@@ -24,6 +25,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "energy": ("merak.energy.cli", "plan per-instruction GPU clocks from a profile, or serve a plan"),
     "new-recipe": ("merak.scaffold", "copy a recipe directory as a new recipe"),
     "sweep-summary": ("merak.report.sweep", "(re)write the summary table of a finished sweep"),
+    "settings": ("merak.config.docs", "print every setting of the config sections: type, default, meaning"),
 }
 
 

@@ -1,6 +1,7 @@
 """The training engine of one worker: its stage, optimizer, executor and step.
 
-It takes narrow keyword arguments (no config objects), so recipes, the
+It takes the config sections it consumes (optimizer, precision, ZeRO, compile, the schedule's
+recomputation: their defaults are the config's) and plain values for the rest, so recipes, the
 trainer API and tests drive the same code.
 """
 
@@ -20,13 +21,12 @@ from torch import nn
 from merak.core.slices import sequence_partial, sliced_parameter_ids, tensor_slices
 from merak.distributed.groups import ParallelState, stage_set_group
 from merak.distributed.p2p import PointToPoint
-from merak.optim.distributed import DistributedOptimizer, ZeroOptions
+from merak.optim.distributed import DistributedOptimizer
 from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors
-from merak.optim.precision import PrecisionOptions
 from merak.optim.schedule import build_lr_scheduler, make_optimizer
-from merak.optim.settings import OptimizerSettings
+from merak.optim.settings import OptimizerSettings, PrecisionSettings, ZeroSettings
 from merak.pipeline import instructions as ins
-from merak.pipeline.compiled import CompileClock, CompileOptions
+from merak.pipeline.compiled import CompileClock
 from merak.pipeline.executor import PipelineExecutor
 from merak.pipeline.hooks import HookList, InstructionEvent, PipelineHook
 from merak.pipeline.recompute import (
@@ -40,7 +40,7 @@ from merak.pipeline.schedules import (
     build_schedule,
     schedule_info,
 )
-from merak.pipeline.settings import ScheduleSettings
+from merak.pipeline.settings import CompileSettings, ScheduleSettings
 from merak.pipeline.stage import (
     TiedParameter,
     find_tied_parameters,
@@ -53,42 +53,6 @@ logger = logging.getLogger(__name__)
 
 # The start of the warning torch's LR schedulers give when the optimizer did not step before them.
 LR_SCHEDULER_BEFORE_OPTIMIZER = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
-
-
-@dataclass(frozen=True)
-class OptimizerOptions:
-    """Optimizer and learning-rate settings (names and defaults as in the config's OptimizerSettings;
-    ``warmup_steps`` is resolved: a ratio of the run is already turned into steps)."""
-
-    learning_rate: float = OptimizerSettings.learning_rate
-    weight_decay: float = OptimizerSettings.weight_decay
-    adam_beta1: float = OptimizerSettings.adam_beta1
-    adam_beta2: float = OptimizerSettings.adam_beta2
-    adam_epsilon: float = OptimizerSettings.adam_epsilon
-    max_grad_norm: float = OptimizerSettings.max_grad_norm
-    lr_scheduler_type: str = OptimizerSettings.lr_scheduler_type
-    warmup_steps: int = OptimizerSettings.warmup_steps
-    optim: str = OptimizerSettings.optim
-
-
-@dataclass(frozen=True)
-class RecomputeOptions:
-    """Activation checkpointing (names and defaults as in the config's ScheduleSettings; the engine itself
-    recomputes nothing unless given these options, see NO_RECOMPUTE).
-
-    Attributes:
-        activation_checkpointing: Checkpoint stage parts; the backward recomputes them.
-        checkpoint_num_layers: Parts per checkpointed chunk.
-        activation_checkpoint_ratio: None: every part; a float: the first
-            stage's ratio, the others stage-aware; a list: one per (virtual) stage.
-    """
-
-    activation_checkpointing: bool = ScheduleSettings.activation_checkpointing
-    checkpoint_num_layers: int = ScheduleSettings.checkpoint_num_layers
-    activation_checkpoint_ratio: float | tuple[float, ...] | None = None
-
-
-NO_RECOMPUTE = RecomputeOptions(activation_checkpointing=False)
 
 
 @dataclass(frozen=True)
@@ -116,36 +80,37 @@ class PipelineEngine:
         schedule: pipeline schedule name.
         num_microbatches: microbatches per optimizer step.
         total_steps: steps of the run (for the learning-rate schedule).
-        optimizer: optimizer settings.
+        optimizer: the optimizer section (its warmup_ratio is resolved against ``total_steps``).
         hooks: pipeline listeners (timers, profiler, energy plans).
         bucket_bytes: size of the all-reduce buckets (data-parallel without ZeRO, tied
             weights, sequence-parallel replicas); ZeRO buckets follow ``zero``.
-        recompute: activation checkpointing settings.
+        recompute: the schedule section whose activation-checkpointing fields apply (None: no
+            recomputation).
         num_chunks: model chunks per rank (interleaved schedules); ``stages`` then holds
             ``pp * num_chunks`` pieces and rank ``s`` runs pieces ``s, s + pp, ...``.
         dropout_seed: when set, dropout masks are drawn from seeds of (this seed, dp rank,
             step, microbatch, part), identical in every layout and in recomputation.
         dealloc_pipeoutput: release sent activations (keeping what backward reads).
         record_timeline: record every instruction's start and end (``wall_clock_breakdown``).
-        zero: ZeRO stage, buckets and gradient pre/post scaling.
-        precision: fp16/bf16 and loss scaling.
+        zero: the ZeRO section: stage, buckets and gradient pre/post scaling.
+        precision: the precision section: fp16/bf16 and loss scaling.
         measure_activations: count every tensor saved for backward to report the exact peak of saved
             activations (a Python hook per saved tensor: for diagnosis, not for speed). On CUDA the
             allocator's own peak is reported either way.
         channels_last: keep 4-D weights channels-last (convolutional models on a GPU). Not with
             fp32 ZeRO, whose optimizer updates flat views of the parameters.
-        compile: compile every stage's parts with ``torch.compile`` (merak.pipeline.compiled).
+        compile: the compile section: every stage's parts through ``torch.compile`` (merak.pipeline.compiled).
     """
 
     def __init__(self, *, model: nn.Module, stages: Sequence[nn.Module],
                  loss_fn: Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor],
                  state: ParallelState, schedule: str, num_microbatches: int, total_steps: int,
-                 optimizer: OptimizerOptions = OptimizerOptions(), hooks: Sequence[PipelineHook] = (),
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, recompute: RecomputeOptions = NO_RECOMPUTE,
+                 optimizer: OptimizerSettings = OptimizerSettings(), hooks: Sequence[PipelineHook] = (),
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, recompute: ScheduleSettings | None = None,
                  num_chunks: int = 1, dropout_seed: int | None = None, dealloc_pipeoutput: bool = False,
-                 record_timeline: bool = False, zero: ZeroOptions = ZeroOptions(),
-                 precision: PrecisionOptions = PrecisionOptions(), measure_activations: bool = False,
-                 channels_last: bool = False, compile: CompileOptions = CompileOptions()) -> None:
+                 record_timeline: bool = False, zero: ZeroSettings = ZeroSettings(),
+                 precision: PrecisionSettings = PrecisionSettings(), measure_activations: bool = False,
+                 channels_last: bool = False, compile: CompileSettings = CompileSettings()) -> None:
         grid, coords = state.grid, state.coordinates
         if len(stages) != grid.pp * num_chunks:
             raise ValueError(f"got {len(stages)} stages for pp={grid.pp} x {num_chunks} chunks")
@@ -197,10 +162,7 @@ class PipelineEngine:
             norm_group=state.model_parallel_group, norm_group_size=grid.pp * grid.tp,
             counted=[id(p) in norm_ids for p in self.trainable], zero=zero, precision=precision,
             bucket_bytes=bucket_bytes,
-            make_optimizer=lambda pairs: make_optimizer(
-                pairs, kind=optimizer.optim, learning_rate=optimizer.learning_rate,
-                weight_decay=optimizer.weight_decay, betas=(optimizer.adam_beta1, optimizer.adam_beta2),
-                eps=optimizer.adam_epsilon))
+            make_optimizer=lambda pairs: make_optimizer(pairs, optimizer))
         if precision.dtype != torch.float32:
             # Stages assembled with the dtype are cast already; hand-made ones are cast here, after
             # the master weights were taken from their fp32 values.
@@ -239,8 +201,7 @@ class PipelineEngine:
 
     def _build_lr_scheduler(self):
         options = self.options
-        return build_lr_scheduler(self.optimizer.optimizer, kind=options.lr_scheduler_type,
-                                  warmup_steps=options.warmup_steps, total_steps=self._total_steps)
+        return build_lr_scheduler(self.optimizer.optimizer, options, total_steps=self._total_steps)
 
     def resume_at(self, step: int, *, lr_scheduler_steps: int) -> None:
         """Continue at optimizer step ``step`` (dropout seeds follow it) with the learning-rate
@@ -261,9 +222,9 @@ class PipelineEngine:
                  for t in tied]
         return [t for t in ranks if len(t.stages) > 1]
 
-    def _configure_checkpointing(self, options: RecomputeOptions, last_stage_checkpoints: bool) -> None:
+    def _configure_checkpointing(self, options: ScheduleSettings | None, last_stage_checkpoints: bool) -> None:
         """Give each local chunk its share of checkpointed parts (stage-aware ratios)."""
-        if not options.activation_checkpointing:
+        if options is None or not options.activation_checkpointing:
             for module in self.chunks.values():
                 if hasattr(module, "configure_checkpointing"):
                     module.configure_checkpointing(CheckpointOptions())
@@ -279,9 +240,12 @@ class PipelineEngine:
             module.configure_checkpointing(CheckpointOptions(
                 parts=checkpointed_parts(ratio, len(module.parts)), num_layers=options.checkpoint_num_layers))
 
-    def _compile_stages(self, options: CompileOptions) -> None:
+    def _compile_stages(self, options: CompileSettings) -> None:
         """Hand each local chunk's parts to torch.compile (after the move and the cast: compiled graphs
         are specialised to their tensors' device and dtype)."""
+        contradictions = options.contradictions()
+        if contradictions:
+            raise ValueError("; ".join(contradictions))
         if options.uses_cuda_graphs and self.state.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this stage runs on {self.state.device}")
         splits_backward = any(isinstance(i, ins.BackwardInput) for i in self.instructions)

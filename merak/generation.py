@@ -75,7 +75,7 @@ def generate(session, prompts: Sequence[Sequence[int]], options: GenerationOptio
     """
     state, engine, settings = session.state, session.engine, session.settings
     grid, coords = state.grid, state.coordinates
-    if grid.tp > 1 and settings.trainer.sequence_parallel:
+    if grid.tp > 1 and settings.trainer.tensor_parallel.sequence_parallel:
         raise GenerationError("generation with sequence_parallel=true is not supported: turn it off")
     if engine.num_chunks > 1:
         raise GenerationError("generation with interleaved schedules (pipeline_chunks > 1) is not supported")
@@ -83,7 +83,7 @@ def generate(session, prompts: Sequence[Sequence[int]], options: GenerationOptio
     blocks = _local_blocks(adapter, {name for name, _ in engine.named_parameters()})
     eos_token_ids = adapter.eos_token_ids if options.stop_at_eos else frozenset()
     decoder = PipelineDecoder(adapter, blocks, state, dtype=engine.optimizer.precision.dtype,
-                              vocab_parallel=grid.tp > 1 and settings.trainer.parallel_vocab)
+                              vocab_parallel=grid.tp > 1 and settings.trainer.tensor_parallel.parallel_vocab)
     results = {}
     with _inference(session.model, adapter):
         for index, prompt in enumerate(prompts):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from merak.data.batching import stack_samples
+from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel.plan import TPPlan
 
 
@@ -91,6 +93,13 @@ class RecipeSpec:
     def tensor_parallel_plan(self, model_cfg) -> TPPlan | None:
         """The TP plan for ``model_cfg`` (see ``tp_plan``)."""
         return self.tp_plan(model_cfg) if callable(self.tp_plan) else self.tp_plan
+
+    def sharding(self, settings: ShardingSettings) -> ShardingSettings:
+        """The run's sharding section with this recipe's defaults in it: its split points where the run
+        names none, its leaf modules before the run's (which may then hold classes as well as names)."""
+        return dataclasses.replace(settings,
+                                   custom_split_points=list(settings.custom_split_points or self.split_points),
+                                   leaf_modules=[*self.leaf_modules, *(settings.leaf_modules or ())])
 
 
 def load_spec(script: str | os.PathLike) -> RecipeSpec:

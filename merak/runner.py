@@ -22,7 +22,6 @@ from merak.checkpoint import CheckpointError, find_checkpoint
 from merak.checkpoint.files import read_manifest
 from merak.compat.allocator import keep_freed_memory
 from merak.config import ConfigError, RunSettings, resolve_settings, total_steps
-from merak.config.options import pipeline_chunks
 from merak.core.files import write_json_atomic
 from merak.core.partition import PartitionError
 from merak.data.batching import BatchPlan
@@ -59,7 +58,7 @@ EXIT_FAILED = 1
 
 
 def _steps_per_epoch(settings: RunSettings, num_samples: int) -> int:
-    plan = BatchPlan(num_samples=num_samples, micro_batch_size=settings.trainer.per_device_train_batch_size,
+    plan = BatchPlan(num_samples=num_samples, micro_batch_size=settings.trainer.batch.per_device_train_batch_size,
                      num_microbatches=settings.num_microbatches, dp_size=settings.grid.dp)
     return plan.steps_per_epoch
 
@@ -130,8 +129,8 @@ def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> 
     resume = _checkpoint_to_resume(settings)
     if cfg.get("dry_run"):
         return dry_run(spec, settings, prepared)
-    if (settings.trainer.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1 \
-            or pipeline_chunks(settings.trainer) > 1:
+    if (settings.trainer.sharding.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1 \
+            or settings.trainer.schedule.chunks > 1:
         # Only to fail early: the workers plan again, identically, and report it then (once, on rank 0).
         with only_errors():
             plan_before_launch(spec, settings, prepared)
@@ -139,7 +138,7 @@ def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> 
     grid = settings.grid
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
                 spec.name, settings.model_cfg.get("name", "?"), grid.dp, grid.tp, grid.pp, grid.world_size,
-                steps, settings.trainer.train_schedule)
+                steps, settings.trainer.schedule.train_schedule)
     args = (spec, settings, prepared, steps, resume)
     if outside_world is not None or grid.world_size == 1:
         summary = train_worker(*args)  # this process is a worker; only rank 0 gets the summary
@@ -201,22 +200,22 @@ def dry_run(spec, settings: RunSettings, prepared: str) -> dict:
 
 def _checkpoint_to_resume(settings: RunSettings) -> str | None:
     """The checkpoint this run starts from, checked before any worker starts."""
-    trainer = settings.trainer
+    checkpoint = settings.trainer.checkpoint
     try:
-        path = find_checkpoint(trainer.resume_from_checkpoint, settings.output_dir)
+        path = find_checkpoint(checkpoint.resume_from_checkpoint, settings.output_dir)
         manifest = read_manifest(path) if path is not None else None
     except CheckpointError as error:
         raise ConfigError(f"invalid configuration:\n  - trainer.resume_from_checkpoint: {error}") from None
-    if manifest is not None and not trainer.finetune:
+    if manifest is not None and not checkpoint.finetune:
         _warn_if_batch_changed(path, manifest, settings.global_batch_size)
-    if path is None and trainer.resume_from_checkpoint not in (None, False, ""):
-        if trainer.finetune:
+    if path is None and checkpoint.resume_from_checkpoint not in (None, False, ""):
+        if checkpoint.finetune:
             raise ConfigError("invalid configuration:\n  - trainer.finetune=true but no checkpoint was found "
                               f"in {settings.output_dir}")
         logger.warning("resume_from_checkpoint=%s: no checkpoint in %s yet; starting from the beginning",
-                       trainer.resume_from_checkpoint, settings.output_dir)
-    if trainer.pretrained_weights and not os.path.isdir(trainer.pretrained_weights):
-        raise ConfigError(f"invalid configuration:\n  - trainer.pretrained_weights={trainer.pretrained_weights}: "
+                       checkpoint.resume_from_checkpoint, settings.output_dir)
+    if checkpoint.pretrained_weights and not os.path.isdir(checkpoint.pretrained_weights):
+        raise ConfigError(f"invalid configuration:\n  - trainer.pretrained_weights={checkpoint.pretrained_weights}: "
                           "no such directory")
     if path is not None:
         logger.info("resuming from %s", path)
@@ -266,7 +265,7 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
                                   hooks=energy.hooks if energy else ())
         if energy is None:
             result = session.train()
-        elif settings.trainer.profile:
+        elif settings.trainer.energy.profile:
             result = run_profile(session, energy)
         else:
             session.summary_sections.append(lambda: {"energy": energy.summary()})

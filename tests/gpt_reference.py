@@ -5,26 +5,24 @@ from __future__ import annotations
 import torch
 
 from merak.data.batching import BatchPlan, stack_samples
-from merak.engine import OptimizerOptions
 from merak.optim.schedule import build_lr_scheduler, build_optimizer
+from merak.optim.settings import OptimizerSettings
 from recipes.gpt import data, model
 
 # The optimizer of the layout parity tests: clipping is active on the first step, warm-up then cosine.
-PARITY_OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0,
-                                  lr_scheduler_type="cosine", warmup_steps=1)
+PARITY_OPTIONS = OptimizerSettings(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, lr_scheduler_type="cosine",
+                                   warmup_steps=1)
 
 
-def train_reference(model_cfg, tokens: str, *, options: OptimizerOptions, steps: int, global_batch: int,
+def train_reference(model_cfg, tokens: str, *, options: OptimizerSettings, steps: int, global_batch: int,
                     seed: int) -> list[dict]:
     """Loss, exact gradient norm and clipped gradients of each step of the plain Hugging Face model."""
     torch.manual_seed(seed)
     full = model.build_model(model_cfg)
     dataset = data.load(tokens, model_cfg)
     plan = BatchPlan(num_samples=len(dataset), micro_batch_size=global_batch, num_microbatches=1, seed=seed)
-    optimizer = build_optimizer(full.named_parameters(), learning_rate=options.learning_rate,
-                                weight_decay=options.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-    scheduler = build_lr_scheduler(optimizer, kind=options.lr_scheduler_type, warmup_steps=options.warmup_steps,
-                                   total_steps=steps)
+    optimizer = build_optimizer(full.named_parameters(), options)
+    scheduler = build_lr_scheduler(optimizer, options, total_steps=steps)
     records = []
     for step in range(steps):
         batch = stack_samples([dataset[i] for i in plan.global_batch(step).tolist()])

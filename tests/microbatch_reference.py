@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from merak.engine import OptimizerOptions
 from merak.optim.schedule import build_lr_scheduler, build_optimizer
+from merak.optim.settings import OptimizerSettings
 
 
 def train_microbatches(model, loss_fn, data: list[dict], *, steps: int, microbatches: int,
-                       options: OptimizerOptions) -> list[dict]:
+                       options: OptimizerSettings) -> list[dict]:
     """Per step: the summed microbatch loss and the clipped gradients (constant learning rate).
 
     One thread, as the workers: convolution kernels sum in a thread-dependent order.
@@ -25,9 +25,8 @@ def train_microbatches(model, loss_fn, data: list[dict], *, steps: int, microbat
 def _train(model, loss_fn, data, *, steps, microbatches, options) -> list[dict]:
     model.train()
     params = list({id(p): p for p in model.parameters()}.values())
-    optimizer = build_optimizer(model.named_parameters(), learning_rate=options.learning_rate,
-                                weight_decay=options.weight_decay, betas=(0.9, 0.999), eps=1e-8)
-    scheduler = build_lr_scheduler(optimizer, kind="constant", warmup_steps=0, total_steps=steps)
+    optimizer = build_optimizer(model.named_parameters(), options)
+    scheduler = build_lr_scheduler(optimizer, OptimizerSettings(lr_scheduler_type="constant"), total_steps=steps)
     records = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)

@@ -48,7 +48,8 @@ from merak.shard.costs import (
     loss_seconds,
     nominal_rates,
 )
-from merak.shard.plan import ShardingOptions, stage_unit_bounds
+from merak.shard.plan import stage_unit_bounds
+from merak.shard.settings import ShardingSettings
 from merak.shard.split import ShardingError
 
 BACKWARD_FLOPS_FACTOR = 2.0  # a backward does twice a forward's matrix work
@@ -324,12 +325,12 @@ class CostModel:
     Args:
         profiles: ``(tp, sequence_parallel) -> GraphProfile`` (at any microbatch; scaled here).
         cluster: the devices and links; dtype: the compute dtype's name.
-        sharding: the run's split and partition options, so that layouts are cut into stages as the run
+        sharding: the run's sharding section, so that layouts are cut into stages as the run
             cuts them (:func:`merak.shard.plan.stage_unit_bounds`); None: the cuts balancing the costs best.
     """
 
     def __init__(self, profiles, cluster: Cluster, dtype: str = "float32", *,
-                 sharding: ShardingOptions | None = None) -> None:
+                 sharding: ShardingSettings | None = None) -> None:
         self.profiles, self.cluster, self.dtype, self.sharding = profiles, cluster, dtype, sharding
         # Whose nominal rates a run's partitioner weighs the units with (merak.shard.costs).
         self.device_type = cluster.device_type

@@ -22,7 +22,6 @@ from merak.autoplan.cost import BACKWARD_FLOPS_FACTOR, CostModel, LayoutError
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile, profile_recipe
 from merak.autoplan.search import MEMORY_HEADROOM, Candidate, SearchSpace, explain, search
-from merak.config.options import sharding_options
 from merak.core.files import write_json_atomic
 from merak.pipeline.simulate import ScheduleError
 
@@ -120,9 +119,9 @@ class ProfileCache:
         identity = json.dumps({"format": PROFILE_FORMAT, "recipe": self.spec.name,
                                "model": OmegaConf.to_container(self.settings.model_cfg, resolve=True)
                                if isinstance(self.settings.model_cfg, DictConfig) else self.settings.model_cfg,
-                               "tp": tp, "sp": sequence_parallel, "trace": trainer.trace_method,
-                               "dtype": _dtype_name(trainer), "vocab": trainer.parallel_vocab,
-                               "leaf": trainer.leaf_modules, "inputs": trainer.input_names,
+                               "tp": tp, "sp": sequence_parallel, "trace": trainer.sharding.trace_method,
+                               "dtype": _dtype_name(trainer), "vocab": trainer.tensor_parallel.parallel_vocab,
+                               "leaf": trainer.sharding.leaf_modules, "inputs": trainer.batch.input_names,
                                "device": self.device_type, "torch": torch.__version__}, sort_keys=True,
                               default=str)
         return self.directory / f"{self.spec.name}-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
@@ -181,7 +180,8 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
                      and tp <= cluster.devices_per_node and not spec.check_layout(model_cfg, 1, tp, 1)]
         if tp_values and not _supports_sequence_parallel(profiles, tp_values[0]):
             space = dataclasses.replace(space, sequence_parallel=(False,))
-    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), sharding=sharding_options(spec, settings))
+    model = CostModel(profiles, cluster, _dtype_name(settings.trainer),
+                      sharding=spec.sharding(settings.trainer.sharding))
     capacity = cluster.accelerator.memory_gib * 2**30
     candidates = search(model, space, capacity)
     elapsed = time.perf_counter() - started

@@ -26,7 +26,7 @@ from merak.core.group_registry import simulated_groups
 from merak.session.assemble import build_model, default_input_names
 from merak.shard.costs import measure_units
 from merak.shard.graph import GraphUnits, _params_of_node
-from merak.tensor_parallel.options import split_model, tensor_parallel_state_kept
+from merak.tensor_parallel.options import TensorParallelSplit, split_model, tensor_parallel_state_kept
 from merak.trace.capture import capture
 from merak.trace.meta import buffers_on_meta
 from merak.trace.simplify import simplify_captured
@@ -313,26 +313,27 @@ def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_ba
 
 def _profile_at(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int,
                 device_type: str) -> GraphProfile:
-    from merak.config.options import precision_options, sharding_options
     from merak.session.training import example_inputs
 
     trainer = settings.trainer
-    model, _ = build_model(functools.partial(spec.build_model, settings.model_cfg), seed=trainer.seed,
+    model, _ = build_model(functools.partial(spec.build_model, settings.model_cfg), seed=trainer.batch.seed,
                            init_device="meta")
     model.train()
     tp_settings = dataclasses.replace(trainer.tensor_parallel, sequence_parallel=sequence_parallel,
                                       tp_overlapping_level=0)
-    split_model(model, tp_settings.options(plan=spec.tensor_parallel_plan(settings.model_cfg), size=tp))
-    dtype = precision_options(trainer).dtype
+    split_model(model, TensorParallelSplit(plan=spec.tensor_parallel_plan(settings.model_cfg), size=tp,
+                                           settings=tp_settings))
+    dtype = trainer.precision.dtype
     if dtype != torch.float32:
         model.to(dtype)
-    batch_settings = dataclasses.replace(settings, trainer=dataclasses.replace(
-        trainer, per_device_train_batch_size=micro_batch_size))
+    batch_settings = dataclasses.replace(settings,
+                                         trainer=trainer.replace(per_device_train_batch_size=micro_batch_size))
     examples = example_inputs(spec, batch_settings, None if spec.example_inputs is not None else
                               spec.prepare_data(settings.data_cfg, settings.model_cfg))
     if dtype != torch.float32:
         examples = {k: v.to(dtype) if v.is_floating_point() else v for k, v in examples.items()}
-    options = sharding_options(spec, settings)
-    return profile_graph(model, examples, trace_method=options.trace_method or "fx",
-                         input_names=options.input_names, leaf_modules=options.leaf_modules, tp=tp,
+    sharding = spec.sharding(trainer.sharding)
+    return profile_graph(model, examples, trace_method=sharding.trace_method or "fx",
+                         input_names=trainer.batch.input_names or spec.input_names,
+                         leaf_modules=tuple(sharding.leaf_modules), tp=tp,
                          sequence_parallel=sequence_parallel, device_type=device_type)

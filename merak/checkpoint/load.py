@@ -7,7 +7,6 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -15,19 +14,11 @@ from safetensors import SafetensorError, safe_open
 
 from merak.checkpoint import files
 from merak.checkpoint.rng import restore_rng
+from merak.checkpoint.settings import CheckpointSettings
 from merak.checkpoint.tensors import MASTER, join_slices, slice_from_json
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """What to restore (names as in MerakArguments)."""
-
-    finetune: bool = False
-    no_load_rng: bool = False
-    no_load_optim: bool = False
 
 
 def _read(checkpoint: str, relative: str, read: Callable[[], T]) -> T:
@@ -246,7 +237,7 @@ def _load_optimizer(engine, source: CheckpointSource) -> None:
             optimizer.optimizer.state[master] = restored
 
 
-def load_checkpoint(engine, checkpoint: str, *, options: LoadOptions = LoadOptions()) -> dict:
+def load_checkpoint(engine, checkpoint: str, *, options: CheckpointSettings = CheckpointSettings()) -> dict:
     """Load ``checkpoint`` into this rank's engine (any saving layout) and return its trainer state
     (``step`` 0 when finetuning).
 

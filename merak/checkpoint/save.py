@@ -7,8 +7,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -16,22 +15,13 @@ from safetensors.torch import save_file
 
 from merak.checkpoint import files
 from merak.checkpoint.rng import capture_rng
+from merak.checkpoint.settings import CheckpointSettings
 from merak.checkpoint.tensors import optimizer_file, weight_entries, weights_file
 from merak.distributed import groups
 
 logger = logging.getLogger(__name__)
 
 _NAMED = 3  # non-finite tensors named per rank in the error (the rest are counted)
-
-
-@dataclass(frozen=True)
-class SaveOptions:
-    """What to write (names as in MerakArguments)."""
-
-    save_total_limit: int | None = -1
-    no_save_rng: bool = False
-    no_save_optim: bool = False
-    keep: frozenset[str] = frozenset()  # checkpoints rotation never removes (the best model's)
 
 
 def _barrier() -> None:
@@ -45,7 +35,7 @@ def _safetensors(staging: str, path: str, tensors: dict, meta: dict[str, str]) -
     return files.file_record(staging, path, merak=json.loads(meta["merak"]))
 
 
-def rank_files(engine, staging: str, *, rank: int, options: SaveOptions) -> list[dict]:
+def rank_files(engine, staging: str, *, rank: int, options: CheckpointSettings) -> list[dict]:
     """Write this rank's share into ``staging``; return the manifest records of the files written."""
     state = engine.state
     pp, tp, dp = state.coordinates.pp, state.coordinates.tp, state.coordinates.dp
@@ -66,7 +56,7 @@ def rank_files(engine, staging: str, *, rank: int, options: SaveOptions) -> list
     return written
 
 
-def _tensors_to_write(engine, options: SaveOptions) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors_to_write(engine, options: CheckpointSettings) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors :func:`rank_files` writes on this rank, named as in its files."""
     if engine.state.coordinates.dp == 0:
         for entry in weight_entries(engine):
@@ -93,7 +83,7 @@ def nonfinite_tensors(named: Iterator[tuple[str, torch.Tensor]]) -> list[str]:
     return bad
 
 
-def _problem(engine, options: SaveOptions) -> str | None:
+def _problem(engine, options: CheckpointSettings) -> str | None:
     """What keeps this rank's share out of a checkpoint (None: nothing)."""
     bad = nonfinite_tensors(_tensors_to_write(engine, options))
     if not bad:
@@ -113,7 +103,7 @@ def _abandon(staging: str, step: int, problems: list[str], rank: int) -> files.C
 
 
 def save_checkpoint(engine, output_dir: str, *, step: int, trainer_state: dict, run_info: dict,
-                    options: SaveOptions = SaveOptions()) -> str:
+                    options: CheckpointSettings = CheckpointSettings(), keep: Collection[str] = ()) -> str:
     """Write ``<output_dir>/checkpoint-<step>`` from every rank (a collective call).
 
     Args:
@@ -121,6 +111,9 @@ def save_checkpoint(engine, output_dir: str, *, step: int, trainer_state: dict, 
         step: optimizer steps done.
         trainer_state: JSON-able state of the loop (data position, ...), stored as given.
         run_info: JSON-able description of the run (recipe, model config, layout, precision).
+        options: the checkpoint section: what to leave out (no_save_optim, no_save_rng) and how many
+            checkpoints to keep (save_total_limit).
+        keep: checkpoint directories the rotation never removes (the best model's).
 
     Returns the committed directory. A crash before the commit leaves only a
     ``.checkpoint-<step>.partial`` directory, which loading ignores.
@@ -163,7 +156,7 @@ def save_checkpoint(engine, output_dir: str, *, step: int, trainer_state: dict, 
                     "zero_stage": engine.optimizer.zero.stage, "dtype": str(engine.optimizer.precision.dtype),
                     "model_info": engine.model_info, "run": run_info, "files": listing}
         files.commit(staging, final, manifest)
-        files.rotate(output_dir, options.save_total_limit, protect={final, *options.keep})
+        files.rotate(output_dir, options.save_total_limit, protect={final, *keep})
         total = sum(r["bytes"] for r in listing.values())
         logger.info("saved %s (%.1f MB in %.2f s)", final, total / 1e6, time.perf_counter() - started)
     _barrier()

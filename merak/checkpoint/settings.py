@@ -1,5 +1,5 @@
 """The checkpoint section of the ``trainer`` config: ``<output_dir>/checkpoint-<step>/``
-(docs/checkpoints.md). Consumed by merak.checkpoint (SaveOptions, LoadOptions) through merak.session.training."""
+(docs/checkpoints.md). merak.checkpoint.save_checkpoint and load_checkpoint receive it."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from merak.config import LauncherSettings, TrainerSettings
+from merak.config import TRAINER_SECTIONS, LauncherSettings
 
 _PLAIN = (bool, int, float, str)
 
@@ -34,23 +34,26 @@ def omegaconf_type(hint):
     return Any
 
 
-def hydra_schema(cls) -> type:
-    """A structured-config dataclass with ``cls``'s fields and defaults, typed for OmegaConf."""
-    hints = typing.get_type_hints(cls)
+def hydra_schema(name: str, classes) -> type:
+    """A structured-config dataclass ``name`` with the fields and defaults of every class in ``classes``
+    (one flat group), typed for OmegaConf."""
     fields = []
-    for field in dataclasses.fields(cls):
-        if field.default is dataclasses.MISSING:
-            default = dataclasses.field(default_factory=field.default_factory)
-        else:
-            default = dataclasses.field(default=field.default)
-        fields.append((field.name, omegaconf_type(hints[field.name]), default))
-    schema = dataclasses.make_dataclass(f"{cls.__name__}Schema", fields)
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            if field.default is dataclasses.MISSING:
+                default = dataclasses.field(default_factory=field.default_factory)
+            else:
+                default = dataclasses.field(default=field.default)
+            fields.append((field.name, omegaconf_type(hints[field.name]), default))
+    schema = dataclasses.make_dataclass(name, fields)
     schema.__module__ = __name__  # a composed config is pickled for spawned workers: its class must be found
     return schema
 
 
-TrainerSettingsSchema = hydra_schema(TrainerSettings)
-LauncherSettingsSchema = hydra_schema(LauncherSettings)
+# The trainer group is flat (trainer.learning_rate): its schema holds the fields of every section.
+TrainerSettingsSchema = hydra_schema("TrainerSettingsSchema", TRAINER_SECTIONS.values())
+LauncherSettingsSchema = hydra_schema("LauncherSettingsSchema", [LauncherSettings])
 
 
 def register_schemas() -> None:

@@ -1,16 +1,12 @@
-"""Write docs/config/<section>.md from the typed config sections, so the documentation of every
-setting (type, default, range, meaning) is the code's: ``python -m merak.config.docs [DIR]``.
-tests/unit/test_config_docs.py fails when a file is out of date."""
+"""``merak settings [SECTION ...]``: the reference of every setting (type, default, range, meaning) printed
+from the typed config sections themselves, so it is always the installed code's and no file has to be
+kept in step with it (docs/config.md says where settings live)."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 import typing
-from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 
 def config_sections() -> dict[str, tuple[str, type]]:
@@ -38,7 +34,7 @@ def _default(field: dataclasses.Field) -> str:
 
 
 def section_markdown(stem: str, group: str, cls: type) -> str:
-    """One section's page: what it is, where it lives, and a table of its settings."""
+    """One section's reference: what it is, where it lives, and a table of its settings."""
     hints = typing.get_type_hints(cls)
     doc = " ".join((cls.__doc__ or "").split())
     lines = [f"# `{group}` settings: {stem.replace('_', ' ')}", "",
@@ -58,19 +54,20 @@ def section_markdown(stem: str, group: str, cls: type) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_config_docs(directory: str | Path) -> list[Path]:
-    """Write every section's page into ``directory``; the paths written."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for stem, (group, cls) in config_sections().items():
-        path = directory / f"{stem}.md"
-        path.write_text(section_markdown(stem, group, cls))
-        written.append(path)
-    return written
+def main(argv: list[str] | None = None, *, prog: str = "merak settings") -> int:
+    """merak settings [SECTION ...]: print the reference of the named config sections (all by default)."""
+    import argparse
+
+    sections = config_sections()
+    parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
+    parser.add_argument("sections", nargs="*", metavar="SECTION", help=f"any of: {', '.join(sections)}")
+    chosen = parser.parse_args(argv).sections or list(sections)
+    unknown = [name for name in chosen if name not in sections]
+    if unknown:
+        parser.error(f"no section {', '.join(unknown)}; choose from {', '.join(sections)}")
+    sys.stdout.write("\n".join(section_markdown(name, *sections[name]) for name in chosen))
+    return 0
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    for written_path in write_config_docs(sys.argv[1] if len(sys.argv) > 1 else "docs/config"):
-        logger.info("wrote %s", written_path)
+    sys.exit(main(prog="python -m merak.config.docs"))

@@ -17,6 +17,7 @@ import logging
 import sys
 import typing
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from merak.core.fields import field_problem, unknown_field_problem
 from merak.report.console import DATE_FORMAT, log_format
@@ -26,10 +27,15 @@ logger = logging.getLogger(__name__)
 EXIT_CANNOT_START = 2
 
 
-def _typed_groups() -> dict[str, type]:
-    from merak.config import LauncherSettings, TrainerSettings
+def _typed_groups() -> dict[str, dict[str, tuple[dataclasses.Field, Any]]]:
+    """The field and type of each setting of the typed config groups, by its name on the command line."""
+    from merak.config import SECTION_OF, TRAINER_FIELDS, TRAINER_SECTIONS, LauncherSettings
 
-    return {"trainer": TrainerSettings, "launcher": LauncherSettings}
+    section_hints = {name: typing.get_type_hints(cls) for name, cls in TRAINER_SECTIONS.items()}
+    launcher_hints = typing.get_type_hints(LauncherSettings)
+    return {"trainer": {name: (field, section_hints[SECTION_OF[name]][name]) for name, field in TRAINER_FIELDS.items()},
+            "launcher": {field.name: (field, launcher_hints[field.name])
+                         for field in dataclasses.fields(LauncherSettings)}}
 
 
 def override_problems(arguments: Sequence[str]) -> list[str]:
@@ -47,10 +53,9 @@ def override_problems(arguments: Sequence[str]) -> list[str]:
     groups, problems = _typed_groups(), []
     for override in overrides:
         group, _, name = override.key_or_group.partition(".")
-        cls = groups.get(group)
-        if cls is None or not name or override.is_delete() or override.package:
+        fields = groups.get(group)
+        if fields is None or not name or override.is_delete() or override.package:
             continue
-        fields = {field.name: field for field in dataclasses.fields(cls)}
         name = name.split(".")[0]
         if name not in fields:
             problems.append(unknown_field_problem(group, name, fields, list_known=False))
@@ -60,7 +65,8 @@ def override_problems(arguments: Sequence[str]) -> list[str]:
         value = override.value()
         if isinstance(value, str) and "${" in value:
             continue  # an interpolation: resolved (and checked) later
-        problem, _ = field_problem(group, fields[name], value, typing.get_type_hints(cls)[name])
+        field, hint = fields[name]
+        problem, _ = field_problem(group, field, value, hint)
         if problem:
             problems.append(problem)
     return problems

@@ -1,24 +1,24 @@
 """Run settings: the Hydra config checked and turned into typed values, before any worker starts.
 
-The ``trainer`` group is composed of sections, each a dataclass beside the subsystem that consumes
-it (merak/*/settings.py), with its defaults, ranges and own checks; this module composes them,
+The ``trainer`` group is one object of sections, each a dataclass beside the subsystem that consumes
+it (merak/*/settings.py), with its defaults, ranges and own checks; this module holds them together,
 checks what spans sections and the layout, and reads the ``launcher`` and ``parallel`` groups.
-Only this module and merak.runner read the config; the engine layers get plain options.
+Only this module and merak.runner read the config; the engine layers receive the sections.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from merak.checkpoint.settings import CheckpointSettings
-from merak.core.fields import positive_int_problem, typed_section
+from merak.core.fields import positive_int_problem, typed_section, unknown_field_problem
 from merak.data.settings import BatchSettings
 from merak.distributed.settings import LauncherSettings
 from merak.distributed.topology import RankGrid
@@ -34,56 +34,72 @@ class ConfigError(ValueError):
     """The run config cannot work; the message names each field and what to change."""
 
 
-# The sections of the ``trainer`` config group, each defined beside the code that consumes it. Their
-# field names are MerakArguments' (Hugging Face's where it has one), so the group stays flat:
-# ``trainer.learning_rate``, not ``trainer.optimizer.learning_rate``.
-TRAINER_SECTIONS: dict[str, type] = {
-    "batch": BatchSettings,
-    "optimizer": OptimizerSettings,
-    "precision": PrecisionSettings,
-    "zero": ZeroSettings,
-    "sharding": ShardingSettings,
-    "tensor_parallel": TensorParallelSettings,
-    "schedule": ScheduleSettings,
-    "compile": CompileSettings,
-    "checkpoint": CheckpointSettings,
-    "energy": EnergySettings,
-    "report": ReportSettings,
-}
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The ``trainer`` config group, one object per section; each section is a dataclass beside the code
+    that consumes it, and that code receives the section itself (``settings.trainer.optimizer``).
+
+    The group is flat where users write it (``trainer.learning_rate``, MerakArguments' and Hugging Face's
+    names): :data:`SECTION_OF` maps each of those names to its section.
+    """
+
+    batch: BatchSettings = BatchSettings()
+    optimizer: OptimizerSettings = OptimizerSettings()
+    precision: PrecisionSettings = PrecisionSettings()
+    zero: ZeroSettings = ZeroSettings()
+    sharding: ShardingSettings = ShardingSettings()
+    tensor_parallel: TensorParallelSettings = TensorParallelSettings()
+    schedule: ScheduleSettings = ScheduleSettings()
+    compile: CompileSettings = CompileSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+    energy: EnergySettings = EnergySettings()
+    report: ReportSettings = ReportSettings()
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any], problems: list[str]) -> TrainerSettings:
+        """The sections from the flat ``trainer`` group, each value type- and range-checked
+        (merak.core.fields); unknown names and wrong values are appended to ``problems``."""
+        for key in sorted(set(values) - set(SECTION_OF)):
+            problems.append(unknown_field_problem("trainer", key, SECTION_OF))
+        by_section: dict[str, dict] = {name: {} for name in TRAINER_SECTIONS}
+        for key, value in values.items():
+            if key in SECTION_OF:
+                by_section[SECTION_OF[key]][key] = value
+        return cls(**{name: typed_section(by_section[name], section, "trainer", problems)
+                      for name, section in TRAINER_SECTIONS.items()})
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting by its flat name (what ``trainer.*`` holds in a config)."""
+        return {name: getattr(getattr(self, section), name) for name, section in SECTION_OF.items()}
+
+    def replace(self, **changes) -> TrainerSettings:
+        """A copy with settings changed by their flat names (``replace(max_steps=5)``)."""
+        sections: dict[str, dict] = {}
+        for name, value in changes.items():
+            if name not in SECTION_OF:
+                raise TypeError(f"trainer.{name} is not a setting")
+            sections.setdefault(SECTION_OF[name], {})[name] = value
+        return dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **values)
+                                            for section, values in sections.items()})
 
 
-def _section_view(cls):
-    """A property returning the ``cls`` section of a TrainerSettings (computed once)."""
-
-    def view(self):
-        return cls(**{field.name: getattr(self, field.name) for field in dataclasses.fields(cls)})
-
-    view.__doc__ = f"The {cls.__name__} section of these settings."
-    return functools.cached_property(view)
-
-
-def _compose_trainer_settings() -> type:
-    """TrainerSettings: every field of every section, flat, with the section's default and range, plus
-    a property per section (``trainer.optimizer``, ``trainer.zero``...) returning it as its own object."""
-    fields, owner = [], {}
-    for section, cls in TRAINER_SECTIONS.items():
-        hints = typing.get_type_hints(cls)
+def _sections() -> tuple[dict[str, type], dict[str, str], dict[str, dataclasses.Field]]:
+    """The section classes by name, the section of each flat name, and each flat name's field."""
+    hints = typing.get_type_hints(TrainerSettings)
+    sections = {field.name: hints[field.name] for field in dataclasses.fields(TrainerSettings)}
+    owner: dict[str, str] = {}
+    settings: dict[str, dataclasses.Field] = {}
+    for section, cls in sections.items():
         for field in dataclasses.fields(cls):
-            if field.name in owner:
+            if field.name in owner:  # the group is flat: a name means one setting
                 raise TypeError(f"trainer.{field.name} is defined by two sections: {owner[field.name]} and {section}")
-            owner[field.name] = section
-            default = ({"default_factory": field.default_factory} if field.default is dataclasses.MISSING
-                       else {"default": field.default})
-            fields.append((field.name, hints[field.name], dataclasses.field(metadata=field.metadata, **default)))
-    namespace = {section: _section_view(cls) for section, cls in TRAINER_SECTIONS.items()}
-    namespace["__doc__"] = ("The ``trainer`` config group (MerakArguments / TrainingArguments names): the fields of "
-                            "every section in TRAINER_SECTIONS, each also reachable as its section object.")
-    composed = dataclasses.make_dataclass("TrainerSettings", fields, frozen=True, namespace=namespace)
-    composed.__module__ = __name__  # pickled with the run settings when workers are spawned
-    return composed
+            owner[field.name], settings[field.name] = section, field
+    return sections, owner, settings
 
 
-TrainerSettings = _compose_trainer_settings()
+# The sections by name, and the table of flat names: trainer.<name> lives in section SECTION_OF[name]
+# and is declared by TRAINER_FIELDS[name] (its type, default, help and range).
+TRAINER_SECTIONS, SECTION_OF, TRAINER_FIELDS = _sections()
 
 
 @dataclass(frozen=True)
@@ -100,7 +116,7 @@ class RunSettings:
 
     @property
     def global_batch_size(self) -> int:
-        return self.trainer.per_device_train_batch_size * self.num_microbatches * self.grid.dp
+        return self.trainer.batch.per_device_train_batch_size * self.num_microbatches * self.grid.dp
 
 
 def _section(cfg: DictConfig, name: str, cls, problems: list[str]):
@@ -130,7 +146,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
         world_size: number of processes an outside launcher started, if any.
     """
     problems: list[str] = []
-    trainer = _section(cfg, "trainer", TrainerSettings, problems)
+    trainer = TrainerSettings.from_flat(OmegaConf.to_container(cfg.get("trainer") or {}, resolve=True), problems)
     launcher = _section(cfg, "launcher", LauncherSettings, problems)
     parallel = OmegaConf.to_container(cfg.get("parallel") or {}, resolve=True)
     degrees = {axis: parallel.get(axis, 1) for axis in ("dp", "tp", "pp")}
@@ -158,13 +174,13 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
         problems.extend(trainer.tensor_parallel.problems(plan=spec.tensor_parallel_plan(model_cfg),
                                                          tp=grid.tp if grid else 1))
     problems.extend(trainer.precision.problems())
-    problems.extend(trainer.zero.problems(trainer.optim))
+    problems.extend(trainer.zero.problems(trainer.optimizer.optim))
     problems.extend(trainer.checkpoint.problems())
     problems.extend(trainer.report.problems())
     problems.extend(trainer.compile.problems(on_cuda=_trains_on_cuda(launcher)))
     problems.extend(_cross_section_problems(trainer, grid))
     if grid and _schedule_usable(trainer):
-        problems.extend(trainer.energy.problems(schedule=trainer.train_schedule, pp=grid.pp,
+        problems.extend(trainer.energy.problems(schedule=trainer.schedule.train_schedule, pp=grid.pp,
                                                 num_microbatches=num_microbatches, num_chunks=trainer.schedule.chunks,
                                                 dp=grid.dp))
     # Model checks run even when the layout is invalid, so every problem is listed at once.
@@ -175,7 +191,7 @@ def resolve_settings(spec, cfg: DictConfig, *, world_size: int | None = None) ->
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     return RunSettings(grid=grid, trainer=trainer, launcher=launcher, model_cfg=model_cfg, data_cfg=data_cfg,
-                       output_dir=trainer.output_dir or _default_output_dir(), num_microbatches=num_microbatches)
+                       output_dir=trainer.report.output_dir or _default_output_dir(), num_microbatches=num_microbatches)
 
 
 def _recipe_group(cfg: DictConfig, name: str, schema: type | None, problems: list[str]) -> DictConfig | None:
@@ -219,18 +235,21 @@ def _cross_section_problems(trainer: TrainerSettings, grid: RankGrid | None) -> 
     """Settings of two sections that cannot work together."""
     problems = []
     tp = grid.tp if grid else 1
-    if trainer.tp_overlapping_level == 2 and trainer.activation_checkpointing and tp > 1:
+    overlapping_halves = trainer.tensor_parallel.tp_overlapping_level == 2 and tp > 1
+    if overlapping_halves and trainer.schedule.activation_checkpointing:
         problems.append("trainer.tp_overlapping_level=2 runs stage halves on two threads and cannot recompute "
                         "them: set trainer.activation_checkpointing=false")
-    if trainer.zero_optimization and trainer.zero_stage == 2 and trainer.tp_overlapping_level == 2 and tp > 1:
+    if trainer.zero.stage == 2 and overlapping_halves:
         problems.append("trainer.zero_stage=2 reduces gradients as autograd produces them, and "
                         "tp_overlapping_level=2 produces them on two threads in no fixed order: use "
                         "zero_stage=1 or tp_overlapping_level 0 or 1")
-    if trainer.activation_checkpointing and _uses_cuda_graphs(trainer):
+    # Contradicting compile settings are the compile section's to report.
+    compile_ok = not trainer.compile.contradictions()
+    if trainer.schedule.activation_checkpointing and compile_ok and trainer.compile.uses_cuda_graphs:
         problems.append("trainer.cuda_graphs=true (or a torch_compile_mode with CUDA graphs) with recomputation "
                         "failed on a GPU: the recomputed parts' saved tensors were not on the device the first run "
                         "saved them on (docs/gpu.md); set trainer.activation_checkpointing=false")
-    traced = trainer.trace_method is not None
+    traced = trainer.sharding.trace_method is not None
     if grid and not traced and _chunks_or_one(trainer) > 1:
         problems.append("interleaved schedules cut the model into pp x pipeline_chunks pieces: they need a "
                         "captured graph (trace_method=fx or dynamo)")
@@ -239,21 +258,12 @@ def _cross_section_problems(trainer: TrainerSettings, grid: RankGrid | None) -> 
     return problems
 
 
-def _uses_cuda_graphs(trainer: TrainerSettings) -> bool:
-    """Whether compiled stages replay as CUDA graphs (False when the compile settings are invalid: the
-    compile section reports that)."""
-    try:
-        return trainer.compile.options().uses_cuda_graphs
-    except ValueError:
-        return False
-
-
 def _schedule_usable(trainer: TrainerSettings) -> bool:
     """Whether the schedule name is known and pipeline_chunks valid (else the schedule section reports it)."""
     from merak.pipeline.schedules import schedule_names
 
-    chunks = trainer.pipeline_chunks
-    return trainer.train_schedule in schedule_names() and (chunks is None or chunks >= 1)
+    chunks = trainer.schedule.pipeline_chunks
+    return trainer.schedule.train_schedule in schedule_names() and (chunks is None or chunks >= 1)
 
 
 def _chunks_or_one(trainer: TrainerSettings) -> int:
@@ -263,6 +273,6 @@ def _chunks_or_one(trainer: TrainerSettings) -> int:
 
 def total_steps(settings: RunSettings, steps_per_epoch: int) -> int:
     """Optimizer steps of the run: max_steps, else epochs x steps per epoch."""
-    if settings.trainer.max_steps > 0:
-        return settings.trainer.max_steps
-    return max(1, int(settings.trainer.num_train_epochs * steps_per_epoch))
+    if settings.trainer.batch.max_steps > 0:
+        return settings.trainer.batch.max_steps
+    return max(1, int(settings.trainer.batch.num_train_epochs * steps_per_epoch))

@@ -73,7 +73,7 @@ def run_profile(session, runtime) -> dict | None:
     settings, state, trainer = session.settings, session.state, session.settings.trainer
     device, meter = runtime.device, runtime.meter
     clocks = device.supported_clocks()
-    per_clock = trainer.num_warmup_steps + trainer.num_prof_steps
+    per_clock = trainer.energy.num_warmup_steps + trainer.energy.num_prof_steps
     coords = state.coordinates
     rows: list[ProfileRow] = []
     spans: list[tuple[int, float, float]] = []  # this rank's (clock, step time, compute span) per clock
@@ -85,7 +85,7 @@ def run_profile(session, runtime) -> dict | None:
                 microbatches = session.loader.load_step(step) if session.loader else None
                 session.engine.train_step(microbatches)
                 step += 1
-            measured = meter.steps[-trainer.num_prof_steps:]
+            measured = meter.steps[-trainer.energy.num_prof_steps:]
             averages = _step_averages(measured)
             spans.append((clock, statistics.fmean(s.time for s in measured),
                           statistics.fmean(s.compute_span for s in measured)))
@@ -107,18 +107,18 @@ def run_profile(session, runtime) -> dict | None:
         return None
     grid = settings.grid
     name = profile_file_name(model=str(settings.model_cfg.get("name", "model")),
-                             partition_method=trainer.partition_method, dp=grid.dp, pp=grid.pp, tp=grid.tp,
-                             micro_batch_size=trainer.per_device_train_batch_size)
+                             partition_method=trainer.sharding.partition_method, dp=grid.dp, pp=grid.pp, tp=grid.tp,
+                             micro_batch_size=trainer.batch.per_device_train_batch_size)
     path = os.path.join(settings.output_dir, name)
     all_rows = [row for part in everyone for row in part]
     write_profile(path, all_rows)
-    overheads = measure_overheads(all_rows, all_spans, trainer.train_schedule, grid.pp, trainer.schedule.chunks,
-                                  session.engine.num_microbatches)
+    overheads = measure_overheads(all_rows, all_spans, trainer.schedule.train_schedule, grid.pp,
+                                  trainer.schedule.chunks, session.engine.num_microbatches)
     write_overheads(path, overheads)
     summary = {"profile": path, "device": device.name, "clocks_profiled": profiled, "clocks_supported": len(clocks),
                "highest_clock": clocks[0], "lowest_clock_profiled": clocks[profiled - 1],
                "steps": step, "rows": sum(len(part) for part in everyone),
-               "layout": {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp}, "schedule": trainer.train_schedule,
+               "layout": {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp}, "schedule": trainer.schedule.train_schedule,
                "seconds": time.perf_counter() - started}
     write_json_atomic(os.path.join(settings.output_dir, "summary.json"), summary)
     logger.info("wrote the instruction profile %s (%d clocks from %d MHz down to %d MHz)", path, profiled,

@@ -23,21 +23,21 @@ from merak.pipeline.hooks import PipelineHook
 logger = logging.getLogger(__name__)
 
 
-def make_device(trainer, device: torch.device, pipeline: int = 0) -> GPUDevice:
+def make_device(energy, device: torch.device, pipeline: int = 0) -> GPUDevice:
     """The GPU backend ``trainer.energy_device`` names (auto: NVML on CUDA machines, else simulated); a
     simulated GPU of pipeline ``trainer.simulated_straggler_pipeline`` is capped at its straggler clock."""
-    choice = trainer.energy_device
+    choice = energy.energy_device
     if choice == "auto":
         choice = "nvml" if device.type == "cuda" else "simulated"
         if choice == "simulated":
-            logger.info("no GPU: energy features run on a simulated %s", trainer.simulated_gpu)
+            logger.info("no GPU: energy features run on a simulated %s", energy.simulated_gpu)
     if choice == "nvml":
         from merak.energy.nvml import NVMLDevice
 
         index = device.index if device.index is not None else 0
         return NVMLDevice(index, cuda_index=index)
-    straggler = trainer.simulated_straggler_pipeline is not None and trainer.simulated_straggler_pipeline == pipeline
-    return SimulatedGPU(trainer.simulated_gpu, clock_cap=trainer.simulated_straggler_clock if straggler else None)
+    straggler = energy.simulated_straggler_pipeline is not None and energy.simulated_straggler_pipeline == pipeline
+    return SimulatedGPU(energy.simulated_gpu, clock_cap=energy.simulated_straggler_clock if straggler else None)
 
 
 class EnergyRuntime:
@@ -49,42 +49,42 @@ class EnergyRuntime:
         device: the GPU backend (default: :func:`make_device`).
     """
 
-    def __init__(self, trainer, state, device: GPUDevice | None = None) -> None:
-        self.trainer, self.state = trainer, state
-        self.device = device if device is not None else make_device(trainer, state.device, state.coordinates.dp)
+    def __init__(self, energy, state, device: GPUDevice | None = None) -> None:
+        self.energy, self.state = energy, state
+        self.device = device if device is not None else make_device(energy, state.device, state.coordinates.dp)
         self.meter = InstructionMeter(self.device)
         self.zeus = None
         self.straggler = None
         controls: list[PipelineHook] = []
-        if trainer.frequency_plan:
+        if energy.frequency_plan:
             from merak.energy.plans import read_plan
 
             stage = state.coordinates.pp
-            controls.append(FrequencyPlanHook(self.device, read_plan(trainer.frequency_plan)[stage], stage))
-        elif trainer.frequency_frontier:
-            controls.append(self._straggler_aware_plans(trainer, state))
-        elif trainer.pfo_server_url:
+            controls.append(FrequencyPlanHook(self.device, read_plan(energy.frequency_plan)[stage], stage))
+        elif energy.frequency_frontier:
+            controls.append(self._straggler_aware_plans(energy, state))
+        elif energy.pfo_server_url:
             from merak.energy.zeus_client import ZeusClient
 
-            self.zeus = ZeusClient(trainer, state, self.device, self.meter)
+            self.zeus = ZeusClient(energy, state, self.device, self.meter)
             controls.append(self.zeus.control)
-        simulated = [SimulatedCompute(self.device, trainer.simulated_tflops * 1e12)] \
+        simulated = [SimulatedCompute(self.device, energy.simulated_tflops * 1e12)] \
             if isinstance(self.device, SimulatedGPU) else []
         reporters = [self.zeus.reporter] if self.zeus is not None else []
         self.hooks: list[PipelineHook] = [*controls, *simulated, self.meter, *reporters]
 
-    def _straggler_aware_plans(self, trainer, state) -> PipelineHook:
+    def _straggler_aware_plans(self, energy, state) -> PipelineHook:
         from merak.energy.frontier import read_frontier
         from merak.energy.straggler import StragglerAwarePlans
 
-        frontier = read_frontier(trainer.frequency_frontier)
-        deadline = trainer.frontier_deadline
+        frontier = read_frontier(energy.frequency_frontier)
+        deadline = energy.frontier_deadline
         base = frontier.index_within(deadline) if deadline is not None else 0
         coords, dp = state.coordinates, state.grid.dp
         self.straggler = StragglerAwarePlans(
             self.device, frontier, self.meter, stage=coords.pp, pipeline=coords.dp, pipelines=dp, base=base,
-            window=trainer.straggler_window if dp > 1 else 0, hysteresis=trainer.straggler_hysteresis,
-            margin=trainer.straggler_margin)
+            window=energy.straggler_window if dp > 1 else 0, hysteresis=energy.straggler_hysteresis,
+            margin=energy.straggler_margin)
         return self.straggler
 
     def summary(self, skip_steps: int = 1) -> dict | None:
@@ -108,7 +108,7 @@ class EnergyRuntime:
         report = {"device": self.device.name, "measured_steps": local["steps"],
                   "iteration_time_s": max((r["step_time_s"] for r in measured), default=None),
                   "iteration_energy_j": sum(r["step_energy_j"] for r in measured) if measured else None,
-                  "plan": self.trainer.frequency_plan, "pfo_server_url": self.trainer.pfo_server_url,
+                  "plan": self.energy.frequency_plan, "pfo_server_url": self.energy.pfo_server_url,
                   "zeus_job_id": self.zeus.job_id if self.zeus is not None else None,
                   "ranks": sorted(everyone, key=lambda r: r["rank"])}
         if self.straggler is not None and measured:
@@ -135,7 +135,7 @@ class EnergyRuntime:
                 "predicted_energy_at_job_step_j": stretched_energy,
                 "time_error": time_s / predicted_time - 1, "energy_error": energy_j / predicted_energy - 1,
                 "energy_error_at_job_step": energy_j / stretched_energy - 1})
-        return {"frontier": self.trainer.frequency_frontier, "base_point": self.straggler.switcher.base,
+        return {"frontier": self.energy.frequency_frontier, "base_point": self.straggler.switcher.base,
                 "straggler_target_s": self.straggler.switcher.target,
                 "switches": [vars(s) for s in self.straggler.switches], "pipelines": pipelines}
 
@@ -147,9 +147,9 @@ class EnergyRuntime:
         self.device.close()
 
 
-def start_energy(trainer, state) -> EnergyRuntime | None:
+def start_energy(energy, state) -> EnergyRuntime | None:
     """The worker's EnergyRuntime, or None when the run uses no energy feature."""
-    return EnergyRuntime(trainer, state) if energy_enabled(trainer) else None
+    return EnergyRuntime(energy, state) if energy_enabled(energy) else None
 
 
 __all__ = ["EnergyRuntime", "make_device", "start_energy"]

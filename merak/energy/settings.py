@@ -64,10 +64,10 @@ class EnergySettings:
         return energy_problems(self, schedule, pp, num_microbatches, num_chunks, dp)
 
 
-def energy_enabled(trainer) -> bool:
+def energy_enabled(energy) -> bool:
     """Whether the run uses a GPU device for energy: profiling, a plan, zeus, or an explicit device."""
-    return bool(trainer.profile or trainer.frequency_plan or trainer.frequency_frontier or trainer.pfo_server_url
-                or trainer.energy_device in ("nvml", "simulated"))
+    return bool(energy.profile or energy.frequency_plan or energy.frequency_frontier or energy.pfo_server_url
+                or energy.energy_device in ("nvml", "simulated"))
 
 
 def _server_problem(url: str) -> str | None:
@@ -81,77 +81,77 @@ def _server_problem(url: str) -> str | None:
     return None
 
 
-def energy_problems(trainer, schedule: str, pp: int, num_microbatches: int, num_chunks: int,
+def energy_problems(energy, schedule: str, pp: int, num_microbatches: int, num_chunks: int,
                     dp: int = 1) -> list[str]:
     """Everything wrong with the energy settings, as messages naming the fields."""
     from merak.energy.simulated import SPECS
 
     problems: list[str] = []
-    if trainer.energy_device not in DEVICES:
-        problems.append(f"trainer.energy_device={trainer.energy_device!r}; use one of {', '.join(DEVICES)}")
-    if str(trainer.simulated_gpu).upper() not in SPECS:
-        problems.append(f"trainer.simulated_gpu={trainer.simulated_gpu!r}; use one of {', '.join(SPECS)}")
-    if not (isinstance(trainer.simulated_tflops, (int, float)) and trainer.simulated_tflops > 0):
-        problems.append(f"trainer.simulated_tflops={trainer.simulated_tflops!r} must be a positive number")
-    if not (isinstance(trainer.num_warmup_steps, int) and trainer.num_warmup_steps >= 0):
-        problems.append(f"trainer.num_warmup_steps={trainer.num_warmup_steps!r} must be an integer >= 0")
-    if not (isinstance(trainer.num_prof_steps, int) and trainer.num_prof_steps >= 1):
-        problems.append(f"trainer.num_prof_steps={trainer.num_prof_steps!r} must be a positive integer")
+    if energy.energy_device not in DEVICES:
+        problems.append(f"trainer.energy_device={energy.energy_device!r}; use one of {', '.join(DEVICES)}")
+    if str(energy.simulated_gpu).upper() not in SPECS:
+        problems.append(f"trainer.simulated_gpu={energy.simulated_gpu!r}; use one of {', '.join(SPECS)}")
+    if not (isinstance(energy.simulated_tflops, (int, float)) and energy.simulated_tflops > 0):
+        problems.append(f"trainer.simulated_tflops={energy.simulated_tflops!r} must be a positive number")
+    if not (isinstance(energy.num_warmup_steps, int) and energy.num_warmup_steps >= 0):
+        problems.append(f"trainer.num_warmup_steps={energy.num_warmup_steps!r} must be an integer >= 0")
+    if not (isinstance(energy.num_prof_steps, int) and energy.num_prof_steps >= 1):
+        problems.append(f"trainer.num_prof_steps={energy.num_prof_steps!r} must be a positive integer")
     chosen = [name for name in ("profile", "frequency_plan", "frequency_frontier", "pfo_server_url")
-              if getattr(trainer, name)]
+              if getattr(energy, name)]
     if len(chosen) > 1:
-        problems.append(f"trainer.{' and trainer.'.join(chosen)} are exclusive: profile, run a plan file, run "
+        problems.append(f"trainer.{' and energy.'.join(chosen)} are exclusive: profile, run a plan file, run "
                         "a frontier, or take plans from a zeus server")
-    if energy_enabled(trainer) and trainer.energy_device == "none":
+    if energy_enabled(energy) and energy.energy_device == "none":
         problems.append(f"trainer.{chosen[0] if chosen else 'energy_device'} needs a GPU device: set "
                         "trainer.energy_device to auto, nvml or simulated")
-    if trainer.frequency_plan:
+    if energy.frequency_plan:
         from merak.energy.dag import step_graph
         from merak.energy.plans import PlanError, check_plan, read_plan
 
         try:
             graph = step_graph(schedule, pp, num_microbatches, num_chunks)
-            check_plan(read_plan(trainer.frequency_plan), graph,
-                       source=f"trainer.frequency_plan={trainer.frequency_plan}")
+            check_plan(read_plan(energy.frequency_plan), graph,
+                       source=f"trainer.frequency_plan={energy.frequency_plan}")
         except (PlanError, ValueError) as error:
             problems.append(str(error))
-    if trainer.frequency_frontier:
+    if energy.frequency_frontier:
         from merak.energy.frontier import FrontierError, read_frontier
 
         try:
-            read_frontier(trainer.frequency_frontier).check(schedule, pp, num_microbatches, num_chunks,
-                                                            source=f"trainer.frequency_frontier={trainer.frequency_frontier}")
+            read_frontier(energy.frequency_frontier).check(schedule, pp, num_microbatches, num_chunks,
+                                                            source=f"trainer.frequency_frontier={energy.frequency_frontier}")
         except FrontierError as error:
             problems.append(str(error))
-    elif trainer.frontier_deadline is not None:
+    elif energy.frontier_deadline is not None:
         problems.append("trainer.frontier_deadline needs trainer.frequency_frontier")
-    problems += _straggler_problems(trainer, dp)
-    if trainer.pfo_server_url:
+    problems += _straggler_problems(energy, dp)
+    if energy.pfo_server_url:
         if importlib.util.find_spec("zeus") is None:
             problems.append("trainer.pfo_server_url needs zeus: pip install 'merak[energy]'")
         else:
-            problem = _server_problem(trainer.pfo_server_url)
+            problem = _server_problem(energy.pfo_server_url)
             if problem:
                 problems.append(problem)
     return problems
 
 
-def _straggler_problems(trainer, dp: int) -> list[str]:
+def _straggler_problems(energy, dp: int) -> list[str]:
     """The simulated straggler's settings: both or neither, on a simulated GPU, a real pipeline and clock."""
     from merak.energy.simulated import SPECS
 
-    pipeline, clock = trainer.simulated_straggler_pipeline, trainer.simulated_straggler_clock
+    pipeline, clock = energy.simulated_straggler_pipeline, energy.simulated_straggler_clock
     if pipeline is None and clock is None:
         return []
     if pipeline is None or clock is None:
         return ["trainer.simulated_straggler_pipeline and trainer.simulated_straggler_clock go together: set both"]
     problems = []
-    if trainer.energy_device not in ("auto", "simulated"):
+    if energy.energy_device not in ("auto", "simulated"):
         problems.append(f"trainer.simulated_straggler_pipeline needs a simulated GPU, not "
-                        f"energy_device={trainer.energy_device!r}")
+                        f"energy_device={energy.energy_device!r}")
     if not 0 <= pipeline < dp:
         problems.append(f"trainer.simulated_straggler_pipeline={pipeline} is not a data-parallel rank of dp={dp}")
-    spec = SPECS.get(str(trainer.simulated_gpu).upper())
+    spec = SPECS.get(str(energy.simulated_gpu).upper())
     if spec is not None and clock not in spec.clocks():
         problems.append(f"trainer.simulated_straggler_clock={clock} is not a clock of the simulated {spec.name} "
                         f"({spec.min_clock}-{spec.max_clock} MHz in {spec.clock_step} MHz steps)")

@@ -88,9 +88,9 @@ class ZeusClient:
         job_id: the job's id on the server.
     """
 
-    def __init__(self, trainer, state, device: GPUDevice, meter: InstructionMeter, *,
+    def __init__(self, energy, state, device: GPUDevice, meter: InstructionMeter, *,
                  http: httpx.Client | None = None) -> None:
-        self.url, self.state, self.device, self.meter = trainer.pfo_server_url.rstrip("/"), state, device, meter
+        self.url, self.state, self.device, self.meter = energy.pfo_server_url.rstrip("/"), state, device, meter
         self._http = http if http is not None else httpx.Client(timeout=REQUEST_TIMEOUT_S)
         self._owns_http = http is None
         self._zeus_optimizer = None
@@ -104,8 +104,8 @@ class ZeusClient:
             self.job_id, planned = job.job_id, len(job.schedule)
             self.control = FrequencyPlanHook(device, job.schedule, state.coordinates.pp)
         logger.info("zeus job %s: %d planned compute instructions per step on this rank", self.job_id, planned)
-        measured = trainer.num_prof_steps
-        self.reporter = _Reporter(self, trainer.num_warmup_steps + measured, measured)
+        measured = energy.num_prof_steps
+        self.reporter = _Reporter(self, energy.num_warmup_steps + measured, measured)
 
     def _zeus_optimizer_for(self, state, device: NVMLDevice):
         from zeus.optimizer.pipeline_frequency import PipelineFrequencyOptimizer

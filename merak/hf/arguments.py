@@ -11,13 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import typing
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 from transformers import TrainingArguments
 
-from merak.config import LauncherSettings, TrainerSettings
+from merak.config import TRAINER_FIELDS, LauncherSettings
 
 # The schedules of the API document (early_recompute_1f1b is Merak-Zeus' name for pre_recompute_1f1b).
 SCHEDULE_ALIASES = {"early_recompute_1f1b": "pre_recompute_1f1b"}
@@ -37,7 +38,26 @@ def _doc(text: str, **kwargs):
 
 # The run settings' defaults: a MerakArguments field that means what a trainer or launcher setting
 # means takes its default from there (the sections in merak/*/settings.py), not a copy of it.
-_RUN_DEFAULTS = {field.name: field for cls in (TrainerSettings, LauncherSettings) for field in dataclasses.fields(cls)}
+_RUN_DEFAULTS = {**TRAINER_FIELDS, **{field.name: field for field in dataclasses.fields(LauncherSettings)}}
+
+
+# Trainer settings MerakTrainer decides itself: no argument sets them.
+_NOT_ARGUMENTS = frozenset({"global_batch_size", "eval_holdout", "warmup_ratio"})
+
+
+def _every_trainer_setting(cls):
+    """``cls`` with a field for each trainer setting it does not declare itself, with the setting's type,
+    default and help (merak.config.TRAINER_FIELDS): a new setting is a MerakArguments field at once.
+    Applied before ``@dataclass``, which then makes the fields."""
+    from merak.config import SECTION_OF, TRAINER_SECTIONS
+
+    declared = {name for klass in cls.__mro__ for name in getattr(klass, "__annotations__", {})}
+    for name, setting in TRAINER_FIELDS.items():
+        if name in declared or name in _NOT_ARGUMENTS:
+            continue
+        cls.__annotations__[name] = typing.get_type_hints(TRAINER_SECTIONS[SECTION_OF[name]])[name]
+        setattr(cls, name, _merak(name, setting.metadata.get("help", "")))
+    return cls
 
 
 def _merak(name: str, text: str):
@@ -49,6 +69,7 @@ def _merak(name: str, text: str):
 
 
 @dataclass
+@_every_trainer_setting
 class MerakArguments(TrainingArguments):
     """Training arguments: every ``transformers.TrainingArguments`` field, plus Merak's.
 
@@ -317,14 +338,18 @@ def _enum_value(value) -> str:
 
 
 def trainer_settings(args: MerakArguments, *, total_steps_hint: int | None = None, cadence=None) -> dict:
-    """The ``trainer`` section of a run config from MerakArguments (merak.config.TrainerSettings names);
+    """The ``trainer`` group of a run config from MerakArguments (its flat names, merak.config.SECTION_OF);
     with the resolved ``cadence`` (merak.hf.cadence), checkpoints are written as it says."""
-    known = {f.name for f in dataclasses.fields(TrainerSettings)}
+    known = set(TRAINER_FIELDS)
     values = {name: getattr(args, name) for name in known if hasattr(args, name)}
     values["train_schedule"] = SCHEDULE_ALIASES.get(args.train_schedule, args.train_schedule)
     values["lr_scheduler_type"] = _enum_value(args.lr_scheduler_type)
     values["optim"] = OPTIMIZER_ALIASES.get(_enum_value(args.optim), _enum_value(args.optim))
     values["output_dir"] = os.path.abspath(args.output_dir)
+    if 0 < args.warmup_steps < 1:  # Hugging Face's way of giving a ratio of the run
+        values["warmup_ratio"], values["warmup_steps"] = float(args.warmup_steps), 0
+    else:
+        values["warmup_steps"] = int(args.warmup_steps)
     values["save_steps"] = _steps(args.save_steps, total_steps_hint)
     values["logging_steps"] = _steps(args.logging_steps, total_steps_hint)
     values["disable_tqdm"] = bool(args.disable_tqdm)

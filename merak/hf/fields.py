@@ -14,7 +14,7 @@ import dataclasses
 
 from transformers import TrainingArguments
 
-# Read by merak: the run settings of the same name (merak.config.TrainerSettings) or MerakTrainer.
+# Read by merak: the trainer settings of the same name (merak.config.SECTION_OF) or MerakTrainer.
 HONOURED = frozenset({
     "output_dir", "per_device_train_batch_size", "num_train_epochs", "max_steps", "learning_rate",
     "lr_scheduler_type", "warmup_steps", "optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",

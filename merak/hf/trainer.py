@@ -219,7 +219,7 @@ class MerakTrainer(TrainerOutputs):
         """How the training data is cut into global batches (the whole dataset, every rank alike)."""
         settings = settings or self.settings
         return BatchPlan(num_samples=len(self._require_train_data()),
-                         micro_batch_size=settings.trainer.per_device_train_batch_size,
+                         micro_batch_size=settings.trainer.batch.per_device_train_batch_size,
                          num_microbatches=settings.num_microbatches, dp_size=settings.grid.dp)
 
     def _steps(self) -> int:
@@ -231,7 +231,7 @@ class MerakTrainer(TrainerOutputs):
 
             steps = self._steps()
             self.state.max_steps = steps
-            resume = find_checkpoint(self.settings.trainer.resume_from_checkpoint, self.settings.output_dir)
+            resume = find_checkpoint(self.settings.trainer.checkpoint.resume_from_checkpoint, self.settings.output_dir)
             self.energy = start_energy(self.settings.trainer.energy, self.state_grid)
             self.session = TrainingSession(self.spec, self.settings, None, steps=steps, state=self.state_grid,
                                            resume=resume, hooks=self.energy.hooks if self.energy else ())
@@ -302,7 +302,7 @@ class MerakTrainer(TrainerOutputs):
                 self._evaluate_and_keep_best(session)
             # Callbacks may decide differently on different ranks: rank 0's decision holds.
             wants = groups.broadcast_object([self.control.should_training_stop, self.control.should_save])
-            if wants[1] and self.settings.trainer.save:
+            if wants[1] and self.settings.trainer.checkpoint.save:
                 session.save()  # a callback asked for a checkpoint (a step is never saved twice)
             self.control.should_save = False
             return bool(wants[0])
@@ -438,7 +438,7 @@ class MerakTrainer(TrainerOutputs):
         metrics, kept = session.evaluate(Samples(test_dataset), micro_batch_size=self._eval_micro_batch(),
                                          keep_outputs=True)
         predictions, labels = gather_predictions(session, kept, label_name=self._label_name(),
-                                                 parallel_vocab=self.settings.trainer.parallel_vocab)
+                                                 parallel_vocab=self.settings.trainer.tensor_parallel.parallel_vocab)
         metrics = {f"{metric_key_prefix}_{k.removeprefix('eval_')}": v for k, v in metrics.items()}
         if self.args.prediction_loss_only:
             return PredictionOutput(predictions=None, label_ids=None, metrics=metrics)

@@ -31,28 +31,8 @@ from torch import nn
 from merak.distributed import collectives
 from merak.optim.clip import global_grad_norm
 from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors, ensure_grads
-from merak.optim.precision import LossScaler, PrecisionOptions
-from merak.optim.settings import ZERO_STAGES, ZeroSettings
-
-
-@dataclass(frozen=True)
-class ZeroOptions:
-    """ZeRO and gradient-reduction settings (names as in MerakArguments; bucket sizes in elements).
-
-    Attributes:
-        stage: 0 (off), 1 (optimizer state sharded) or 2 (gradients too).
-        reduce_bucket_size: elements per gradient reduction.
-        allgather_bucket_size: elements per parameter all-gather after the step.
-        prescale_gradients: divide gradients by dp before summing them (else after).
-        gradient_predivide_factor: without prescaling, divide by this before the sum
-            and by dp / this after (keeps fp16 sums in range).
-    """
-
-    stage: int = 0
-    reduce_bucket_size: int = ZeroSettings.zero_reduce_bucket_size
-    allgather_bucket_size: int = ZeroSettings.zero_allgather_bucket_size
-    prescale_gradients: bool = ZeroSettings.prescale_gradients
-    gradient_predivide_factor: float = ZeroSettings.gradient_predivide_factor
+from merak.optim.precision import LossScaler
+from merak.optim.settings import ZERO_STAGES, PrecisionSettings, ZeroSettings
 
 
 @dataclass(frozen=True)
@@ -114,7 +94,7 @@ class DistributedOptimizer:
     def __init__(self, params: Sequence[nn.Parameter], *, dp_group, dp_size: int, dp_rank: int,
                  norm_group, norm_group_size: int, counted: Sequence[bool],
                  make_optimizer: Callable[[list[tuple[torch.Tensor, bool]]], torch.optim.Optimizer],
-                 zero: ZeroOptions = ZeroOptions(), precision: PrecisionOptions = PrecisionOptions(),
+                 zero: ZeroSettings = ZeroSettings(), precision: PrecisionSettings = PrecisionSettings(),
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if zero.stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage={zero.stage}; choose one of {ZERO_STAGES}")
@@ -223,7 +203,7 @@ class DistributedOptimizer:
         if i not in self._pending:
             self._pending.append(i)
             self._pending_size += self.pieces[i].size
-        if self._pending_size >= self.zero.reduce_bucket_size:
+        if self._pending_size >= self.zero.reduce_bucket_elements:
             self._note_gradient_bytes()
             self._reduce_scatter(self._pending)
             self._pending, self._pending_size = [], 0
@@ -270,7 +250,7 @@ class DistributedOptimizer:
         """Reduce-scatter the gradients of ``indices`` in buckets (zeros for missing ones);
         accumulate the owned pieces and free the full gradients."""
         pre, post = self._scales()
-        for bucket in self._buckets(indices, self.zero.reduce_bucket_size):
+        for bucket in self._buckets(indices, self.zero.reduce_bucket_elements):
             self._reduce_scatter_bucket(bucket, pre, post)
 
     def _reduce_scatter_bucket(self, bucket: list[int], pre: float, post: float) -> None:
@@ -342,7 +322,7 @@ class DistributedOptimizer:
             if not self.sharded:
                 torch._foreach_copy_(self.params, [m.view(p.shape) for m, p in zip(self.master, self.params)])
                 return
-            for bucket in self._buckets(range(len(self.params)), self.zero.allgather_bucket_size):
+            for bucket in self._buckets(range(len(self.params)), self.zero.allgather_bucket_elements):
                 self._all_gather_bucket(bucket)
 
     def _all_gather_bucket(self, bucket: list[int]) -> None:

@@ -8,47 +8,7 @@ on overflow and doubles it after ``loss_scale_window`` clean steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from merak.optim.settings import PrecisionSettings
-
-
-@dataclass(frozen=True)
-class PrecisionOptions:
-    """Mixed-precision options of the optimizer (names and defaults as in the config's PrecisionSettings).
-
-    Attributes:
-        fp16: parameters and activations in float16, with loss scaling.
-        bf16: parameters and activations in bfloat16 (no loss scaling needed).
-        loss_scale: 0 = dynamic loss scaling, otherwise this fixed scale.
-        initial_scale_power: the dynamic scale starts at 2**initial_scale_power.
-        loss_scale_window: clean steps before the dynamic scale doubles.
-        hysteresis: overflows tolerated before the dynamic scale halves.
-        min_loss_scale: the dynamic scale never drops below this.
-    """
-
-    fp16: bool = PrecisionSettings.fp16
-    bf16: bool = PrecisionSettings.bf16
-    loss_scale: float = PrecisionSettings.loss_scale
-    initial_scale_power: int = PrecisionSettings.initial_scale_power
-    loss_scale_window: int = PrecisionSettings.loss_scale_window
-    hysteresis: int = PrecisionSettings.hysteresis
-    min_loss_scale: float = PrecisionSettings.min_loss_scale
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The dtype of parameters, activations and gradients."""
-        if self.fp16:
-            return torch.float16
-        if self.bf16:
-            return torch.bfloat16
-        return torch.float32
-
-    @property
-    def needs_master_weights(self) -> bool:
-        return self.fp16 or self.bf16
 
 
 class LossScaler:
@@ -58,7 +18,7 @@ class LossScaler:
     agreed on, so every rank keeps the same scale.
     """
 
-    def __init__(self, options: PrecisionOptions) -> None:
+    def __init__(self, options: PrecisionSettings) -> None:
         self.dynamic = options.fp16 and options.loss_scale == 0
         if not options.fp16:
             self.scale = 1.0

@@ -1,4 +1,5 @@
-"""Optimizer construction and learning-rate schedules (the Hugging Face Trainer's defaults)."""
+"""Optimizer construction and learning-rate schedules (the Hugging Face Trainer's defaults), from the
+optimizer section of the config (merak.optim.settings.OptimizerSettings)."""
 
 from __future__ import annotations
 
@@ -8,30 +9,23 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-LR_SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+from merak.optim.settings import LR_SCHEDULES, OPTIMIZERS, OptimizerSettings
 
 
-OPTIMIZERS = ("adamw_torch", "sgd", "adafactor")
-# Elementwise optimizers update a flat shard of a tensor exactly as they update the whole tensor,
-# so ZeRO may cut parameters anywhere; the others need zero_allow_untested_optimizer.
-ZERO_TESTED_OPTIMIZERS = ("adamw_torch", "sgd")
-
-
-def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]], *, learning_rate: float,
-                    weight_decay: float, betas: tuple[float, float], eps: float,
-                    kind: str = "adamw_torch") -> torch.optim.Optimizer:
+def build_optimizer(named_params: Iterable[tuple[str, nn.Parameter]],
+                    settings: OptimizerSettings) -> torch.optim.Optimizer:
     """The optimizer of a whole model: weight decay on matrices only (biases and norm weights are not decayed)."""
-    return make_optimizer([(p, p.ndim >= 2) for _, p in named_params if p.requires_grad], kind=kind,
-                          learning_rate=learning_rate, weight_decay=weight_decay, betas=betas, eps=eps)
+    return make_optimizer([(p, p.ndim >= 2) for _, p in named_params if p.requires_grad], settings)
 
 
-def make_optimizer(params: Iterable[tuple[torch.Tensor, bool]], *, kind: str, learning_rate: float,
-                   weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.Optimizer:
-    """The ``kind`` optimizer (Hugging Face ``optim`` names) over ``(tensor, decays)`` pairs.
+def make_optimizer(params: Iterable[tuple[torch.Tensor, bool]], settings: OptimizerSettings) -> torch.optim.Optimizer:
+    """The ``settings.optim`` optimizer (Hugging Face ``optim`` names) over ``(tensor, decays)`` pairs.
 
     ``decays`` says whether weight decay applies; it is passed separately because
     the tensors may be flat shards of the parameters they update.
     """
+    kind, learning_rate, weight_decay = settings.optim, settings.learning_rate, settings.weight_decay
+    betas, eps = (settings.adam_beta1, settings.adam_beta2), settings.adam_epsilon
     decay, no_decay = [], []
     for tensor, decays in params:
         (decay if decays else no_decay).append(tensor)
@@ -50,8 +44,9 @@ def make_optimizer(params: Iterable[tuple[torch.Tensor, bool]], *, kind: str, le
     raise ValueError(f"unknown optim {kind!r}; choose one of {', '.join(OPTIMIZERS)}")
 
 
-def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> float:
-    """Multiplier of the base learning rate at ``step`` (0-based)."""
+def lr_factor(step: int, settings: OptimizerSettings, total_steps: int) -> float:
+    """Multiplier of the base learning rate at ``step`` (0-based) of a run of ``total_steps``."""
+    kind, warmup_steps = settings.lr_scheduler_type, settings.warmup_steps_for(total_steps)
     if kind not in LR_SCHEDULES:
         raise ValueError(f"unknown lr_scheduler_type {kind!r}; choose one of {', '.join(LR_SCHEDULES)}")
     if kind == "constant":
@@ -66,10 +61,8 @@ def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> f
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, *, kind: str, warmup_steps: int,
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, settings: OptimizerSettings, *,
                        total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR following :func:`lr_factor`."""
-    lr_factor(0, kind=kind, warmup_steps=warmup_steps, total_steps=total_steps)  # validates kind
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, kind=kind, warmup_steps=warmup_steps, total_steps=total_steps)
-    )
+    lr_factor(0, settings, total_steps)  # validates the schedule's name
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, settings, total_steps))

@@ -1,6 +1,6 @@
 """The optimizer, mixed-precision and ZeRO sections of the ``trainer`` config (Hugging Face /
-DeepSpeed names). Consumed by merak.optim (schedule, precision, distributed), whose options take
-their defaults from here; merak.config turns sections into those options."""
+DeepSpeed names). Each is the object its consumer receives: the engine takes the optimizer section,
+merak.optim.precision and merak.optim.distributed the precision and ZeRO sections."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ from dataclasses import dataclass
 
 from merak.core.fields import finite, non_negative, non_negative_finite, positive, positive_finite, setting
 
+LR_SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+OPTIMIZERS = ("adamw_torch", "sgd", "adafactor")
+# Elementwise optimizers update a flat shard of a tensor exactly as they update the whole tensor,
+# so ZeRO may cut parameters anywhere; the others need zero_allow_untested_optimizer.
+ZERO_TESTED_OPTIMIZERS = ("adamw_torch", "sgd")
 NOT_ELEMENTWISE_WARNING = "is not elementwise, so ZeRO's flat pieces change its updates"
 ZERO_STAGES = (0, 1, 2)  # off, optimizer state sharded, gradients too
 
@@ -44,8 +49,6 @@ class OptimizerSettings:
 
     def problems(self) -> list[str]:
         """Unknown optimizer or schedule names."""
-        from merak.optim.schedule import LR_SCHEDULES, OPTIMIZERS
-
         problems = []
         if self.lr_scheduler_type not in LR_SCHEDULES:
             problems.append(f"trainer.lr_scheduler_type={self.lr_scheduler_type!r} is unknown; choose one of "
@@ -75,8 +78,38 @@ class PrecisionSettings:
     min_loss_scale: float = setting(1.0, "the dynamic scale never drops below this", check=finite,
                                     requirement="must be a finite number")
 
+    @property
+    def dtype(self):
+        """The torch dtype of parameters, activations and gradients."""
+        import torch
+
+        if self.fp16:
+            return torch.float16
+        if self.bf16:
+            return torch.bfloat16
+        return torch.float32
+
+    @property
+    def needs_master_weights(self) -> bool:
+        """Whether the optimizer updates fp32 copies of low-precision parameters."""
+        return self.fp16 or self.bf16
+
     def problems(self) -> list[str]:
-        return precision_problems(self, prefix="trainer.")
+        """Why these values cannot work together (empty when they can)."""
+        problems = []
+        if self.fp16 and self.bf16:
+            problems.append("trainer.fp16 and trainer.bf16 are both true; choose one")
+        if self.loss_scale < 0:
+            problems.append(f"trainer.loss_scale={self.loss_scale} must be 0 (dynamic) or positive (static)")
+        if not 0 <= self.initial_scale_power <= 64:
+            problems.append(f"trainer.initial_scale_power={self.initial_scale_power} must be within 0..64")
+        if self.loss_scale_window < 1:
+            problems.append(f"trainer.loss_scale_window={self.loss_scale_window} must be at least 1")
+        if self.hysteresis < 1:
+            problems.append(f"trainer.hysteresis={self.hysteresis} must be at least 1")
+        if self.min_loss_scale <= 0:
+            problems.append(f"trainer.min_loss_scale={self.min_loss_scale} must be positive")
+        return problems
 
 
 @dataclass(frozen=True)
@@ -96,10 +129,23 @@ class ZeroSettings:
     zero_allow_untested_optimizer: bool = setting(False, "allow ZeRO with a non-elementwise optimizer "
                                                          "(adafactor)")
 
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage in effect: 0 when zero_optimization is off."""
+        return self.zero_stage if self.zero_optimization else 0
+
+    @property
+    def reduce_bucket_elements(self) -> int:
+        """Elements per gradient reduction (the setting, as a whole number)."""
+        return int(self.zero_reduce_bucket_size)
+
+    @property
+    def allgather_bucket_elements(self) -> int:
+        """Elements per parameter all-gather after the step (the setting, as a whole number)."""
+        return int(self.zero_allgather_bucket_size)
+
     def problems(self, optim: str) -> list[str]:
         """What is wrong with these values for optimizer ``optim``."""
-        from merak.optim.schedule import OPTIMIZERS, ZERO_TESTED_OPTIMIZERS
-
         problems = []
         if self.zero_optimization:  # zero_stage is unused (and unchecked) with ZeRO off
             if self.zero_stage not in ZERO_STAGES[1:]:
@@ -118,22 +164,3 @@ class ZeroSettings:
             problems.append("trainer.gradient_predivide_factor applies only without prescaling: set "
                             "trainer.prescale_gradients=false or gradient_predivide_factor=1.0")
         return problems
-
-
-def precision_problems(options, prefix: str = "") -> list[str]:
-    """Why these mixed-precision values (a PrecisionSettings or PrecisionOptions) cannot work (empty when
-    they can); ``prefix`` goes before the field names."""
-    problems = []
-    if options.fp16 and options.bf16:
-        problems.append(f"{prefix}fp16 and {prefix}bf16 are both true; choose one")
-    if options.loss_scale < 0:
-        problems.append(f"{prefix}loss_scale={options.loss_scale} must be 0 (dynamic) or positive (static)")
-    if not 0 <= options.initial_scale_power <= 64:
-        problems.append(f"{prefix}initial_scale_power={options.initial_scale_power} must be within 0..64")
-    if options.loss_scale_window < 1:
-        problems.append(f"{prefix}loss_scale_window={options.loss_scale_window} must be at least 1")
-    if options.hysteresis < 1:
-        problems.append(f"{prefix}hysteresis={options.hysteresis} must be at least 1")
-    if options.min_loss_scale <= 0:
-        problems.append(f"{prefix}min_loss_scale={options.min_loss_scale} must be positive")
-    return problems

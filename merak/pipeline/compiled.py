@@ -21,60 +21,13 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
+from merak.pipeline.settings import CompileSettings
+
 logger = logging.getLogger(__name__)
-
-COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """How stages are compiled (``trainer.torch_compile`` and its companions).
-
-    Attributes:
-        enabled: compile every stage's ranges of parts with ``torch.compile``.
-        backend: the ``torch.compile`` backend (``inductor``; ``aot_eager`` compiles
-            without generating kernels, for debugging).
-        mode: the ``torch.compile`` mode (None: the backend's default).
-        cuda_graphs: replay each compiled range as a CUDA graph (inductor's CUDA graph trees,
-            mode ``reduce-overhead`` unless ``mode`` already implies them).
-    """
-
-    enabled: bool = False
-    backend: str = "inductor"
-    mode: str | None = None
-    cuda_graphs: bool = False
-
-    def __post_init__(self) -> None:
-        if self.mode not in COMPILE_MODES:
-            raise ValueError(f"torch_compile_mode={self.mode!r} is not one of "
-                             f"{', '.join(str(m) for m in COMPILE_MODES[1:])}")
-        if self.cuda_graphs and not self.enabled:
-            raise ValueError("cuda_graphs=true needs torch_compile=true (CUDA graphs replay compiled stages)")
-        if self.cuda_graphs and self.mode == "max-autotune-no-cudagraphs":
-            raise ValueError("cuda_graphs=true contradicts torch_compile_mode=max-autotune-no-cudagraphs")
-        if self.mode is not None and self.backend != "inductor":
-            raise ValueError(f"torch_compile_mode={self.mode!r} applies to the inductor backend, not {self.backend!r}")
-        if self.cuda_graphs and self.backend != "inductor":
-            raise ValueError(f"cuda_graphs=true needs torch_compile_backend=inductor, not {self.backend!r}")
-
-    @property
-    def effective_mode(self) -> str | None:
-        """The mode passed to ``torch.compile``."""
-        if self.cuda_graphs and self.mode not in _CUDA_GRAPH_MODES:
-            return "reduce-overhead"
-        return self.mode
-
-    @property
-    def uses_cuda_graphs(self) -> bool:
-        """Whether compiled ranges are replayed as CUDA graphs (on a CUDA device)."""
-        return self.enabled and self.backend == "inductor" and self.effective_mode in _CUDA_GRAPH_MODES
-
 
 def range_module(parts: Sequence[nn.Module], start: int, stop: int) -> fx.GraphModule:
     """A graph module calling ``parts[start:stop]`` in order, each on the previous one's payload.
@@ -105,7 +58,7 @@ class CompiledParts:
             backward reads (no donated buffers).
     """
 
-    def __init__(self, parts: Sequence[nn.Module], options: CompileOptions, where: str, *,
+    def __init__(self, parts: Sequence[nn.Module], options: CompileSettings, where: str, *,
                  retains_graph: bool = False) -> None:
         self._parts = list(parts)
         self.options = options

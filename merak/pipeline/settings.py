@@ -1,11 +1,14 @@
-"""The schedule, recomputation and compiled-stage sections of the ``trainer`` config. Consumed by
-merak.pipeline (schedules, recompute, compiled) through merak.engine."""
+"""The schedule, recomputation and compiled-stage sections of the ``trainer`` config. The engine
+receives them: the schedule section for recomputation, the compile section for its stages."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from merak.core.fields import positive, setting
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 @dataclass(frozen=True)
@@ -92,32 +95,57 @@ class CompileSettings:
     cuda_graphs: bool = setting(False, "replay compiled stages as CUDA graphs (inductor's CUDA graph trees; "
                                        "CUDA only)")
 
-    def options(self):
-        """The compile options of merak.pipeline.compiled.
+    @property
+    def enabled(self) -> bool:
+        """Whether stages are compiled (as in Hugging Face, naming a backend or a mode turns it on)."""
+        return bool(self.torch_compile or self.torch_compile_backend or self.torch_compile_mode)
 
-        Raises:
-            ValueError: the values contradict each other (the message names the fields).
-        """
-        from merak.pipeline.compiled import CompileOptions
+    @property
+    def backend(self) -> str:
+        """The ``torch.compile`` backend (inductor unless one is named)."""
+        return self.torch_compile_backend or "inductor"
 
-        enabled = bool(self.torch_compile or self.torch_compile_backend or self.torch_compile_mode)
-        return CompileOptions(enabled=enabled, backend=self.torch_compile_backend or "inductor",
-                              mode=self.torch_compile_mode, cuda_graphs=self.cuda_graphs)
+    @property
+    def effective_mode(self) -> str | None:
+        """The mode passed to ``torch.compile``: cuda_graphs asks for reduce-overhead unless the mode
+        already implies CUDA graphs."""
+        if self.cuda_graphs and self.torch_compile_mode not in CUDA_GRAPH_MODES:
+            return "reduce-overhead"
+        return self.torch_compile_mode
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Whether compiled ranges are replayed as CUDA graphs (on a CUDA device)."""
+        return self.enabled and self.backend == "inductor" and self.effective_mode in CUDA_GRAPH_MODES
+
+    def contradictions(self) -> list[str]:
+        """The values that contradict each other, as messages naming the fields (without ``trainer.``)."""
+        mode, backend = self.torch_compile_mode, self.backend
+        if mode not in COMPILE_MODES:
+            return [f"torch_compile_mode={mode!r} is not one of {', '.join(str(m) for m in COMPILE_MODES[1:])}"]
+        problems = []
+        if self.cuda_graphs and not self.enabled:
+            problems.append("cuda_graphs=true needs torch_compile=true (CUDA graphs replay compiled stages)")
+        if self.cuda_graphs and mode == "max-autotune-no-cudagraphs":
+            problems.append("cuda_graphs=true contradicts torch_compile_mode=max-autotune-no-cudagraphs")
+        if mode is not None and backend != "inductor":
+            problems.append(f"torch_compile_mode={mode!r} applies to the inductor backend, not {backend!r}")
+        if self.cuda_graphs and backend != "inductor":
+            problems.append(f"cuda_graphs=true needs torch_compile_backend=inductor, not {backend!r}")
+        return problems
 
     def problems(self, *, on_cuda: bool) -> list[str]:
         """What is wrong with these values, for a run on CUDA devices or not."""
-        try:
-            options = self.options()
-        except ValueError as error:
-            return [f"trainer.{error}"]
-        problems = []
-        if options.enabled:
+        problems = [f"trainer.{problem}" for problem in self.contradictions()]
+        if problems:
+            return problems
+        if self.enabled:
             from torch._dynamo import list_backends
 
-            if options.backend not in list_backends(exclude_tags=()):
-                problems.append(f"trainer.torch_compile_backend={options.backend!r} is not a torch.compile "
+            if self.backend not in list_backends(exclude_tags=()):
+                problems.append(f"trainer.torch_compile_backend={self.backend!r} is not a torch.compile "
                                 f"backend; choose one of {', '.join(list_backends())}")
-        if options.uses_cuda_graphs and not on_cuda:
+        if self.uses_cuda_graphs and not on_cuda:
             problems.append("trainer.cuda_graphs=true (or a torch_compile_mode with CUDA graphs) needs CUDA "
                             "devices; this run trains on the CPU")
         return problems

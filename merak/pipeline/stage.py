@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from merak.core.partition import uniform_boundaries
 from merak.pipeline import memory, recompute
-from merak.pipeline.compiled import CompiledParts, CompileOptions, running_eagerly
+from merak.pipeline.compiled import CompiledParts, running_eagerly
+from merak.pipeline.settings import CompileSettings
 
 
 class StageModule(nn.Module):
@@ -38,7 +39,7 @@ class StageModule(nn.Module):
         self.checkpoint_options = recompute.CheckpointOptions()
         self.compiled: CompiledParts | None = None
 
-    def compile_parts(self, options: CompileOptions, where: str = "stage", *, retains_graph: bool = False) -> None:
+    def compile_parts(self, options: CompileSettings, where: str = "stage", *, retains_graph: bool = False) -> None:
         """Run the parts through ``torch.compile`` (merak.pipeline.compiled.CompiledParts); call it after
         the stage was moved and cast. Disabled options switch compilation off again."""
         self.compiled = CompiledParts(self.parts, options, where, retains_graph=retains_graph) \

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,9 @@ from torch import nn
 from merak.distributed import groups
 from merak.pipeline.stage import StageModule
 from merak.shard.costs import MachineRates, calibrate, whole_model_flops
-from merak.shard.plan import PipelinePlan, ShardingOptions, needs_calibration, plan_pipeline
-from merak.tensor_parallel.options import TensorParallelOptions, split_model
+from merak.shard.plan import PipelinePlan, needs_calibration, plan_pipeline
+from merak.shard.settings import ShardingSettings
+from merak.tensor_parallel.options import TensorParallelSplit, split_model
 from merak.tensor_parallel.overlap import SubPipelinedStage, batch_size, halve
 from merak.tensor_parallel.plan import ResolvedPlan
 from merak.trace.capture import forward_parameter_names
@@ -101,20 +102,22 @@ def shared_machine_rates(device: torch.device, dtype: torch.dtype) -> MachineRat
     return groups.broadcast_object(calibrate(device, dtype) if dist.get_rank() == 0 else None)
 
 
-def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, options: ShardingOptions,
+def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, sharding: ShardingSettings,
              num_stages: int, num_microbatches: int, stage_id: int | Sequence[int], device: torch.device,
              example_inputs: Mapping[str, torch.Tensor],
              build_stages: Callable[[nn.Module, int], Sequence[nn.Module]] | None = None,
              init: InitFn = default_init, materialize_stage: bool = True,
-             tensor_parallel: TensorParallelOptions = TensorParallelOptions(),
-             dtype: torch.dtype = torch.float32) -> Assembled:
+             tensor_parallel: TensorParallelSplit = TensorParallelSplit(),
+             dtype: torch.dtype = torch.float32, input_names: Sequence[str] | None = None,
+             machine_rates: MachineRates | None = None, device_type: str | None = None) -> Assembled:
     """The model and every stage for the worker running ``stage_id``.
 
     Args:
         build: builds the plain model (called after seeding).
         seed: the run seed (weights are identical on every rank and layout).
         init_device: ``'auto'``, ``'cpu'`` or ``'meta'``.
-        options: capture/shard/partition settings; ``trace_method=None`` disables capture.
+        sharding: the sharding section (capture, split, partition), the recipe's split points and leaf
+            modules already in it (RecipeSpec.sharding); ``trace_method=None`` disables capture.
         stage_id: the piece this worker runs, or several (interleaved schedules: ``s, s + pp, ...``).
         example_inputs: one microbatch-shaped input dict (graphs are specialized to its shapes).
         build_stages: hand-made stages for ``trace_method=None`` and several stages.
@@ -124,6 +127,9 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
             before capture, so graphs and stages have the rank-local shapes.
         dtype: the parameter dtype (fp16/bf16 runs). The model is cast before capture,
             because torch.export writes the dtypes it saw into the graph.
+        input_names: the forward arguments fed from the data (None: the model's own that the example has).
+        machine_rates / device_type: what estimated shard costs are priced on (merak.shard.plan.plan_pipeline;
+            None: the nominal rates of ``device``'s kind).
     """
     model, on_meta = build_model(build, seed=seed, init_device=init_device)
     model.train()
@@ -136,12 +142,12 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
         model.to(dtype)
         example_inputs = {name: value.to(dtype) if value.is_floating_point() else value
                           for name, value in example_inputs.items()}
-    sub_pipelined = tensor_parallel.size > 1 and tensor_parallel.overlap_level == 2
+    sub_pipelined = tensor_parallel.size > 1 and tensor_parallel.settings.tp_overlapping_level == 2
     if sub_pipelined:  # stages run on half microbatches (merak.tensor_parallel.overlap)
         example_inputs = halve(dict(example_inputs), batch_size(example_inputs))[0]
-    input_names = list(options.input_names or default_input_names(model, example_inputs))
+    input_names = list(input_names or default_input_names(model, example_inputs))
     plan = None
-    if options.trace_method is None:
+    if sharding.trace_method is None:
         if build_stages is not None:
             stages = list(build_stages(model, num_stages))
         elif num_stages == 1:
@@ -150,13 +156,11 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, opt
             raise ValueError("trace_method=None needs build_stages for more than one pipeline stage")
     else:
         examples = {name: example_inputs[name] for name in input_names}
-        options = replace(options, input_names=tuple(input_names))
-        if options.device_type is None:
-            options = replace(options, device_type=torch.device(device).type)
-        if num_stages > 1 and needs_calibration(options):
-            options = replace(options, machine_rates=shared_machine_rates(device, dtype))
+        if num_stages > 1 and needs_calibration(sharding, machine_rates):
+            machine_rates = shared_machine_rates(device, dtype)
         plan = plan_pipeline(model, examples, num_stages=num_stages, num_microbatches=num_microbatches,
-                             options=options)
+                             sharding=sharding, input_names=input_names, machine_rates=machine_rates,
+                             device_type=device_type or torch.device(device).type)
         stages = plan.stages()
     if sub_pipelined:
         stages = [SubPipelinedStage(stage) for stage in stages]

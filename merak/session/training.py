@@ -9,7 +9,6 @@ training loop with checkpoints and listeners, evaluates, and writes
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -20,19 +19,7 @@ import torch
 from torch.utils.data import Subset
 
 from merak.checkpoint import load_checkpoint, load_pretrained, save_checkpoint
-from merak.checkpoint.load import LoadOptions
-from merak.checkpoint.save import SaveOptions
 from merak.config import RunSettings
-from merak.config.options import (
-    compile_options,
-    optimizer_options,
-    pipeline_chunks,
-    precision_options,
-    recompute_options,
-    sharding_options,
-    tensor_parallel_options,
-    zero_options,
-)
 from merak.core.files import write_json_atomic
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
@@ -50,6 +37,7 @@ from merak.report.trackers import Trackers, tracker_names
 from merak.session.assemble import assemble
 from merak.shard.costs import calibrate
 from merak.shard.plan import needs_calibration
+from merak.tensor_parallel.options import TensorParallelSplit
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +53,7 @@ StepListener = Callable[[int, StepResult, StepRecord], bool]
 
 def example_inputs(spec, settings: RunSettings, prepared) -> dict[str, torch.Tensor]:
     """One microbatch-shaped input: from the recipe's config shapes, else the first samples of the data."""
-    size = settings.trainer.per_device_train_batch_size
+    size = settings.trainer.batch.per_device_train_batch_size
     if spec.example_inputs is not None:
         return dict(spec.example_inputs(settings.model_cfg, size))
     dataset = spec.load_dataset(prepared, settings.model_cfg)
@@ -88,22 +76,25 @@ def assemble_worker(spec, settings: RunSettings, prepared, *, stage_id: int, dev
     as the workers build it, so the plan is theirs: export graphs can differ between meta and real).
     With interleaved schedules the model is cut into pp x chunks pieces and the worker keeps
     pieces ``stage_id, stage_id + pp, ...``."""
-    chunks, pp = pipeline_chunks(settings.trainer), settings.grid.pp
-    options = sharding_options(spec, settings)
-    dtype = precision_options(settings.trainer).dtype
+    trainer = settings.trainer
+    chunks, pp = trainer.schedule.chunks, settings.grid.pp
+    sharding = spec.sharding(trainer.sharding)
+    dtype = trainer.precision.dtype
+    device_type = machine_rates = None
     if planning:  # plan for the workers' device (a process planning on the CPU for GPU workers)
-        on_gpu = torch.cuda.is_available() and settings.launcher.backend != "gloo"
-        options = dataclasses.replace(options, device_type="cuda" if on_gpu else "cpu")
-    if planning and options.trace_method is not None and pp * chunks > 1 and needs_calibration(options):
-        options = dataclasses.replace(options, machine_rates=_calibrate_as_a_worker(settings, device, dtype))
+        device_type = "cuda" if torch.cuda.is_available() and settings.launcher.backend != "gloo" else "cpu"
+        if sharding.trace_method is not None and pp * chunks > 1 and needs_calibration(sharding):
+            machine_rates = _calibrate_as_a_worker(settings, device, dtype)
     return assemble(
-        build=functools.partial(spec.build_model, settings.model_cfg), seed=settings.trainer.seed,
-        init_device=settings.trainer.init_device, options=options,
+        build=functools.partial(spec.build_model, settings.model_cfg), seed=trainer.batch.seed,
+        init_device=trainer.sharding.init_device, sharding=sharding,
         num_stages=pp * chunks, num_microbatches=settings.num_microbatches,
         stage_id=tuple(stage_id + c * pp for c in range(chunks)),
         device=device, example_inputs=example_inputs(spec, settings, prepared), build_stages=spec.build_stages,
-        materialize_stage=not planning, tensor_parallel=tensor_parallel_options(spec, settings, tp_rank),
-        dtype=dtype)
+        materialize_stage=not planning, dtype=dtype, input_names=trainer.batch.input_names or spec.input_names,
+        machine_rates=machine_rates, device_type=device_type,
+        tensor_parallel=TensorParallelSplit(plan=spec.tensor_parallel_plan(settings.model_cfg),
+                                            size=settings.grid.tp, rank=tp_rank, settings=trainer.tensor_parallel))
 
 
 class SizeOnly:
@@ -146,20 +137,19 @@ class TrainingSession:
         convolutional_on_gpu = spec.channels_last and state.device.type == "cuda"
         self.engine = PipelineEngine(
             model=built.model, stages=built.stages, loss_fn=spec.loss_fn, state=state,
-            schedule=trainer.train_schedule, num_microbatches=settings.num_microbatches, total_steps=steps,
-            optimizer=optimizer_options(settings, steps), recompute=recompute_options(settings),
-            num_chunks=pipeline_chunks(trainer), dropout_seed=trainer.seed, hooks=hooks,
-            dealloc_pipeoutput=trainer.dealloc_pipeoutput, record_timeline=trainer.wall_clock_breakdown,
-            zero=zero_options(trainer), precision=precision_options(trainer),
-            measure_activations=trainer.measure_activation_memory, channels_last=convolutional_on_gpu,
-            compile=compile_options(trainer))
+            schedule=trainer.schedule.train_schedule, num_microbatches=settings.num_microbatches, total_steps=steps,
+            optimizer=trainer.optimizer, recompute=trainer.schedule, num_chunks=trainer.schedule.chunks,
+            dropout_seed=trainer.batch.seed, hooks=hooks, dealloc_pipeoutput=trainer.schedule.dealloc_pipeoutput,
+            record_timeline=trainer.schedule.wall_clock_breakdown, zero=trainer.zero, precision=trainer.precision,
+            measure_activations=trainer.schedule.measure_activation_memory, channels_last=convolutional_on_gpu,
+            compile=trainer.compile)
         if convolutional_on_gpu:
             torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest convolution once
         del built  # the engine keeps this rank's stage only
         grid = settings.grid
         # Dropout masks differ between replicas and stages, but not within a tensor-parallel group,
         # whose ranks hold the same replicated activations.
-        torch.manual_seed(trainer.seed + grid.rank_of(pp=state.coordinates.pp, dp=state.coordinates.dp, tp=0))
+        torch.manual_seed(trainer.batch.seed + grid.rank_of(pp=state.coordinates.pp, dp=state.coordinates.dp, tp=0))
         self.first_step = self._start()  # after seeding: a checkpoint's RNG states win
         self.step = self.first_step
         self.loader = None
@@ -167,11 +157,11 @@ class TrainingSession:
         self.last_eval: dict | None = None
         if self.feeds_data:
             dataset, self.eval_dataset = self._hold_out(spec.load_dataset(prepared, settings.model_cfg))
-            plan = BatchPlan(num_samples=len(dataset), micro_batch_size=trainer.per_device_train_batch_size,
+            plan = BatchPlan(num_samples=len(dataset), micro_batch_size=trainer.batch.per_device_train_batch_size,
                              num_microbatches=settings.num_microbatches, dp_size=grid.dp,
-                             dp_rank=state.coordinates.dp, seed=trainer.seed)
+                             dp_rank=state.coordinates.dp, seed=trainer.batch.seed)
             self.loader = self._loader(dataset, plan)
-        if trainer.eval_steps:  # evaluation steps are collective: every rank needs the held-out size
+        if trainer.report.eval_steps:  # evaluation steps are collective: every rank needs the held-out size
             size = groups.broadcast_object(len(self.eval_dataset) if self.eval_dataset is not None else None)
             self.eval_dataset = self.eval_dataset if self.eval_dataset is not None else SizeOnly(size)
         self.metrics: MetricsWriter | None = None
@@ -186,11 +176,11 @@ class TrainingSession:
         """``(training samples, held-out samples)``: with ``trainer.eval_steps``, the last
         ``eval_holdout`` of the dataset (at least one evaluation step) is kept out of training."""
         trainer, settings = self.settings.trainer, self.settings
-        if not trainer.eval_steps:
+        if not trainer.report.eval_steps:
             return dataset, None
         total = len(dataset)
         one_step = settings.global_batch_size
-        held = max(round(total * trainer.eval_holdout), one_step)
+        held = max(round(total * trainer.report.eval_holdout), one_step)
         if total - held < one_step:
             raise ValueError(f"trainer.eval_steps: the dataset has {total} samples, too few to hold out {held} "
                              f"for evaluation and still train one global batch of {one_step}; lower "
@@ -200,8 +190,8 @@ class TrainingSession:
     def _loader(self, dataset, plan: BatchPlan) -> MicrobatchLoader:
         trainer = self.settings.trainer
         return MicrobatchLoader(dataset, plan, collate=self.spec.collate, device=self.state.device,
-                                num_workers=loader_workers(trainer.dataloader_num_workers, self.state.device),
-                                pin_memory=trainer.dataloader_pin_memory, channels_last=self.engine.channels_last)
+                                num_workers=loader_workers(trainer.batch.dataloader_num_workers, self.state.device),
+                                pin_memory=trainer.batch.dataloader_pin_memory, channels_last=self.engine.channels_last)
 
     @property
     def feeds_data(self) -> bool:
@@ -216,12 +206,11 @@ class TrainingSession:
         """Load the checkpoint or pretrained weights this run starts from; return the first step."""
         trainer = self.settings.trainer
         if self.resume is not None:
-            state = load_checkpoint(self.engine, self.resume, options=LoadOptions(
-                finetune=trainer.finetune, no_load_rng=trainer.no_load_rng, no_load_optim=trainer.no_load_optim))
+            state = load_checkpoint(self.engine, self.resume, options=trainer.checkpoint)
             return int(state["step"])
-        if trainer.pretrained_weights:
-            count = load_pretrained(self.engine, trainer.pretrained_weights)
-            logger.info("loaded %d tensors from %s", count, trainer.pretrained_weights)
+        if trainer.checkpoint.pretrained_weights:
+            count = load_pretrained(self.engine, trainer.checkpoint.pretrained_weights)
+            logger.info("loaded %d tensors from %s", count, trainer.checkpoint.pretrained_weights)
         return 0
 
     # -- training ------------------------------------------------------------------
@@ -231,7 +220,7 @@ class TrainingSession:
 
         model_cfg = self.settings.model_cfg
         model = OmegaConf.to_container(model_cfg, resolve=True) if OmegaConf.is_config(model_cfg) else model_cfg
-        return {"recipe": self.spec.name, "model": model, "seed": self.settings.trainer.seed,
+        return {"recipe": self.spec.name, "model": model, "seed": self.settings.trainer.batch.seed,
                 "global_batch_size": self.settings.global_batch_size}
 
     def save(self) -> str:
@@ -243,8 +232,7 @@ class TrainingSession:
         path = save_checkpoint(
             self.engine, self.settings.output_dir, step=self.step, run_info=self._run_info(),
             trainer_state={"consumed_samples": self.step * self.settings.global_batch_size},
-            options=SaveOptions(save_total_limit=trainer.save_total_limit, no_save_rng=trainer.no_save_rng,
-                                no_save_optim=trainer.no_save_optim, keep=frozenset(self.protected)))
+            options=trainer.checkpoint, keep=self.protected)
         self.saved.append(path)
         self._saved_at[self.step] = path
         return path
@@ -258,14 +246,15 @@ class TrainingSession:
         Returns:
             The run summary on rank 0, None on the other ranks.
         """
-        trainer, settings = self.settings.trainer, self.settings
-        trackers = Trackers(tracker_names(trainer.report_to), settings.output_dir, run_name=trainer.run_name,
+        settings = self.settings
+        report, checkpoint, schedule = settings.trainer.report, settings.trainer.checkpoint, settings.trainer.schedule
+        trackers = Trackers(tracker_names(report.report_to), settings.output_dir, run_name=report.run_name,
                             config=self._run_info()) if self.is_reporting_rank else None
         self.metrics = MetricsWriter(output_dir=settings.output_dir, total_steps=self.steps,
                                      samples_per_step=settings.global_batch_size,
                                      tokens_per_sample=self.spec.tokens_per_sample(settings.model_cfg),
-                                     enabled=self.is_reporting_rank, logging_steps=trainer.logging_steps,
-                                     start_step=self.first_step, progress_bar=not trainer.disable_tqdm,
+                                     enabled=self.is_reporting_rank, logging_steps=report.logging_steps,
+                                     start_step=self.first_step, progress_bar=not report.disable_tqdm,
                                      trackers=trackers)
         stop = False
         while self.step < self.steps and not stop:
@@ -282,23 +271,24 @@ class TrainingSession:
             self._check_finite(result)
             if on_step is not None:
                 stop = bool(on_step(self.step, result, record))
-            if trainer.eval_steps and (self.step % trainer.eval_steps == 0 or self.step == self.steps or stop):
+            last = self.step == self.steps or stop
+            if report.eval_steps and (self.step % report.eval_steps == 0 or last):
                 self.evaluate_held_out()
-            if trainer.save and (self.step % trainer.save_steps == 0 or self.step == self.steps or stop):
+            if checkpoint.save and (self.step % checkpoint.save_steps == 0 or last):
                 self.save()
         self.metrics.close()
         if self.loader is not None:
             self.loader.close()
-        timeline = write_timelines(self.engine, schedule=trainer.train_schedule, output_dir=settings.output_dir,
-                                   rank=self.state.rank) if trainer.wall_clock_breakdown else None
+        timeline = write_timelines(self.engine, schedule=schedule.train_schedule, output_dir=settings.output_dir,
+                                   rank=self.state.rank) if schedule.wall_clock_breakdown else None
         return self.write_summary(timeline, extra={"eval": self.last_eval} if self.last_eval else None)
 
     def evaluate_held_out(self) -> dict:
         """Evaluate the held-out samples (``trainer.eval_steps``); rank 0 logs the metrics and writes them
         to metrics.jsonl and the trackers. Collective."""
         trainer = self.settings.trainer
-        metrics, _ = self.evaluate(self.eval_dataset, micro_batch_size=trainer.per_device_train_batch_size,
-                                   eval_iters=trainer.eval_iters)
+        metrics, _ = self.evaluate(self.eval_dataset, micro_batch_size=trainer.batch.per_device_train_batch_size,
+                                   eval_iters=trainer.report.eval_iters)
         self.last_eval = {"step": self.step, **metrics}
         if self.is_reporting_rank:
             self.metrics.log_event(self.last_eval)
@@ -316,7 +306,7 @@ class TrainingSession:
         if result.scale_may_cure:
             return
         self.skipped_in_a_row += 1
-        limit = self.settings.trainer.max_consecutive_skipped_steps
+        limit = self.settings.trainer.optimizer.max_consecutive_skipped_steps
         if self.is_reporting_rank:
             logger.warning("step %d skipped: loss %s, gradient norm %s, learning rate %.3g (%d in a row; the run "
                            "stops at %d)", self.step, _number(result.loss), _number(result.grad_norm),
@@ -408,15 +398,15 @@ class TrainingSession:
         summary = {
             "recipe": self.spec.name, "model": _model_name(settings.model_cfg),
             "layout": {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp},
-            "schedule": settings.trainer.train_schedule, "steps": self.steps,
+            "schedule": settings.trainer.schedule.train_schedule, "steps": self.steps,
             "global_batch_size": settings.global_batch_size, "num_microbatches": settings.num_microbatches,
             "first_loss": records[0].loss if records else None,
             "final_loss": records[-1].loss if records else None,
             **throughput, "wall_time_s": time.perf_counter() - self.started, "stages": stages,
             "flops": _flops_report(flops_per_step, throughput.get("median_step_time_s"), grid.world_size,
-                                   settings.trainer.peak_tflops, engine.optimizer.precision.dtype),
-            "recompute": {"activation_checkpointing": settings.trainer.activation_checkpointing,
-                          "activation_checkpoint_ratio": settings.trainer.activation_checkpoint_ratio,
+                                   settings.trainer.report.peak_tflops, engine.optimizer.precision.dtype),
+            "recompute": {"activation_checkpointing": settings.trainer.schedule.activation_checkpointing,
+                          "activation_checkpoint_ratio": settings.trainer.schedule.activation_checkpoint_ratio,
                           "pipeline_chunks": engine.num_chunks},
             "compile": _merged_compile_report(compile_reports),
             "ranks": sorted(everyone, key=lambda r: r["rank"]),

@@ -23,6 +23,7 @@ from merak.shard.autopipe import autopipe_boundaries, balance_other_stages, chea
 from merak.shard.build import shard_modules
 from merak.shard.costs import MachineRates, UnitCosts, calibrate, measure_units, nominal_rates
 from merak.shard.graph import GraphUnits
+from merak.shard.settings import AUTOPIPE_COSTS, PARTITION_METHODS, ShardingSettings
 from merak.shard.split import ShardingError, min_bytes, split_units
 from merak.trace.capture import capture
 from merak.trace.meta import has_meta_parameters
@@ -30,40 +31,18 @@ from merak.trace.simplify import simplify_captured
 
 logger = logging.getLogger(__name__)
 
-PARTITION_METHODS = ("autopipe", "uniform", "uniform_floor", "parameters", "custom")
-AUTOPIPE_COSTS = ("estimate", "calibrated", "flops", "time")
 BYTES_PER_TRAINED_PARAM = 16  # fp32 weight + gradient + two Adam moments
 
 
-@dataclass(frozen=True)
-class ShardingOptions:
-    """How to capture, shard and partition (MerakArguments names).
-
-    ``split_points`` are the layer_split cut points: the user's
-    ``custom_split_points`` or the recipe's defaults. ``machine_rates``
-    (``merak.shard.costs``) weigh the estimated costs; None takes the nominal rates
-    of ``device_type``, or with ``autopipe_costs=calibrated`` measures them here (a
-    process planning for several workers hands them one set, so all plan alike).
-    """
-
-    trace_method: str = "fx"
-    split_method: str = "min_bytes"
-    shard_count: int | None = None
-    split_points: tuple[str, ...] = ()
-    partition_method: str = "autopipe"
-    custom_partition: tuple[int, ...] | None = None
-    leaf_modules: tuple = ()
-    input_names: tuple[str, ...] | None = None
-    backward_flops_factor: float = 2.0
-    # estimate (nominal rates) | calibrated (measured rates) | flops | time (measured forward seconds)
-    autopipe_costs: str = "estimate"
-    machine_rates: MachineRates | None = None
-    device_type: str | None = None  # whose nominal rates weigh the estimates (None: the CPU's)
+# Backward FLOPs per forward FLOP of a shard (the weight and the input gradients): what autopipe assumes
+# when it weighs FLOPs or measured forward times.
+BACKWARD_FLOPS_FACTOR = 2.0
 
 
-def needs_calibration(options: ShardingOptions) -> bool:
-    """Whether planning with ``options`` measures the machine's rates (``autopipe_costs=calibrated``)."""
-    return options.autopipe_costs == "calibrated" and options.machine_rates is None
+def needs_calibration(sharding: ShardingSettings, machine_rates: MachineRates | None = None) -> bool:
+    """Whether planning with ``sharding`` measures the machine's rates (``autopipe_costs=calibrated`` and
+    no rates given)."""
+    return sharding.autopipe_costs == "calibrated" and machine_rates is None
 
 
 @dataclass
@@ -208,11 +187,11 @@ def _time_shards(shards: Sequence[nn.Module], module: nn.Module, example_inputs:
 
 
 def _reports(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int], costs: UnitCosts,
-             rates: MachineRates | None, backward_factor: float) -> list[ShardReport]:
+             rates: MachineRates | None) -> list[ShardReport]:
     """What each shard holds, computes and sends, from the per-unit measurements."""
     input_names = dict(zip(units.placeholders, units.captured.input_names))
     bounds = [0, *cuts, len(units)]
-    estimates = shard_estimates(costs.forward_seconds(rates), bounds, costs.loss_seconds(rates), backward_factor) \
+    estimates = shard_estimates(costs.forward_seconds(rates), bounds, costs.loss_seconds(rates)) \
         if rates is not None else None
     reports = []
     for index, shard in enumerate(shards):
@@ -232,20 +211,20 @@ def _reports(shards: Sequence[nn.Module], units: GraphUnits, cuts: Sequence[int]
     return reports
 
 
-def shard_estimates(unit_forward_s: Sequence[float], bounds: Sequence[int], loss_s: tuple[float, float],
-                    backward_factor: float) -> list[tuple[float, float]]:
+def shard_estimates(unit_forward_s: Sequence[float], bounds: Sequence[int],
+                    loss_s: tuple[float, float]) -> list[tuple[float, float]]:
     """Each shard's estimated (forward, backward) seconds per microbatch, shard ``i`` holding units
     ``bounds[i] .. bounds[i+1] - 1``; the loss runs on the last shard after its forward."""
     estimates = []
     for start, stop in zip(bounds, bounds[1:]):
         forward = sum(unit_forward_s[start:stop])
-        estimates.append((forward, forward * backward_factor))
+        estimates.append((forward, forward * BACKWARD_FLOPS_FACTOR))
     forward, backward = estimates[-1]
     estimates[-1] = (forward + loss_s[0], backward + loss_s[1])
     return estimates
 
 
-def partition_shards(options: ShardingOptions, reports: list[ShardReport], num_stages: int,
+def partition_shards(options: ShardingSettings, reports: list[ShardReport], num_stages: int,
                      num_microbatches: int) -> list[int]:
     """Stage boundaries over the shards (``options.partition_method``), as :func:`plan_pipeline` makes them."""
     method, count = options.partition_method, len(reports)
@@ -274,7 +253,7 @@ def partition_shards(options: ShardingOptions, reports: list[ShardReport], num_s
                 forward = [float(r.forward_seconds) for r in reports]
             else:
                 forward = [float(r.forward_flops) for r in reports]
-            backward = [f * options.backward_flops_factor for f in forward]
+            backward = [f * BACKWARD_FLOPS_FACTOR for f in forward]
         boundaries = autopipe_boundaries(forward, backward, num_stages, num_microbatches)
         boundaries = balance_other_stages(forward, backward, boundaries, num_microbatches)
         return cheapen_boundaries(forward, backward, [r.output_bytes for r in reports], boundaries,
@@ -284,8 +263,15 @@ def partition_shards(options: ShardingOptions, reports: list[ShardReport], num_s
 
 
 def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, num_stages: int,
-                  num_microbatches: int, options: ShardingOptions = ShardingOptions()) -> PipelinePlan:
+                  num_microbatches: int, sharding: ShardingSettings = ShardingSettings(),
+                  input_names: Sequence[str] | None = None, machine_rates: MachineRates | None = None,
+                  device_type: str | None = None) -> PipelinePlan:
     """Capture ``model``, cut it into shards and partition the shards into ``num_stages`` stages.
+
+    ``sharding`` is the sharding section of the config (its ``custom_split_points`` and ``leaf_modules``
+    already holding the recipe's defaults, see RecipeSpec.sharding). Estimated costs are priced on
+    ``machine_rates``, else on the nominal rates of ``device_type`` (None: the CPU's), or with
+    ``autopipe_costs=calibrated`` on rates measured here.
 
     Raises:
         merak.trace.capture.TraceError: the model cannot be captured.
@@ -293,54 +279,53 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
     """
     if has_meta_parameters(model):  # a weightless model is captured and measured on meta inputs
         example_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
-    captured = capture(model, example_inputs, method=options.trace_method, input_names=options.input_names,
-                       leaf_modules=options.leaf_modules)
+    captured = capture(model, example_inputs, method=sharding.trace_method, input_names=input_names,
+                       leaf_modules=tuple(sharding.leaf_modules or ()))
     simplify_captured(captured.module)
     units = GraphUnits(captured)
     if not len(units):
         raise ShardingError(f"the captured graph of {type(model).__name__} has no operations to shard")
-    timed = options.partition_method == "autopipe" and options.autopipe_costs == "time"
+    timed = sharding.partition_method == "autopipe" and sharding.autopipe_costs == "time"
     if timed and has_meta_parameters(model):
         raise part.PartitionError("autopipe_costs=time needs real weights; a model on the meta device is "
                                   "partitioned by estimated costs (autopipe_costs=estimate)")
-    if options.autopipe_costs not in AUTOPIPE_COSTS:
-        raise part.PartitionError(f"autopipe_costs={options.autopipe_costs!r}; choose one of "
+    if sharding.autopipe_costs not in AUTOPIPE_COSTS:
+        raise part.PartitionError(f"autopipe_costs={sharding.autopipe_costs!r}; choose one of "
                                   f"{', '.join(AUTOPIPE_COSTS)}")
     inputs = {name: example_inputs[name] for name in captured.input_names}
     costs = measure_units(units, inputs)
-    rates = options.machine_rates
+    rates = machine_rates
     if rates is None:
-        rates = calibrate() if needs_calibration(options) else nominal_rates(options.device_type or "cpu")
-    unit_seconds = unit_step_seconds(costs.forward_seconds(rates), costs.loss_seconds(rates),
-                                     options.backward_flops_factor)
-    shard_count = options.shard_count or default_shard_count(model)
-    cuts = split_units(units, method=options.split_method, shard_count=shard_count,
-                       split_points=options.split_points, module_names=[n for n, _ in model.named_modules()],
+        rates = calibrate() if needs_calibration(sharding) else nominal_rates(device_type or "cpu")
+    unit_seconds = unit_step_seconds(costs.forward_seconds(rates), costs.loss_seconds(rates))
+    shard_count = sharding.shard_count or default_shard_count(model)
+    cuts = split_units(units, method=sharding.split_method, shard_count=shard_count,
+                       split_points=tuple(sharding.custom_split_points or ()),
+                       module_names=[n for n, _ in model.named_modules()],
                        unit_costs=unit_seconds, cut_bytes=units.crossing_bytes(costs.value_bytes),
                        num_stages=num_stages)
     shards = shard_modules(units, cuts)
-    reports = _reports(shards, units, cuts, costs, rates, options.backward_flops_factor)
+    reports = _reports(shards, units, cuts, costs, rates)
     if timed:
         for report, seconds in zip(reports, _time_shards(shards, captured.module, inputs)):
             report.forward_seconds = seconds
-    boundaries = partition_shards(options, reports, num_stages, num_microbatches)
+    boundaries = partition_shards(sharding, reports, num_stages, num_microbatches)
     logger.info("%d shards (%s, %s), stage boundaries %s (%s)", len(shards), captured.method,
-                options.split_method, boundaries, options.partition_method)
+                sharding.split_method, boundaries, sharding.partition_method)
     return PipelinePlan(shards=shards, reports=reports, boundaries=boundaries, trace_method=captured.method,
-                        split_method=options.split_method, partition_method=options.partition_method,
+                        split_method=sharding.split_method, partition_method=sharding.partition_method,
                         notes=list(captured.notes), num_microbatches=num_microbatches,
                         shard_starts=[0, *cuts, len(units)])
 
 
-def unit_step_seconds(unit_forward_s: Sequence[float], loss_s: tuple[float, float],
-                      backward_factor: float) -> list[float]:
+def unit_step_seconds(unit_forward_s: Sequence[float], loss_s: tuple[float, float]) -> list[float]:
     """Each unit's estimated forward + backward seconds (the loss's on the last unit): what min_bytes balances."""
-    seconds = [f * (1 + backward_factor) for f in unit_forward_s]
+    seconds = [f * (1 + BACKWARD_FLOPS_FACTOR) for f in unit_forward_s]
     seconds[-1] += sum(loss_s)
     return seconds
 
 
-def stage_unit_bounds(options: ShardingOptions, *, unit_forward_s: Sequence[float], loss_s: tuple[float, float],
+def stage_unit_bounds(options: ShardingSettings, *, unit_forward_s: Sequence[float], loss_s: tuple[float, float],
                       cut_bytes: Sequence[int], unit_params: Sequence[int], unit_flops: Sequence[int],
                       num_stages: int, num_microbatches: int) -> list[int]:
     """The units where :func:`plan_pipeline`'s stages start (and the unit count), from per-unit numbers alone:
@@ -356,10 +341,9 @@ def stage_unit_bounds(options: ShardingOptions, *, unit_forward_s: Sequence[floa
         raise ValueError(f"split_method={options.split_method!r} reads the captured graph; only min_bytes cuts "
                          "from per-unit numbers")
     count = len(unit_forward_s)
-    cuts = min_bytes(unit_step_seconds(unit_forward_s, loss_s, options.backward_flops_factor), cut_bytes,
-                     num_stages)
+    cuts = min_bytes(unit_step_seconds(unit_forward_s, loss_s), cut_bytes, num_stages)
     bounds = [0, *cuts, count]
-    estimates = shard_estimates(unit_forward_s, bounds, loss_s, options.backward_flops_factor)
+    estimates = shard_estimates(unit_forward_s, bounds, loss_s)
     reports = [ShardReport(modules=[], num_parameters=sum(unit_params[start:stop]),
                            forward_flops=sum(unit_flops[start:stop]), outputs={},
                            output_bytes=cut_bytes[stop] if stop < count else 0,

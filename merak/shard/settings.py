@@ -1,5 +1,5 @@
 """The automatic pipeline-splitting section of the ``trainer`` config: capture the unmodified model,
-cut it into shards, group shards into stages. Consumed by merak.shard.plan (ShardingOptions) and
+cut it into shards, group shards into stages. Received by merak.shard.plan.plan_pipeline and
 merak.session.assemble."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from merak.core.fields import positive_int_problem, setting
 
 # Where a worker builds the model before its own stage is materialized (merak.session.assemble).
 INIT_DEVICES = ("auto", "cpu", "meta")
+PARTITION_METHODS = ("autopipe", "uniform", "uniform_floor", "parameters", "custom")
+AUTOPIPE_COSTS = ("estimate", "calibrated", "flops", "time")
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,6 @@ class ShardingSettings:
         """What is wrong with these values for ``pp`` stages (None: the layout is invalid), given
         whether the recipe has default split points and hand-made stages."""
         from merak.core.partition import custom_boundary_problem
-        from merak.shard.plan import AUTOPIPE_COSTS, PARTITION_METHODS
         from merak.shard.split import SPLIT_METHODS
         from merak.trace.capture import TRACE_METHODS
 

@@ -23,12 +23,14 @@ from merak.core.slices import parameter_slices
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import PipelineEngine, RecomputeOptions
-from merak.optim.distributed import ZeroOptions
-from merak.pipeline.compiled import CompileOptions
-from merak.shard.plan import ShardingOptions
-from merak.tensor_parallel.options import TensorParallelOptions
+from merak.engine import PipelineEngine
 from recipes.gpt import data, model, parallel
+from merak.tensor_parallel.settings import TensorParallelSettings
+from merak.tensor_parallel.options import TensorParallelSplit
+from merak.shard.settings import ShardingSettings
+from merak.pipeline.settings import ScheduleSettings
+from merak.pipeline.settings import CompileSettings
+from merak.optim.settings import ZeroSettings
 
 pytestmark = pytest.mark.dist
 
@@ -46,8 +48,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     schedule: str = "1f1b"
-    recompute: RecomputeOptions = RecomputeOptions(activation_checkpointing=False)
-    zero: ZeroOptions = ZeroOptions()
+    recompute: ScheduleSettings = ScheduleSettings(activation_checkpointing=False)
+    zero: ZeroSettings = ZeroSettings()
     dropout: float = 0.0
     chunks: int = 1
 
@@ -56,16 +58,16 @@ class Layout:
         return self.dp * self.tp * self.pp
 
 
-RATIO = RecomputeOptions(activation_checkpointing=True, activation_checkpoint_ratio=0.5)
+RATIO = ScheduleSettings(activation_checkpointing=True, activation_checkpoint_ratio=0.5)
 LAYOUTS = {
     "pp2-1f1b": Layout(pp=2),
     "pp2-pre_recompute_1f1b": Layout(pp=2, schedule="pre_recompute_1f1b", recompute=RATIO),
     "pp2-zb_h1": Layout(pp=2, schedule="zb_h1"),
     "pp2-interleaved_1f1b": Layout(pp=2, schedule="interleaved_1f1b", chunks=2),
-    "dp2-pp2-zero1": Layout(dp=2, pp=2, zero=ZeroOptions(stage=1)),
+    "dp2-pp2-zero1": Layout(dp=2, pp=2, zero=ZeroSettings(zero_optimization=True, zero_stage=1)),
     "tp2-sequence-parallel": Layout(tp=2),
     # Dropout on, every part recomputed: the compiled recomputation redraws the first run's masks.
-    "pp2-dropout-full-recompute": Layout(pp=2, recompute=RecomputeOptions(activation_checkpointing=True),
+    "pp2-dropout-full-recompute": Layout(pp=2, recompute=ScheduleSettings(activation_checkpointing=True),
                                          dropout=0.1),
 }
 
@@ -81,16 +83,15 @@ def _train(state, layout: Layout, model_cfg, tokens: str) -> dict:
     micro_batch = GLOBAL_BATCH // (state.grid.dp * MICROBATCHES)
     built = assemble(
         build=functools.partial(model.build_model, model_cfg), seed=SEED, init_device="cpu",
-        options=ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS),
+        sharding=ShardingSettings(split_method="layer_split", custom_split_points=list(parallel.SPLIT_POINTS)),
         num_stages=state.grid.pp * layout.chunks, num_microbatches=MICROBATCHES,
         stage_id=tuple(state.coordinates.pp + c * state.grid.pp for c in range(layout.chunks)), device=state.device,
         example_inputs=parallel.example_inputs(model_cfg, micro_batch),
-        tensor_parallel=TensorParallelOptions(plan=parallel.TP_PLAN, size=state.grid.tp, rank=state.coordinates.tp,
-                                              sequence_parallel=state.grid.tp > 1))
+        tensor_parallel=TensorParallelSplit(plan=parallel.TP_PLAN, size=state.grid.tp, rank=state.coordinates.tp, settings=TensorParallelSettings(sequence_parallel=state.grid.tp > 1)))
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                             schedule=layout.schedule, num_microbatches=MICROBATCHES, total_steps=STEPS,
                             optimizer=OPTIONS, recompute=layout.recompute, zero=layout.zero, num_chunks=layout.chunks,
-                            dropout_seed=SEED if layout.dropout else None, compile=CompileOptions(enabled=True))
+                            dropout_seed=SEED if layout.dropout else None, compile=CompileSettings(torch_compile=True))
     loader = None
     if state.is_first_stage or state.is_last_stage:
         dataset = data.load(tokens, model_cfg)

@@ -18,11 +18,13 @@ import merak  # noqa: F401  (before transformers)
 from merak.session.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
-from merak.shard.plan import ShardingOptions
+from merak.engine import PipelineEngine
 from merak.tensor_parallel import plan_for
 from merak.tensor_parallel.cross_entropy import cross_entropy
-from merak.tensor_parallel.options import TensorParallelOptions
+from merak.tensor_parallel.settings import TensorParallelSettings
+from merak.tensor_parallel.options import TensorParallelSplit
+from merak.shard.settings import ShardingSettings
+from merak.optim.settings import OptimizerSettings
 
 pytestmark = pytest.mark.dist
 
@@ -31,8 +33,7 @@ STEPS = 2
 MICROBATCHES = 4
 BATCH, SEQ, VOCAB = 2, 16, 64
 TP = 2
-OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0,
-                           lr_scheduler_type="constant")
+OPTIONS = OptimizerSettings(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0, lr_scheduler_type="constant")
 SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": VOCAB, "intermediate_size": 64, "max_position_embeddings": 64, "tie_word_embeddings": False}
 
@@ -87,11 +88,10 @@ def _train(out_dir: str, case: str) -> None:
         data = _microbatches()
         built = assemble(
             build=build, seed=SEED, init_device="cpu",
-            options=ShardingOptions(split_method="layer_split", split_points=("model.layers.*",)), num_stages=pp,
+            sharding=ShardingSettings(split_method="layer_split", custom_split_points=["model.layers.*"]), num_stages=pp,
             num_microbatches=MICROBATCHES, stage_id=state.coordinates.pp, device=torch.device("cpu"),
             example_inputs={"input_ids": data[0]["input_ids"]},
-            tensor_parallel=TensorParallelOptions(plan=plan, size=TP, rank=state.coordinates.tp,
-                                                  parallel_vocab=vocab))
+            tensor_parallel=TensorParallelSplit(plan=plan, size=TP, rank=state.coordinates.tp, settings=TensorParallelSettings(parallel_vocab=vocab)))
         engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=causal_lm_loss, state=state,
                                 schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS)
         records = [step_record(engine, engine.train_step(data[step * MICROBATCHES:(step + 1) * MICROBATCHES]))

@@ -19,16 +19,16 @@ from microbatch_reference import train_microbatches
 from merak.session.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
-from merak.shard.plan import ShardingOptions
+from merak.engine import PipelineEngine
+from merak.shard.settings import ShardingSettings
+from merak.optim.settings import OptimizerSettings
 
 pytestmark = pytest.mark.dist
 
 SEED = 7
 STEPS = 2
 MICROBATCHES = 4
-OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0,
-                           lr_scheduler_type="constant")
+OPTIONS = OptimizerSettings(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0, lr_scheduler_type="constant")
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 5e-6
 # (tiny model, init device, split method, partition method)
@@ -61,9 +61,8 @@ def _microbatches(name: str) -> list[dict]:
 def _assemble(case: str, num_stages: int, stage_id: int):
     name, init_device, split, partition = CASES[case]
     example = {k: v for k, v in _microbatches(name)[0].items() if k != "labels"}
-    options = ShardingOptions(split_method=split, partition_method=partition, shard_count=6,
-                              split_points=SPLIT_POINTS.get(name, ()))
-    return assemble(build=functools.partial(_build, name), seed=SEED, init_device=init_device, options=options,
+    options = ShardingSettings(split_method=split, partition_method=partition, shard_count=6, custom_split_points=list(SPLIT_POINTS.get(name, ())))
+    return assemble(build=functools.partial(_build, name), seed=SEED, init_device=init_device, sharding=options,
                     num_stages=num_stages, num_microbatches=MICROBATCHES, stage_id=stage_id,
                     device=torch.device("cpu"), example_inputs=example)
 

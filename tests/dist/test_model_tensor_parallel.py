@@ -20,9 +20,7 @@ from tp_parity import compare_workers, save_worker, step_record
 from merak.session.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
-from merak.shard.plan import ShardingOptions
-from merak.tensor_parallel.options import TensorParallelOptions
+from merak.engine import PipelineEngine
 from recipes.bert import model as bert_model
 from recipes.bert import parallel as bert_parallel
 from recipes.swin import parallel as swin_parallel
@@ -30,6 +28,10 @@ from recipes.t5 import model as t5_model
 from recipes.t5 import parallel as t5_parallel
 from recipes.vit import parallel as vit_parallel
 from recipes.wide_resnet import parallel as wide_resnet_parallel
+from merak.tensor_parallel.settings import TensorParallelSettings
+from merak.tensor_parallel.options import TensorParallelSplit
+from merak.shard.settings import ShardingSettings
+from merak.optim.settings import OptimizerSettings
 
 pytestmark = pytest.mark.dist
 
@@ -37,8 +39,7 @@ SEED = 11
 STEPS = 2
 MICROBATCHES = 4
 TP = 2
-OPTIONS = OptimizerOptions(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0,
-                           lr_scheduler_type="constant")
+OPTIONS = OptimizerSettings(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0, lr_scheduler_type="constant")
 # Tiny models: tests/tiny_models.py, plus T5 with a vocabulary divisible by tp for parallel_vocab.
 MODELS = {**tiny_models.ALL, "t5-vocab104": functools.partial(tiny_models.t5, vocab_size=104),
           "bert-vocab102": functools.partial(tiny_models.bert, vocab_size=102)}
@@ -93,11 +94,10 @@ def _train(out_dir: str, case: str) -> None:
         example = {k: v for k, v in _microbatches(name)[0].items() if k != "labels"}
         built = assemble(
             build=functools.partial(_build, name), seed=SEED, init_device="cpu",
-            options=ShardingOptions(split_method="layer_split", split_points=points), num_stages=pp,
+            sharding=ShardingSettings(split_method="layer_split", custom_split_points=list(points)), num_stages=pp,
             num_microbatches=MICROBATCHES, stage_id=state.coordinates.pp, device=torch.device("cpu"),
             example_inputs=example,
-            tensor_parallel=TensorParallelOptions(plan=plan, size=TP, rank=state.coordinates.tp,
-                                                  parallel_vocab=vocab))
+            tensor_parallel=TensorParallelSplit(plan=plan, size=TP, rank=state.coordinates.tp, settings=TensorParallelSettings(parallel_vocab=vocab)))
         engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=_loss_fn(name), state=state,
                                 schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS)
         data = _microbatches(name)

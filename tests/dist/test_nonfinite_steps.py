@@ -12,9 +12,10 @@ import torch
 
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.optim.distributed import DistributedOptimizer, ZeroOptions
-from merak.optim.precision import PrecisionOptions
+from merak.optim.distributed import DistributedOptimizer
 from merak.optim.schedule import make_optimizer
+from merak.optim.settings import OptimizerSettings, ZeroSettings
+from merak.optim.settings import PrecisionSettings
 
 pytestmark = pytest.mark.dist
 
@@ -27,12 +28,12 @@ def _worker(out_dir: str, zero_stage: int, fp16: bool) -> None:
     rank = state.rank
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(4, 3))
-    precision = PrecisionOptions(fp16=fp16, initial_scale_power=4, min_loss_scale=1.0)
+    precision = PrecisionSettings(fp16=fp16, initial_scale_power=4, min_loss_scale=1.0)
     optimizer = DistributedOptimizer(
         [weight], dp_group=state.dp_group, dp_size=2, dp_rank=rank, norm_group=state.model_parallel_group,
-        norm_group_size=1, counted=[True], zero=ZeroOptions(stage=zero_stage), precision=precision,
-        make_optimizer=functools.partial(make_optimizer, kind="adamw_torch", learning_rate=0.1, weight_decay=0.0,
-                                         betas=(0.9, 0.999), eps=1e-8))
+        norm_group_size=1, counted=[True], precision=precision,
+        zero=ZeroSettings(zero_optimization=zero_stage > 0, zero_stage=zero_stage or 1),
+        make_optimizer=functools.partial(make_optimizer, settings=OptimizerSettings(learning_rate=0.1)))
     records = []
     for bad_loss, bad_grad in STEPS:
         optimizer.zero_grad()

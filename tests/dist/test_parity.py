@@ -22,8 +22,8 @@ from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.distributed.transports import RENDEZVOUS_ENV
 from merak.engine import PipelineEngine
-from merak.shard.plan import ShardingOptions
 from recipes.gpt import data, model, parallel
+from merak.shard.settings import ShardingSettings
 
 pytestmark = pytest.mark.dist
 
@@ -34,10 +34,9 @@ SCHEDULES = ("1f1b", "ds_default", "gpipe")
 OPTIONS = PARITY_OPTIONS
 # Each layout also exercises a different split and partition method.
 SHARDING = {
-    (1, 2): ShardingOptions(split_method="farthest_min_deps", partition_method="uniform"),
-    (2, 1): ShardingOptions(split_method="nearest_min_deps", partition_method="parameters"),
-    (2, 2): ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS,
-                            partition_method="autopipe"),
+    (1, 2): ShardingSettings(split_method="farthest_min_deps", partition_method="uniform"),
+    (2, 1): ShardingSettings(split_method="nearest_min_deps", partition_method="parameters"),
+    (2, 2): ShardingSettings(split_method="layer_split", custom_split_points=list(parallel.SPLIT_POINTS), partition_method="autopipe"),
 }
 # fp32 sums in a different order: ~1e-7 relative; anything wrong is orders larger.
 LOSS_RTOL = 1e-6
@@ -54,7 +53,7 @@ def _train_layout(out_dir: str, dp: int, pp: int, num_microbatches: int, model_c
         for schedule in SCHEDULES:
             # Stages come from the automatic path: captured, sharded, partitioned.
             built = assemble(build=functools.partial(model.build_model, model_cfg), seed=SEED, init_device="cpu",
-                             options=SHARDING[(dp, pp)], num_stages=pp, num_microbatches=num_microbatches,
+                             sharding=SHARDING[(dp, pp)], num_stages=pp, num_microbatches=num_microbatches,
                              stage_id=state.coordinates.pp, device=state.device,
                              example_inputs=parallel.example_inputs(model_cfg, micro_batch))
             engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss,

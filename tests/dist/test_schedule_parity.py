@@ -28,10 +28,12 @@ from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.distributed.transports import RENDEZVOUS_ENV, PostedTransport
-from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions
+from merak.engine import PipelineEngine
 from merak.pipeline.schedules import SCHEDULES, schedule_info
-from merak.shard.plan import ShardingOptions
 from recipes.gpt import data, model, parallel
+from merak.shard.settings import ShardingSettings
+from merak.pipeline.settings import ScheduleSettings
+from merak.optim.settings import OptimizerSettings
 
 pytestmark = pytest.mark.dist
 
@@ -39,12 +41,12 @@ SEED = 4321
 STEPS = 2
 MICROBATCHES = 4
 MICRO_BATCH = 2
-OPTIONS = OptimizerOptions(learning_rate=1e-3, max_grad_norm=1.0, lr_scheduler_type="constant")
-SHARDING = ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS, partition_method="uniform")
+OPTIONS = OptimizerSettings(learning_rate=1e-3, max_grad_norm=1.0, lr_scheduler_type="constant")
+SHARDING = ShardingSettings(split_method="layer_split", custom_split_points=list(parallel.SPLIT_POINTS), partition_method="uniform")
 RECOMPUTE = {
-    "none": RecomputeOptions(activation_checkpointing=False),
-    "full": RecomputeOptions(activation_checkpointing=True),
-    "ratio": RecomputeOptions(activation_checkpointing=True, activation_checkpoint_ratio=0.5),
+    "none": ScheduleSettings(activation_checkpointing=False),
+    "full": ScheduleSettings(activation_checkpointing=True),
+    "ratio": ScheduleSettings(activation_checkpointing=True, activation_checkpoint_ratio=0.5),
 }
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 2e-6
@@ -59,7 +61,7 @@ def _cases() -> list[tuple[str, str, str]]:
     return [(f"{name}-{mode}", name, mode) for name in SCHEDULES for mode in RECOMPUTE]
 
 
-def _train(state, built, schedule: str, recompute: RecomputeOptions, chunks: int, model_cfg, tokens: str,
+def _train(state, built, schedule: str, recompute: ScheduleSettings, chunks: int, model_cfg, tokens: str,
            dealloc: bool = False, buffered: bool = False) -> list[dict]:
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                             schedule=schedule, num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS,
@@ -81,7 +83,7 @@ def _train(state, built, schedule: str, recompute: RecomputeOptions, chunks: int
 
 def _assemble(model_cfg, pieces: int, stage_id: int):
     return assemble(build=functools.partial(model.build_model, model_cfg), seed=SEED, init_device="cpu",
-                    options=SHARDING, num_stages=pieces, num_microbatches=MICROBATCHES, stage_id=stage_id,
+                    sharding=SHARDING, num_stages=pieces, num_microbatches=MICROBATCHES, stage_id=stage_id,
                     device=torch.device("cpu"), example_inputs=parallel.example_inputs(model_cfg, MICRO_BATCH))
 
 

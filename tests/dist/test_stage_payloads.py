@@ -19,14 +19,15 @@ from torch import nn
 from merak.data.batching import BatchPlan, MicrobatchLoader, stack_samples
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import PipelineEngine
 from merak.optim.schedule import build_lr_scheduler, build_optimizer
+from merak.optim.settings import OptimizerSettings
 
 pytestmark = pytest.mark.dist
 
 STEPS = 3
 GLOBAL_BATCH = 8
-OPTIONS = OptimizerOptions(learning_rate=1e-2, max_grad_norm=0.0, lr_scheduler_type="constant")
+OPTIONS = OptimizerSettings(learning_rate=1e-2, max_grad_norm=0.0, lr_scheduler_type="constant")
 
 
 class SkipNet(nn.Module):
@@ -124,9 +125,9 @@ def _train(out_dir: str, schedule: str, stages: str = "front/back") -> None:
 def _reference() -> list[dict]:
     torch.manual_seed(0)
     net = SkipNet()
-    optimizer = build_optimizer(net.named_parameters(), learning_rate=OPTIONS.learning_rate, weight_decay=0.0,
-                                betas=(0.9, 0.999), eps=1e-8)
-    scheduler = build_lr_scheduler(optimizer, kind="constant", warmup_steps=0, total_steps=STEPS)
+    constant = OptimizerSettings(learning_rate=OPTIONS.learning_rate, lr_scheduler_type="constant")
+    optimizer = build_optimizer(net.named_parameters(), constant)
+    scheduler = build_lr_scheduler(optimizer, constant, total_steps=STEPS)
     dataset = build_dataset()
     plan = BatchPlan(num_samples=64, micro_batch_size=GLOBAL_BATCH, num_microbatches=1, seed=3)
     records = []

@@ -19,9 +19,10 @@ from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
-from merak.shard.plan import ShardingOptions
-from merak.tensor_parallel.options import TensorParallelOptions
 from recipes.gpt import data, model, parallel
+from merak.tensor_parallel.settings import TensorParallelSettings
+from merak.tensor_parallel.options import TensorParallelSplit
+from merak.shard.settings import ShardingSettings
 
 pytestmark = pytest.mark.dist
 
@@ -51,12 +52,10 @@ def _train(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
     try:
         built = assemble(
             build=functools.partial(model.build_model, model_cfg), seed=SEED, init_device="cpu",
-            options=ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS),
+            sharding=ShardingSettings(split_method="layer_split", custom_split_points=list(parallel.SPLIT_POINTS)),
             num_stages=pp, num_microbatches=MICROBATCHES, stage_id=state.coordinates.pp, device=state.device,
             example_inputs=parallel.example_inputs(model_cfg, micro_batch),
-            tensor_parallel=TensorParallelOptions(plan=parallel.TP_PLAN, size=tp, rank=state.coordinates.tp,
-                                                  parallel_vocab=vocab, sequence_parallel=sequence,
-                                                  overlap_level=overlap))
+            tensor_parallel=TensorParallelSplit(plan=parallel.TP_PLAN, size=tp, rank=state.coordinates.tp, settings=TensorParallelSettings(parallel_vocab=vocab, sequence_parallel=sequence, tp_overlapping_level=overlap)))
         slices = parameter_slices(built.model)
         engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                                 schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS)

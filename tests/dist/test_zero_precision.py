@@ -22,11 +22,12 @@ from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
-from merak.optim.distributed import ZeroOptions
-from merak.optim.precision import PrecisionOptions
-from merak.shard.plan import ShardingOptions
-from merak.tensor_parallel.options import TensorParallelOptions
 from recipes.gpt import data, model, parallel
+from merak.tensor_parallel.settings import TensorParallelSettings
+from merak.tensor_parallel.options import TensorParallelSplit
+from merak.shard.settings import ShardingSettings
+from merak.optim.settings import ZeroSettings
+from merak.optim.settings import PrecisionSettings
 
 pytestmark = pytest.mark.dist
 
@@ -37,27 +38,28 @@ MICROBATCHES = 4
 OPTIONS = PARITY_OPTIONS
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 2e-6
-SMALL_BUCKETS = {"reduce_bucket_size": 20_000, "allgather_bucket_size": 30_000}
-# name -> (dp, tp, pp, schedule, ZeroOptions); tp layouts use a vocabulary divisible by 2.
+SMALL_BUCKETS = {"zero_reduce_bucket_size": 20_000, "zero_allgather_bucket_size": 30_000}
+# name -> (dp, tp, pp, schedule, ZeroSettings); tp layouts use a vocabulary divisible by 2.
 LAYOUTS = {
-    "dp2-zero1": (2, 1, 1, "1f1b", ZeroOptions(stage=1, **SMALL_BUCKETS)),
-    "dp2-zero2-prescale": (2, 1, 1, "1f1b", ZeroOptions(stage=2, prescale_gradients=True, **SMALL_BUCKETS)),
-    "dp2-pp2-zero1-predivide": (2, 1, 2, "1f1b", ZeroOptions(stage=1, gradient_predivide_factor=2.0)),
-    "dp2-pp2-zero2-zb_h1": (2, 1, 2, "zb_h1", ZeroOptions(stage=2, **SMALL_BUCKETS)),
-    "dp2-tp2-pp2-zero2": (2, 2, 2, "1f1b", ZeroOptions(stage=2, **SMALL_BUCKETS)),
+    "dp2-zero1": (2, 1, 1, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=1, **SMALL_BUCKETS)),
+    "dp2-zero2-prescale": (2, 1, 1, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=2, prescale_gradients=True,
+                                                         **SMALL_BUCKETS)),
+    "dp2-pp2-zero1-predivide": (2, 1, 2, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=1,
+                                                              gradient_predivide_factor=2.0)),
+    "dp2-pp2-zero2-zb_h1": (2, 1, 2, "zb_h1", ZeroSettings(zero_optimization=True, zero_stage=2, **SMALL_BUCKETS)),
+    "dp2-tp2-pp2-zero2": (2, 2, 2, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=2, **SMALL_BUCKETS)),
 }
 
 
-def _engine(state, model_cfg, *, tp: int, pp: int, schedule: str, zero=ZeroOptions(),
-            precision=PrecisionOptions()):
+def _engine(state, model_cfg, *, tp: int, pp: int, schedule: str, zero=ZeroSettings(),
+            precision=PrecisionSettings()):
     micro_batch = GLOBAL_BATCH // (state.grid.dp * MICROBATCHES)
     built = assemble(
         build=functools.partial(model.build_model, model_cfg), seed=SEED, init_device="cpu",
-        options=ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS),
+        sharding=ShardingSettings(split_method="layer_split", custom_split_points=list(parallel.SPLIT_POINTS)),
         num_stages=pp, num_microbatches=MICROBATCHES, stage_id=state.coordinates.pp, device=state.device,
         example_inputs=parallel.example_inputs(model_cfg, micro_batch),
-        tensor_parallel=TensorParallelOptions(plan=parallel.TP_PLAN, size=tp, rank=state.coordinates.tp,
-                                              sequence_parallel=tp > 1),
+        tensor_parallel=TensorParallelSplit(plan=parallel.TP_PLAN, size=tp, rank=state.coordinates.tp, settings=TensorParallelSettings(sequence_parallel=tp > 1)),
         dtype=precision.dtype)
     slices = parameter_slices(built.model)
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
@@ -137,7 +139,7 @@ def test_zero_matches_single_process(layout, tmp_path, references, toy_model_cfg
         if zero.stage == 2:
             # Full-size gradients wait only until a bucket fills (at most one bucket and the
             # parameter that completed it); the rest is the owned fp32 pieces.
-            bound = 4 * (saved["owned"] + dp * zero.reduce_bucket_size + saved["largest"])
+            bound = 4 * (saved["owned"] + dp * zero.reduce_bucket_elements + saved["largest"])
             assert memory["gradient_bytes"] <= bound, memory
     # At every (pp, tp) position the dp ranks' pieces tile each parameter exactly (no gap, no
     # overlap), and between them the positions hold every parameter of the model.
@@ -155,9 +157,9 @@ def _train_fp16_overflow(out_dir: str, model_cfg, tokens: str) -> None:
     torch.set_num_threads(1)
     state = groups.init(dp=2, pp=2, timeout_s=120)
     try:
-        precision = PrecisionOptions(fp16=True, initial_scale_power=16, hysteresis=1)
+        precision = PrecisionSettings(fp16=True, initial_scale_power=16, hysteresis=1)
         engine, _, micro_batch = _engine(state, model_cfg, tp=1, pp=2, schedule="1f1b",
-                                         zero=ZeroOptions(stage=1), precision=precision)
+                                         zero=ZeroSettings(zero_optimization=True, zero_stage=1), precision=precision)
         loader = _loader(state, model_cfg, tokens, micro_batch)
         step_now = {"step": 0}
         if state.rank == 0:
@@ -195,7 +197,7 @@ def _train_bf16(out_dir: str, model_cfg, tokens: str) -> None:
     state = groups.init(dp=2, pp=2, timeout_s=120)
     try:
         engine, _, micro_batch = _engine(state, model_cfg, tp=1, pp=2, schedule="1f1b",
-                                         zero=ZeroOptions(stage=2), precision=PrecisionOptions(bf16=True))
+                                         zero=ZeroSettings(zero_optimization=True, zero_stage=2), precision=PrecisionSettings(bf16=True))
         loader = _loader(state, model_cfg, tokens, micro_batch)
         losses = [engine.train_step(loader.load_step(step) if loader else None).loss for step in range(STEPS)]
         master = engine.optimizer.master[0]

@@ -14,7 +14,6 @@ from merak.autoplan.cluster import load_cluster
 from merak.autoplan.cost import CostModel
 from merak.autoplan.layout import Layout
 from merak.autoplan.planner import ProfileCache, compose_recipe, single_process_settings
-from merak.config.options import sharding_options
 
 pytestmark = pytest.mark.recipe
 
@@ -50,7 +49,8 @@ def _predicted_stages(recipe: str, layout: Layout, cache_dir: Path) -> list[int]
     spec, cfg = compose_recipe(recipe, ["model=toy"])
     settings = single_process_settings(spec, cfg)
     model = CostModel(ProfileCache(spec, settings, directory=cache_dir / "profiles", device_type="cpu"),
-                      load_cluster("this", processes=layout.world_size), sharding=sharding_options(spec, settings))
+                      load_cluster("this", processes=layout.world_size),
+                      sharding=spec.sharding(settings.trainer.sharding))
     return list(model.predict(layout).stage_memory)
 
 

@@ -14,9 +14,9 @@ from merak.autoplan.layout import Layout
 from merak.autoplan.planner import ProfileCache, compose_recipe
 from merak.autoplan.profile import GraphProfile
 from merak.config import resolve_settings
-from merak.config.options import sharding_options
 from merak.session.training import assemble_worker
-from merak.shard.plan import ShardingOptions, stage_unit_bounds
+from merak.shard.plan import stage_unit_bounds
+from merak.shard.settings import ShardingSettings
 
 LAYOUTS = [  # (tp, pp, chunks, microbatch, microbatches): deep pipelines, tensor parallelism, interleaving
     (1, 2, 1, 1, 2), (1, 4, 1, 1, 16), (1, 4, 1, 8, 2), (1, 8, 1, 1, 16), (1, 8, 1, 16, 1),
@@ -43,7 +43,7 @@ def test_pieces_start_where_the_runtime_cuts_the_stages(cache_dir, recipe, model
     spec, cfg = compose_recipe(recipe, [f"model={model}"])
     settings = resolve_settings(spec, cfg)
     cost = CostModel(ProfileCache(spec, settings, directory=cache_dir / "profiles"), load_cluster("this", processes=8),
-                     sharding=sharding_options(spec, settings))
+                     sharding=spec.sharding(settings.trainer.sharding))
     compared = 0
     for tp, pp, chunks, micro, microbatches in LAYOUTS:
         layout = _layout(tp, pp, chunks, micro, microbatches)
@@ -82,7 +82,7 @@ def _profile(units: int = 12) -> GraphProfile:
 
 def test_a_model_with_too_few_cuts_is_a_layout_error():
     cost = CostModel(lambda tp, sequence_parallel: _profile(units=4), load_cluster("this", processes=8),
-                     sharding=ShardingOptions())
+                     sharding=ShardingSettings())
     with pytest.raises(LayoutError):
         cost.predict(_layout(1, 8, 1, 1, 8))
 
@@ -90,12 +90,12 @@ def test_a_model_with_too_few_cuts_is_a_layout_error():
 def test_split_methods_that_read_the_graph_are_priced_by_balanced_cuts():
     profile = _profile()
     by_layers = CostModel(lambda tp, sequence_parallel: profile, load_cluster("this", processes=4),
-                          sharding=ShardingOptions(split_method="layer_split"))
+                          sharding=ShardingSettings(split_method="layer_split"))
     layout = _layout(1, 4, 1, 1, 4)
     table = by_layers._table(layout)
     assert by_layers._piece_bounds(layout, table) == _cuts(profile, 4, table.cuts_at)
     with pytest.raises(ValueError, match="min_bytes"):
-        stage_unit_bounds(ShardingOptions(split_method="layer_split"), unit_forward_s=[1.0] * 4, loss_s=(0, 0),
+        stage_unit_bounds(ShardingSettings(split_method="layer_split"), unit_forward_s=[1.0] * 4, loss_s=(0, 0),
                           cut_bytes=[0, 1, 1, 1], unit_params=[1] * 4, unit_flops=[1] * 4, num_stages=2,
                           num_microbatches=2)
 

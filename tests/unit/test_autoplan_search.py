@@ -255,7 +255,7 @@ def test_toy_best_layout_overrides_compose(toy, report):
     assert cfg.trainer.gradient_accumulation_steps == chosen.num_microbatches
     assert cfg.trainer.train_schedule == chosen.schedule
     settings = resolve_settings(spec, cfg)
-    assert settings.trainer.per_device_train_batch_size == chosen.micro_batch_size
+    assert settings.trainer.batch.per_device_train_batch_size == chosen.micro_batch_size
 
 
 def test_toy_price_of_a_written_layout(report):

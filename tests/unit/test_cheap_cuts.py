@@ -13,7 +13,8 @@ from merak.shard.autopipe import simulate_1f1b
 from merak.shard.build import shard_modules
 from merak.shard.costs import MachineRates, calibrate, measure_units
 from merak.shard.graph import GraphUnits
-from merak.shard.plan import ShardingOptions, plan_pipeline
+from merak.shard.plan import plan_pipeline
+from merak.shard.settings import ShardingSettings
 from merak.shard.split import ShardingError, min_bytes
 from merak.trace.capture import capture
 from merak.trace.simplify import simplify_captured
@@ -137,7 +138,7 @@ def test_calibration_gives_positive_rates():
 def test_the_predicted_step_is_the_1f1b_time_of_the_stage_estimates():
     model = MaskedModel(width=16, depth=6).train()
     plan = plan_pipeline(model, {"x": torch.randn(4, 6, 16)}, num_stages=3, num_microbatches=6,
-                         options=ShardingOptions(trace_method="dynamo", machine_rates=RATES))
+                         sharding=ShardingSettings(trace_method="dynamo"), machine_rates=RATES)
     stages = [plan.stage_summary(s) for s in range(3)]
     assert plan.predicted_step_seconds() == pytest.approx(simulate_1f1b(
         [s["predicted_forward_s"] for s in stages], [s["predicted_backward_s"] for s in stages], 6))

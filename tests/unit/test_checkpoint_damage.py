@@ -30,9 +30,11 @@ from merak.checkpoint import (
 from merak.checkpoint import load as checkpoint_load
 from merak.checkpoint import save as checkpoint_save
 from merak.checkpoint.export import main as export_main
-from merak.checkpoint.load import CheckpointSource, LoadOptions
+from merak.checkpoint.load import CheckpointSource
 from merak.checkpoint.save import nonfinite_tensors
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.checkpoint.settings import CheckpointSettings
+from merak.engine import PipelineEngine
+from merak.optim.settings import OptimizerSettings
 from merak.pipeline.stage import StageModule
 
 MODEL = "model/pp000-tp000.safetensors"
@@ -46,7 +48,7 @@ def make_engine(state, seed: int = 0) -> PipelineEngine:
     net = Net()
     return PipelineEngine(model=net, stages=[StageModule([Input(net), net.second])], loss_fn=loss_fn, state=state,
                           schedule="1f1b", num_microbatches=2, total_steps=4,
-                          optimizer=OptimizerOptions(learning_rate=0.1))
+                          optimizer=OptimizerSettings(learning_rate=0.1))
 
 
 def train_step(engine, step: int) -> None:
@@ -176,7 +178,7 @@ def test_only_the_files_read_are_opened(run, indexed):
         drop_manifest_index(checkpoint)
     truncate(os.path.join(checkpoint, OPTIMIZER), 10)
     engine = fresh_engine(run)
-    state = load_checkpoint(engine, checkpoint, options=LoadOptions(no_load_optim=True))
+    state = load_checkpoint(engine, checkpoint, options=CheckpointSettings(no_load_optim=True))
     assert state["step"] == 2
     with pytest.raises(CheckpointError, match=re.escape(f"{OPTIMIZER} is truncated (10 bytes")):
         load_checkpoint(engine, checkpoint)

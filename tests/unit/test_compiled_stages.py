@@ -16,18 +16,18 @@ from torch import nn
 
 import merak
 from merak.config import ConfigError, resolve_settings
-from merak.config.options import compile_options
 from merak.distributed import groups
-from merak.engine import OptimizerOptions, PipelineEngine, RecomputeOptions
+from merak.engine import PipelineEngine
 from merak.hf.arguments import trainer_settings
-from merak.optim.precision import PrecisionOptions
-from merak.pipeline.compiled import CompiledParts, CompileOptions, eager_execution, range_module
+from merak.optim.settings import OptimizerSettings, PrecisionSettings
+from merak.pipeline.compiled import CompiledParts, eager_execution, range_module
+from merak.pipeline.settings import CompileSettings, ScheduleSettings
 from merak.pipeline.stage import StageModule
 from recipes.gpt.spec import SPEC as GPT
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "recipes" / "gpt" / "conf")
 
-COMPILED = CompileOptions(enabled=True)
+COMPILED = CompileSettings(torch_compile=True)
 
 
 class Block(nn.Module):
@@ -79,19 +79,24 @@ def single_process():
     groups.shutdown()
 
 
-def test_options_are_checked():
-    with pytest.raises(ValueError, match="torch_compile_mode='fastest'"):
-        CompileOptions(enabled=True, mode="fastest")
-    with pytest.raises(ValueError, match="needs torch_compile=true"):
-        CompileOptions(cuda_graphs=True)
-    with pytest.raises(ValueError, match="applies to the inductor backend"):
-        CompileOptions(enabled=True, backend="aot_eager", mode="max-autotune")
-    with pytest.raises(ValueError, match="contradicts"):
-        CompileOptions(enabled=True, mode="max-autotune-no-cudagraphs", cuda_graphs=True)
-    assert CompileOptions(enabled=True, cuda_graphs=True).effective_mode == "reduce-overhead"
-    assert CompileOptions(enabled=True, mode="max-autotune", cuda_graphs=True).effective_mode == "max-autotune"
-    assert CompileOptions(enabled=True, mode="reduce-overhead").uses_cuda_graphs
-    assert not CompileOptions(enabled=True).uses_cuda_graphs
+def test_contradicting_compile_settings_are_named():
+    def contradiction(**values) -> str:
+        (problem,) = CompileSettings(**values).contradictions()
+        return problem
+
+    assert contradiction(torch_compile=True, torch_compile_mode="fastest").startswith("torch_compile_mode='fastest'")
+    assert "needs torch_compile=true" in contradiction(cuda_graphs=True)
+    assert "applies to the inductor backend" in contradiction(torch_compile=True, torch_compile_backend="aot_eager",
+                                                              torch_compile_mode="max-autotune")
+    assert "contradicts" in contradiction(torch_compile=True, torch_compile_mode="max-autotune-no-cudagraphs",
+                                          cuda_graphs=True)
+    assert CompileSettings(torch_compile=True, cuda_graphs=True).contradictions() == []
+    assert CompileSettings(torch_compile=True, cuda_graphs=True).effective_mode == "reduce-overhead"
+    assert CompileSettings(torch_compile=True, torch_compile_mode="max-autotune",
+                           cuda_graphs=True).effective_mode == "max-autotune"
+    assert CompileSettings(torch_compile=True, torch_compile_mode="reduce-overhead").uses_cuda_graphs
+    assert not CompileSettings(torch_compile=True).uses_cuda_graphs
+    assert CompileSettings(torch_compile_backend="aot_eager").enabled  # naming a backend turns compiling on
 
 
 def test_a_range_module_calls_its_parts_in_order_and_shares_them():
@@ -104,7 +109,7 @@ def test_a_range_module_calls_its_parts_in_order_and_shares_them():
 
 def test_each_range_compiles_once_into_its_own_graph():
     parts = _parts()
-    compiled = CompiledParts(parts, CompileOptions(enabled=True, backend="aot_eager"), "stage 0")
+    compiled = CompiledParts(parts, CompileSettings(torch_compile=True, torch_compile_backend="aot_eager"), "stage 0")
     x = torch.randn(2, 8)
     expected = parts[3](parts[2](parts[1](parts[0](x))))
     torch._dynamo.reset()
@@ -118,7 +123,8 @@ def test_each_range_compiles_once_into_its_own_graph():
 def test_a_range_that_cannot_compile_warns_and_runs_eagerly(caplog):
     parts = _parts()
     # A backend torch ships for testing: it fails on any graph with a relu (the head has one).
-    compiled = CompiledParts(parts, CompileOptions(enabled=True, backend="relu_compile_error_TESTING_ONLY"),
+    compiled = CompiledParts(parts, CompileSettings(torch_compile=True,
+                                                    torch_compile_backend="relu_compile_error_TESTING_ONLY"),
                              "stage 1")
     x = torch.randn(2, 8)
     with caplog.at_level(logging.WARNING, logger="merak.pipeline.compiled"):
@@ -132,14 +138,14 @@ def test_a_range_that_cannot_compile_warns_and_runs_eagerly(caplog):
     assert caplog.text.count("cannot be compiled") == 1  # decided once
 
 
-def _train(state, *, compile: CompileOptions, recompute: RecomputeOptions, dropout_seed=None,
-           precision: PrecisionOptions = PrecisionOptions(), measure_activations: bool = False) -> list:
+def _train(state, *, compile: CompileSettings, recompute: ScheduleSettings, dropout_seed=None,
+           precision: PrecisionSettings = PrecisionSettings(), measure_activations: bool = False) -> list:
     parts = _parts()
     net = nn.ModuleList(parts)
     stage = StageModule([Input(parts[0]), *parts[1:]])
     engine = PipelineEngine(model=net, stages=[stage], loss_fn=_loss, state=state, schedule="1f1b",
                             num_microbatches=2, total_steps=3, recompute=recompute, dropout_seed=dropout_seed,
-                            optimizer=OptimizerOptions(learning_rate=0.05), compile=compile, precision=precision,
+                            optimizer=OptimizerSettings(learning_rate=0.05), compile=compile, precision=precision,
                             measure_activations=measure_activations)
     generator = torch.Generator().manual_seed(1)
     records = []
@@ -150,11 +156,11 @@ def _train(state, *, compile: CompileOptions, recompute: RecomputeOptions, dropo
     return records, engine
 
 
-@pytest.mark.parametrize("recompute", [RecomputeOptions(activation_checkpointing=False),
-                                       RecomputeOptions(activation_checkpointing=True, checkpoint_num_layers=2)],
+@pytest.mark.parametrize("recompute", [ScheduleSettings(activation_checkpointing=False),
+                                       ScheduleSettings(activation_checkpointing=True, checkpoint_num_layers=2)],
                          ids=["no-recompute", "recompute-pairs"])
 def test_a_compiled_engine_trains_to_the_eager_numbers(single_process, recompute):
-    eager, _ = _train(single_process, compile=CompileOptions(), recompute=recompute)
+    eager, _ = _train(single_process, compile=CompileSettings(), recompute=recompute)
     compiled, engine = _train(single_process, compile=COMPILED, recompute=recompute)
     for (loss, grads), (want_loss, want_grads) in zip(compiled, eager, strict=True):
         assert loss == pytest.approx(want_loss, rel=1e-5)
@@ -168,15 +174,15 @@ def test_a_compiled_engine_trains_to_the_eager_numbers(single_process, recompute
     assert set(stage.compiled._ranges) == expected
 
 
-@pytest.mark.parametrize("precision", [PrecisionOptions(bf16=True), PrecisionOptions(fp16=True, loss_scale=1024.0)],
+@pytest.mark.parametrize("precision", [PrecisionSettings(bf16=True), PrecisionSettings(fp16=True, loss_scale=1024.0)],
                          ids=["bf16", "fp16"])
 def test_half_precision_compiled_stages_track_eager(single_process, precision):
     """Half-precision weights and activations compile (fp32 master weights and loss scaling unchanged);
     losses agree within half-precision rounding."""
-    eager, _ = _train(single_process, compile=CompileOptions(),
-                      recompute=RecomputeOptions(activation_checkpointing=False), precision=precision)
+    eager, _ = _train(single_process, compile=CompileSettings(),
+                      recompute=ScheduleSettings(activation_checkpointing=False), precision=precision)
     compiled, engine = _train(single_process, compile=COMPILED,
-                              recompute=RecomputeOptions(activation_checkpointing=False), precision=precision)
+                              recompute=ScheduleSettings(activation_checkpointing=False), precision=precision)
     assert engine.chunks[0].parts[1].linear.weight.dtype == precision.dtype
     for (loss, _), (want, _) in zip(compiled, eager, strict=True):
         assert loss == pytest.approx(want, rel=2e-2)
@@ -185,10 +191,10 @@ def test_half_precision_compiled_stages_track_eager(single_process, precision):
 
 def test_compiled_stages_under_the_activation_meter(single_process):
     """The exact activation meter (a saved-tensor hook) sees what compiled graphs save for backward."""
-    eager, eager_engine = _train(single_process, compile=CompileOptions(),
-                                 recompute=RecomputeOptions(activation_checkpointing=False), measure_activations=True)
+    eager, eager_engine = _train(single_process, compile=CompileSettings(),
+                                 recompute=ScheduleSettings(activation_checkpointing=False), measure_activations=True)
     compiled, engine = _train(single_process, compile=COMPILED,
-                              recompute=RecomputeOptions(activation_checkpointing=False), measure_activations=True)
+                              recompute=ScheduleSettings(activation_checkpointing=False), measure_activations=True)
     for (loss, _), (want, _) in zip(compiled, eager, strict=True):
         assert loss == pytest.approx(want, rel=1e-5)
     assert engine.memory_report()["peak_activation_bytes"] > 0
@@ -199,14 +205,14 @@ def test_the_flop_count_runs_eagerly_and_its_recomputation_too(single_process):
     """The first forward is counted under FlopCounterMode, which dynamo cannot trace: it runs eagerly,
     and the checkpointed parts of that microbatch recompute eagerly too (the same saved tensors)."""
     records, engine = _train(single_process, compile=COMPILED,
-                             recompute=RecomputeOptions(activation_checkpointing=True))
+                             recompute=ScheduleSettings(activation_checkpointing=True))
     assert engine.executor.forward_flops > 0
     assert len(records) == 3
 
 
 def test_eager_execution_leaves_later_calls_compiled():
     parts = _parts()
-    compiled = CompiledParts(parts, CompileOptions(enabled=True, backend="aot_eager"), "stage 0")
+    compiled = CompiledParts(parts, CompileSettings(torch_compile=True, torch_compile_backend="aot_eager"), "stage 0")
     x = torch.randn(2, 8)
     torch._dynamo.reset()
     with eager_execution():
@@ -220,14 +226,15 @@ def test_stage_compile_switches_off_again():
     stage = StageModule(_parts())
     stage.compile_parts(COMPILED)
     assert stage.compiled is not None
-    stage.compile_parts(CompileOptions())
+    stage.compile_parts(CompileSettings())
     assert stage.compiled is None
 
 
 def test_config_fields_follow_hugging_face():
     settings = resolve_settings(GPT, compose_gpt("trainer.torch_compile_mode=max-autotune-no-cudagraphs"))
-    options = compile_options(settings.trainer)
-    assert options.enabled and options.backend == "inductor" and options.mode == "max-autotune-no-cudagraphs"
+    options = settings.trainer.compile
+    assert options.enabled and options.backend == "inductor"
+    assert options.effective_mode == "max-autotune-no-cudagraphs"
     values = trainer_settings(merak.MerakArguments(output_dir="/tmp/merak-args-test", torch_compile=True))
     assert values["torch_compile"] is True and values["torch_compile_backend"] == "inductor"
     assert values["cuda_graphs"] is False

@@ -10,7 +10,6 @@ import pytest
 from hydra.errors import ConfigCompositionException
 
 from merak.config import ConfigError, resolve_settings
-from merak.config.options import pipeline_chunks
 from merak.distributed.topology import RankGrid
 from merak.runner import plan_before_launch
 from recipes.gpt.spec import SPEC
@@ -35,14 +34,14 @@ def problems_of(*overrides: str, world_size: int | None = None) -> list[str]:
 def test_defaults_resolve():
     settings = resolve_settings(SPEC, compose())
     assert settings.grid == RankGrid(dp=2, tp=2, pp=2)
-    assert settings.trainer.sequence_parallel and not settings.trainer.parallel_vocab
+    assert settings.trainer.tensor_parallel.sequence_parallel and not settings.trainer.tensor_parallel.parallel_vocab
     assert settings.num_microbatches == 4
-    assert settings.trainer.per_device_train_batch_size == 4
+    assert settings.trainer.batch.per_device_train_batch_size == 4
     assert settings.global_batch_size == 4 * 4 * 2
-    assert settings.trainer.learning_rate == pytest.approx(1e-3)
-    assert settings.trainer.lr_scheduler_type == "cosine"
-    assert settings.trainer.train_schedule == "1f1b"
-    assert settings.trainer.max_steps == 80
+    assert settings.trainer.optimizer.learning_rate == pytest.approx(1e-3)
+    assert settings.trainer.optimizer.lr_scheduler_type == "cosine"
+    assert settings.trainer.schedule.train_schedule == "1f1b"
+    assert settings.trainer.batch.max_steps == 80
     assert settings.launcher.backend == "auto"
     assert settings.launcher.timeout_s == 600
     assert settings.model_cfg.name == "demo"
@@ -62,7 +61,7 @@ def test_overrides_and_parallel_groups():
     settings = resolve_settings(SPEC, compose("model=toy", "parallel=pp4", "trainer.train_schedule=gpipe"))
     assert settings.grid == RankGrid(dp=1, tp=1, pp=4)
     assert settings.model_cfg.name == "toy"
-    assert settings.trainer.train_schedule == "gpipe"
+    assert settings.trainer.schedule.train_schedule == "gpipe"
 
 
 def test_dp_zero():
@@ -206,11 +205,11 @@ def test_several_problems_all_listed(tmp_path):
 def test_global_batch_size_derives_microbatches(overrides, dp, micro, expected):
     settings = resolve_settings(SPEC, compose(*overrides))
     assert settings.grid.dp == dp
-    assert settings.trainer.per_device_train_batch_size == micro
+    assert settings.trainer.batch.per_device_train_batch_size == micro
     assert settings.num_microbatches == expected
     assert settings.global_batch_size == micro * expected * dp
     # gradient_accumulation_steps from train.yaml (4) is superseded
-    assert settings.trainer.gradient_accumulation_steps == 4
+    assert settings.trainer.batch.gradient_accumulation_steps == 4
 
 
 def test_unknown_model_option_fails_at_compose():
@@ -255,13 +254,13 @@ def test_recompute_and_schedule_settings_resolve():
     settings = resolve_settings(SPEC, compose(
         "model=toy", "parallel=pp2", "trainer.train_schedule=shifted_critical_path",
         "trainer.activation_checkpoint_ratio=0.5", "trainer.gradient_accumulation_steps=4"))
-    assert settings.trainer.activation_checkpointing  # the documented default
-    assert settings.trainer.activation_checkpoint_ratio == 0.5
+    assert settings.trainer.schedule.activation_checkpointing  # the documented default
+    assert settings.trainer.schedule.activation_checkpoint_ratio == 0.5
     interleaved = resolve_settings(SPEC, compose("model=toy", "parallel=pp2", "trainer.train_schedule=interleaved_1f1b",
                                                  "trainer.gradient_accumulation_steps=4"))
-    assert pipeline_chunks(interleaved.trainer) == 2
+    assert interleaved.trainer.schedule.chunks == 2
     alias = resolve_settings(SPEC, compose("model=toy", "parallel=pp2", "trainer.train_schedule=early_recompute_1f1b"))
-    assert alias.trainer.train_schedule == "early_recompute_1f1b"
+    assert alias.trainer.schedule.train_schedule == "early_recompute_1f1b"
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -140,15 +140,16 @@ def test_numbers_in_every_spelling_pass():
                                               "trainer.zero_reduce_bucket_size=5e8", "launcher.timeout_s=30",
                                               "trainer.resume_from_checkpoint=true", "trainer.peak_tflops=null"))
     trainer = settings.trainer
-    assert trainer.learning_rate == 1.0 and type(trainer.learning_rate) is float
-    assert trainer.max_grad_norm == 0.0 and type(trainer.max_grad_norm) is float
-    assert trainer.num_train_epochs == 3.0 and type(trainer.num_train_epochs) is float
+    assert trainer.optimizer.learning_rate == 1.0 and type(trainer.optimizer.learning_rate) is float
+    assert trainer.optimizer.max_grad_norm == 0.0 and type(trainer.optimizer.max_grad_norm) is float
+    assert trainer.batch.num_train_epochs == 3.0 and type(trainer.batch.num_train_epochs) is float
     assert settings.launcher.timeout_s == 30.0 and type(settings.launcher.timeout_s) is float
-    assert trainer.weight_decay == 0.01 and trainer.adam_epsilon == 1e-6 and trainer.warmup_ratio == 0.5
-    assert trainer.max_steps == 1000 and trainer.seed == 0
-    assert trainer.zero_reduce_bucket_size == 5e8 and trainer.resume_from_checkpoint is True
-    assert trainer.peak_tflops is None
-    assert trainer.max_consecutive_skipped_steps == 3
+    optimizer = trainer.optimizer
+    assert optimizer.weight_decay == 0.01 and optimizer.adam_epsilon == 1e-6 and optimizer.warmup_ratio == 0.5
+    assert trainer.batch.max_steps == 1000 and trainer.batch.seed == 0
+    assert trainer.zero.zero_reduce_bucket_size == 5e8 and trainer.checkpoint.resume_from_checkpoint is True
+    assert trainer.report.peak_tflops is None
+    assert trainer.optimizer.max_consecutive_skipped_steps == 3
 
 
 def _plain_float_fields(cls) -> list[str]:

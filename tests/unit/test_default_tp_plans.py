@@ -16,9 +16,9 @@ from merak.core.slices import sequence_partial
 from merak.hf.family_plans import bert_plan, gpt2_plan, t5_plan
 from merak.hf.tp_translation import translate_plan
 from merak.session.assemble import assemble
-from merak.shard.plan import ShardingOptions
+from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel import MissingTPPlanError, TPPlan, TPPlanError, default_plan, plan_for, resolve_plan
-from merak.tensor_parallel.options import TensorParallelOptions
+from merak.tensor_parallel.options import TensorParallelSplit
 from recipes.bert.parallel import TP_PLAN as BERT_RECIPE_PLAN
 from recipes.gpt.parallel import TP_PLAN as GPT_RECIPE_PLAN
 
@@ -85,8 +85,8 @@ def test_partial_gradients_survive_meta_initialization():
         plan = plan_for(build(), None, tp=2)
     built = assemble(build=build, seed=3, init_device="meta", num_stages=1, num_microbatches=1, stage_id=0,
                      device=torch.device("cpu"), example_inputs={"input_ids": torch.zeros(2, 8, dtype=torch.long)},
-                     options=ShardingOptions(trace_method=None),
-                     tensor_parallel=TensorParallelOptions(plan=plan, size=2, rank=1))
+                     sharding=ShardingSettings(trace_method=None),
+                     tensor_parallel=TensorParallelSplit(plan=plan, size=2, rank=1))
     attention = built.model.model.layers[0].self_attn
     assert attention.q_norm.weight.device.type == "cpu" and sequence_partial(attention.q_norm.weight)
     assert not sequence_partial(attention.q_proj.weight)

@@ -18,8 +18,8 @@ from torch import fx
 import merak  # noqa: F401  (before transformers/torchvision/timm)
 from merak.core.group_registry import simulated_groups
 from merak.session.assemble import assemble
-from merak.shard.plan import ShardingOptions
-from merak.tensor_parallel.options import TensorParallelOptions
+from merak.shard.settings import ShardingSettings
+from merak.tensor_parallel.options import TensorParallelSplit
 from merak.trace.devices import ANCHOR, device_constants, follow_stage_device
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,12 +39,12 @@ def _recipe(name: str, option: str):
 def _assemble(name: str, option: str, *, init_device: str = "cpu", trace_method: str = "fx",
               tp: int = 1, num_stages: int = 2):
     spec, model_cfg = _recipe(name, option)
-    tensor_parallel = TensorParallelOptions(plan=spec.tensor_parallel_plan(model_cfg), size=tp, rank=0) \
-        if tp > 1 else TensorParallelOptions()
+    tensor_parallel = TensorParallelSplit(plan=spec.tensor_parallel_plan(model_cfg), size=tp, rank=0) \
+        if tp > 1 else TensorParallelSplit()
     example = dict(spec.example_inputs(model_cfg, 2))
-    options = ShardingOptions(trace_method=trace_method, split_method="layer_split",
-                              split_points=tuple(spec.split_points), leaf_modules=tuple(spec.leaf_modules))
-    built = assemble(build=lambda: spec.build_model(model_cfg), seed=0, init_device=init_device, options=options,
+    options = ShardingSettings(trace_method=trace_method, split_method="layer_split",
+                               custom_split_points=list(spec.split_points), leaf_modules=list(spec.leaf_modules))
+    built = assemble(build=lambda: spec.build_model(model_cfg), seed=0, init_device=init_device, sharding=options,
                      num_stages=num_stages, num_microbatches=2, stage_id=0, device=torch.device("cpu"),
                      example_inputs=example, materialize_stage=False, tensor_parallel=tensor_parallel)
     return spec, model_cfg, built, example

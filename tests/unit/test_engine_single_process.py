@@ -6,7 +6,8 @@ import pytest
 import torch
 from tiny_engine import Input, Net, loss_fn, single_process  # noqa: F401  (a fixture)
 
-from merak.engine import OptimizerOptions, PipelineEngine
+from merak.engine import PipelineEngine
+from merak.optim.settings import OptimizerSettings
 from merak.pipeline.hooks import InstructionEvent, PipelineHook
 from merak.pipeline.stage import StageModule
 
@@ -34,7 +35,7 @@ def test_microbatches_accumulate_to_the_full_batch_step(single_process):
     reference = Net()
     reference.load_state_dict(net.state_dict())
     recorder = Recorder()
-    options = OptimizerOptions(learning_rate=0.1, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1)
+    options = OptimizerSettings(learning_rate=0.1, max_grad_norm=0.5, lr_scheduler_type="linear", warmup_steps=1)
     engine = PipelineEngine(model=net, stages=[StageModule([Input(net), net.second])], loss_fn=loss_fn,
                             state=single_process, schedule="1f1b", num_microbatches=4, total_steps=3,
                             optimizer=options, hooks=[recorder])
@@ -85,7 +86,7 @@ def test_stage_count_must_match_pp(single_process):
 
 
 def _engine(state, net: Net, total_steps: int = 6) -> PipelineEngine:
-    options = OptimizerOptions(learning_rate=0.1, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=2)
+    options = OptimizerSettings(learning_rate=0.1, max_grad_norm=1.0, lr_scheduler_type="linear", warmup_steps=2)
     return PipelineEngine(model=net, stages=[StageModule([Input(net), net.second])], loss_fn=loss_fn,
                           state=state, schedule="1f1b", num_microbatches=2, total_steps=total_steps,
                           optimizer=options)

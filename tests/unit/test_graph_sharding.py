@@ -14,7 +14,8 @@ from torch import nn
 
 from merak.shard.build import shard_modules
 from merak.shard.graph import GraphUnits
-from merak.shard.plan import ShardingOptions, plan_pipeline
+from merak.shard.plan import plan_pipeline
+from merak.shard.settings import ShardingSettings
 from merak.shard.split import ShardingError, split_units
 from merak.trace.capture import TraceError, capture
 
@@ -120,7 +121,7 @@ def test_autopipe_and_parameter_partitions_on_a_real_model():
     model, batch, _ = _model("gpt2")
     for method in ("uniform", "uniform_floor", "parameters", "autopipe"):
         plan = plan_pipeline(model, _inputs(batch), num_stages=3, num_microbatches=4,
-                             options=ShardingOptions(partition_method=method))
+                             sharding=ShardingSettings(partition_method=method))
         bounds = plan.boundaries
         assert bounds[0] == 0 and bounds[-1] == len(plan.shards)
         assert all(a < b for a, b in zip(bounds, bounds[1:])), (method, bounds)
@@ -128,16 +129,16 @@ def test_autopipe_and_parameter_partitions_on_a_real_model():
         assert all(s["forward_flops"] > 0 and s["num_parameters"] > 0 for s in stats), (method, stats)
     # The tied LM head's matmul dominates FLOPs: autopipe gives the last stage fewer shards than uniform.
     uniform = plan_pipeline(model, _inputs(batch), num_stages=3, num_microbatches=4,
-                            options=ShardingOptions(split_method="farthest_min_deps", partition_method="uniform"))
+                            sharding=ShardingSettings(split_method="farthest_min_deps", partition_method="uniform"))
     auto = plan_pipeline(model, _inputs(batch), num_stages=3, num_microbatches=4,
-                         options=ShardingOptions(split_method="farthest_min_deps", partition_method="autopipe",
-                                                 autopipe_costs="flops"))
+                         sharding=ShardingSettings(split_method="farthest_min_deps", partition_method="autopipe",
+                                                   autopipe_costs="flops"))
     def last_size(p):
         return p.boundaries[-1] - p.boundaries[-2]
     assert last_size(auto) < last_size(uniform)
     # Profiled time instead of FLOPs: every shard timed, a valid partition.
     timed = plan_pipeline(model, _inputs(batch), num_stages=3, num_microbatches=4,
-                          options=ShardingOptions(partition_method="autopipe", autopipe_costs="time"))
+                          sharding=ShardingSettings(partition_method="autopipe", autopipe_costs="time"))
     assert all(r.forward_seconds > 0 for r in timed.reports)
     assert len(timed.boundaries) == 4 and timed.boundaries[-1] == len(timed.shards)
 
@@ -213,10 +214,10 @@ def test_no_tracing_runs_the_whole_model_as_one_stage():
 
     _, batch, _ = _model("skip_net")
     built = assemble(build=tiny_models.SkipNet, seed=3, init_device="cpu",
-                     options=ShardingOptions(trace_method=None), num_stages=1, num_microbatches=1, stage_id=0,
+                     sharding=ShardingSettings(trace_method=None), num_stages=1, num_microbatches=1, stage_id=0,
                      device=torch.device("cpu"), example_inputs=batch)
     assert built.plan is None and len(built.stages) == 1
     torch.testing.assert_close(built.stages[0](batch), built.model(batch["features"]))
     with pytest.raises(ValueError, match="needs build_stages"):
-        assemble(build=tiny_models.SkipNet, seed=3, init_device="cpu", options=ShardingOptions(trace_method=None),
+        assemble(build=tiny_models.SkipNet, seed=3, init_device="cpu", sharding=ShardingSettings(trace_method=None),
                  num_stages=2, num_microbatches=2, stage_id=0, device=torch.device("cpu"), example_inputs=batch)

@@ -138,15 +138,16 @@ def test_gpt_stages_send_the_hidden_state_alone(toy_model_cfg):
     import functools
 
     from merak.session.assemble import assemble
-    from merak.shard.plan import ShardingOptions
+    from merak.shard.plan import ShardingSettings
     from recipes.gpt import model, parallel
 
     micro_batch, cfg = 2, toy_model_cfg
     hidden = f"float32[{micro_batch}, {cfg.seq_length}, {cfg.hidden_size}]"
-    for options, pp in ((ShardingOptions(split_method="layer_split", split_points=parallel.SPLIT_POINTS), 4),
-                        (ShardingOptions(), 3)):
+    for options, pp in ((ShardingSettings(split_method="layer_split",
+                                          custom_split_points=list(parallel.SPLIT_POINTS)), 4),
+                        (ShardingSettings(), 3)):
         built = assemble(build=functools.partial(model.build_model, cfg), seed=0, init_device="cpu",
-                         options=options, num_stages=pp, num_microbatches=2, stage_id=0,
+                         sharding=options, num_stages=pp, num_microbatches=2, stage_id=0,
                          device=torch.device("cpu"), example_inputs=parallel.example_inputs(cfg, micro_batch),
                          materialize_stage=False)
         summaries = [built.plan.stage_summary(s) for s in range(pp - 1)]

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 import merak
-from merak.config import TrainerSettings
+from merak.config import SECTION_OF
 from merak.hf.arguments import trainer_settings
 
 
@@ -36,8 +36,7 @@ def test_settings_map_hugging_face_names_onto_merak_ones():
     assert values["train_schedule"] == "pre_recompute_1f1b"
     assert values["lr_scheduler_type"] == "linear"
     assert (values["save_steps"], values["logging_steps"]) == (20, 10)  # below 1: a fraction of the run
-    known = {field.name for field in dataclasses.fields(TrainerSettings)}
-    assert set(values) <= known
+    assert set(values) <= set(SECTION_OF)
 
 
 def test_building_the_arguments_starts_no_process_group(monkeypatch):
@@ -64,3 +63,13 @@ def test_building_the_arguments_starts_no_process_group(monkeypatch):
 def test_values_that_cannot_work_are_named(fields, fragment):
     problems = make(**fields).problems()
     assert any(fragment in problem for problem in problems), problems
+
+
+def test_every_trainer_setting_is_an_argument_and_a_fractional_warmup_is_a_ratio():
+    from merak.hf.arguments import _NOT_ARGUMENTS
+
+    fields = {field.name for field in dataclasses.fields(merak.MerakArguments)}
+    assert set(SECTION_OF) - fields == _NOT_ARGUMENTS  # a new setting needs no edit of MerakArguments
+    values = trainer_settings(make(warmup_steps=0.25))
+    assert (values["warmup_steps"], values["warmup_ratio"]) == (0, 0.25)  # Hugging Face: below 1, a ratio
+    assert trainer_settings(make(warmup_steps=3))["warmup_steps"] == 3

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from merak.session.assemble import assemble, build_model
-from merak.shard.plan import ShardingOptions
+from merak.shard.settings import ShardingSettings
 from merak.trace.meta import materialize, parameters_on_meta
 
 SEED = 11
@@ -24,7 +24,7 @@ def _plan_stage(num_stages: int, stage_id: int, materialize_stage: bool = True):
     example = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
     return assemble(build=_gpt2, seed=SEED, init_device="meta", num_stages=num_stages, num_microbatches=2,
                     stage_id=stage_id, device=torch.device("cpu"), example_inputs=example,
-                    options=ShardingOptions(split_method="layer_split", split_points=("transformer.h.*",)),
+                    sharding=ShardingSettings(split_method="layer_split", custom_split_points=["transformer.h.*"]),
                     materialize_stage=materialize_stage)
 
 

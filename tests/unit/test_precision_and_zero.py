@@ -19,21 +19,21 @@ from torch import nn
 
 from merak.config import ConfigError, resolve_settings
 from merak.optim.distributed import Piece
-from merak.optim.precision import LossScaler, PrecisionOptions
+from merak.optim.precision import LossScaler
 from merak.optim.schedule import build_optimizer, make_optimizer
-from merak.optim.settings import precision_problems
+from merak.optim.settings import OptimizerSettings, PrecisionSettings
 from recipes.gpt.spec import SPEC
 
 CONF_DIR = str(Path(__file__).resolve().parents[2] / "recipes" / "gpt" / "conf")
 
 
-# -- PrecisionOptions ------------------------------------------------------------
+# -- PrecisionSettings ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("options,dtype,master", [
-    (PrecisionOptions(), torch.float32, False),
-    (PrecisionOptions(fp16=True), torch.float16, True),
-    (PrecisionOptions(bf16=True), torch.bfloat16, True),
+    (PrecisionSettings(), torch.float32, False),
+    (PrecisionSettings(fp16=True), torch.float16, True),
+    (PrecisionSettings(bf16=True), torch.bfloat16, True),
 ])
 def test_dtype_and_master_weights(options, dtype, master):
     assert options.dtype is dtype
@@ -41,10 +41,10 @@ def test_dtype_and_master_weights(options, dtype, master):
 
 
 def test_valid_precision_settings_have_no_problems():
-    assert precision_problems(PrecisionOptions()) == []
-    assert precision_problems(PrecisionOptions(fp16=True, loss_scale=128.0, initial_scale_power=0,
-                                               loss_scale_window=1, hysteresis=1, min_loss_scale=0.5)) == []
-    assert precision_problems(PrecisionOptions(bf16=True, initial_scale_power=64), prefix="trainer.") == []
+    assert PrecisionSettings().problems() == []
+    assert PrecisionSettings(fp16=True, loss_scale=128.0, initial_scale_power=0, loss_scale_window=1, hysteresis=1,
+                             min_loss_scale=0.5).problems() == []
+    assert PrecisionSettings(bf16=True, initial_scale_power=64).problems() == []
 
 
 @pytest.mark.parametrize("fields,needle", [
@@ -58,19 +58,19 @@ def test_valid_precision_settings_have_no_problems():
     ({"min_loss_scale": -2.0}, "trainer.min_loss_scale=-2.0"),
 ])
 def test_each_invalid_precision_field_is_named(fields, needle):
-    problems = precision_problems(PrecisionOptions(**fields), prefix="trainer.")
+    problems = PrecisionSettings(**fields).problems()
     assert len(problems) == 1, problems
     assert problems[0].startswith(needle), problems[0]
 
 
 def test_precision_problems_are_all_listed():
-    options = PrecisionOptions(fp16=True, bf16=True, loss_scale=-1.0, initial_scale_power=70,
-                               loss_scale_window=0, hysteresis=0, min_loss_scale=0.0)
-    problems = precision_problems(options)
+    options = PrecisionSettings(fp16=True, bf16=True, loss_scale=-1.0, initial_scale_power=70, loss_scale_window=0,
+                                hysteresis=0, min_loss_scale=0.0)
+    problems = options.problems()
     assert len(problems) == 6
     for field in ("fp16", "loss_scale=", "initial_scale_power", "loss_scale_window", "hysteresis",
                   "min_loss_scale"):
-        assert sum(p.startswith(field) for p in problems) == 1, field
+        assert sum(p.startswith(f"trainer.{field}") for p in problems) == 1, field
 
 
 # -- LossScaler ------------------------------------------------------------------
@@ -86,7 +86,7 @@ def scales_after(scaler: LossScaler, overflows) -> list[float]:
 
 
 def test_static_fp16_scale_never_changes():
-    scaler = LossScaler(PrecisionOptions(fp16=True, loss_scale=128.0))
+    scaler = LossScaler(PrecisionSettings(fp16=True, loss_scale=128.0))
     assert not scaler.dynamic
     assert scaler.scale == 128.0
     assert scales_after(scaler, [True] * 5) == [128.0] * 5
@@ -94,8 +94,8 @@ def test_static_fp16_scale_never_changes():
     assert scaler.steps == 2505
 
 
-@pytest.mark.parametrize("options", [PrecisionOptions(), PrecisionOptions(bf16=True),
-                                     PrecisionOptions(bf16=True, loss_scale=64.0)])
+@pytest.mark.parametrize("options", [PrecisionSettings(), PrecisionSettings(bf16=True),
+                                     PrecisionSettings(bf16=True, loss_scale=64.0)])
 def test_scale_without_fp16_is_one(options):
     scaler = LossScaler(options)
     assert not scaler.dynamic
@@ -104,14 +104,14 @@ def test_scale_without_fp16_is_one(options):
 
 
 def test_dynamic_scale_starts_at_two_to_the_initial_power():
-    assert LossScaler(PrecisionOptions(fp16=True)).scale == 2.0 ** 32
-    scaler = LossScaler(PrecisionOptions(fp16=True, initial_scale_power=16))
+    assert LossScaler(PrecisionSettings(fp16=True)).scale == 2.0 ** 32
+    scaler = LossScaler(PrecisionSettings(fp16=True, initial_scale_power=16))
     assert scaler.dynamic
     assert scaler.scale == 65536.0
 
 
 def test_hysteresis_two_shrinks_on_the_second_overflow():
-    scaler = LossScaler(PrecisionOptions(fp16=True, initial_scale_power=10, hysteresis=2))
+    scaler = LossScaler(PrecisionSettings(fp16=True, initial_scale_power=10, hysteresis=2))
     scaler.update(True)
     assert scaler.scale == 1024.0  # the first overflow is tolerated
     assert scaler.hysteresis_left == 1
@@ -122,23 +122,23 @@ def test_hysteresis_two_shrinks_on_the_second_overflow():
 
 
 def test_hysteresis_one_shrinks_on_every_overflow():
-    scaler = LossScaler(PrecisionOptions(fp16=True, initial_scale_power=10, hysteresis=1))
+    scaler = LossScaler(PrecisionSettings(fp16=True, initial_scale_power=10, hysteresis=1))
     assert scales_after(scaler, [True, True, True]) == [512.0, 256.0, 128.0]
 
 
 @pytest.mark.parametrize("min_scale,expected", [(2.0, [4.0, 2.0, 2.0, 2.0]), (3.0, [4.0, 3.0, 3.0, 3.0])])
 def test_min_loss_scale_is_a_floor(min_scale, expected):
-    scaler = LossScaler(PrecisionOptions(fp16=True, initial_scale_power=3, hysteresis=1, min_loss_scale=min_scale))
+    scaler = LossScaler(PrecisionSettings(fp16=True, initial_scale_power=3, hysteresis=1, min_loss_scale=min_scale))
     assert scales_after(scaler, [True] * 4) == expected
 
 
 def test_scale_doubles_after_each_clean_window():
-    scaler = LossScaler(PrecisionOptions(fp16=True, initial_scale_power=4, loss_scale_window=3))
+    scaler = LossScaler(PrecisionSettings(fp16=True, initial_scale_power=4, loss_scale_window=3))
     assert scales_after(scaler, [False] * 6) == [16.0, 16.0, 32.0, 32.0, 32.0, 64.0]
 
 
 def test_window_counts_from_the_last_overflow_and_refills_hysteresis():
-    scaler = LossScaler(PrecisionOptions(fp16=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2))
+    scaler = LossScaler(PrecisionSettings(fp16=True, initial_scale_power=4, loss_scale_window=3, hysteresis=2))
     # overflow (tolerated), overflow (halves), three clean steps (doubles, refills), overflow
     # (tolerated again thanks to the refill), overflow (halves).
     assert scales_after(scaler, [True, True, False, False]) == [16.0, 8.0, 8.0, 8.0]
@@ -152,7 +152,7 @@ def test_window_counts_from_the_last_overflow_and_refills_hysteresis():
 
 
 def test_state_dict_round_trip_reproduces_future_scales():
-    options = PrecisionOptions(fp16=True, initial_scale_power=5, loss_scale_window=2, hysteresis=2)
+    options = PrecisionSettings(fp16=True, initial_scale_power=5, loss_scale_window=2, hysteresis=2)
     original = LossScaler(options)
     assert scales_after(original, [True, False, False, True, True, False]) == [32.0, 32.0, 64.0, 64.0, 32.0, 32.0]
     state = json.loads(json.dumps(original.state_dict()))
@@ -205,8 +205,8 @@ def test_pieces_partition_the_range(numel, parts):
 
 
 def optimizer_of(params, kind, weight_decay=0.1):
-    return make_optimizer(params, kind=kind, learning_rate=0.01, weight_decay=weight_decay,
-                          betas=(0.8, 0.95), eps=1e-7)
+    return make_optimizer(params, OptimizerSettings(optim=kind, learning_rate=0.01, weight_decay=weight_decay,
+                                                    adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7))
 
 
 @pytest.mark.parametrize("kind,cls", [("adamw_torch", torch.optim.AdamW), ("sgd", torch.optim.SGD),
@@ -242,8 +242,7 @@ def test_no_empty_parameter_groups():
 def test_build_optimizer_decays_matrices_only_and_skips_frozen():
     model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2))
     model[2].bias.requires_grad_(False)
-    optimizer = build_optimizer(model.named_parameters(), learning_rate=0.1, weight_decay=0.5,
-                                betas=(0.9, 0.999), eps=1e-8)
+    optimizer = build_optimizer(model.named_parameters(), OptimizerSettings(learning_rate=0.1, weight_decay=0.5))
     decay, no_decay = optimizer.param_groups
     assert [id(p) for p in decay["params"]] == [id(model[0].weight), id(model[2].weight)]
     assert [id(p) for p in no_decay["params"]] == [id(model[0].bias), id(model[1].weight), id(model[1].bias)]
@@ -309,13 +308,13 @@ def test_optimizer_settings_that_resolve():
     settings = resolve_settings(SPEC, compose("trainer.zero_optimization=true", "trainer.zero_stage=2",
                                               "trainer.fp16=true", "trainer.loss_scale=128",
                                               "trainer.prescale_gradients=true", "trainer.optim=sgd"))
-    assert settings.trainer.zero_stage == 2
-    assert settings.trainer.fp16 and settings.trainer.loss_scale == 128
+    assert settings.trainer.zero.zero_stage == 2
+    assert settings.trainer.precision.fp16 and settings.trainer.precision.loss_scale == 128
     untested = resolve_settings(SPEC, compose("trainer.optim=adafactor", "trainer.zero_optimization=true",
                                               "trainer.zero_allow_untested_optimizer=true"))
-    assert untested.trainer.optim == "adafactor"
+    assert untested.trainer.optimizer.optim == "adafactor"
     # Without ZeRO adafactor needs no permission.
-    assert resolve_settings(SPEC, compose("trainer.optim=adafactor")).trainer.optim == "adafactor"
+    assert resolve_settings(SPEC, compose("trainer.optim=adafactor")).trainer.optimizer.optim == "adafactor"
 
 
 @pytest.mark.parametrize("overrides,needle", [
@@ -347,4 +346,4 @@ def test_invalid_optimizer_and_checkpoint_settings(overrides, needle):
 def test_zero_settings_unused_without_zero():
     # zero_stage is only checked when ZeRO is on, and save_steps only when saving.
     settings = resolve_settings(SPEC, compose("trainer.zero_stage=3", "trainer.save_steps=0"))
-    assert settings.trainer.zero_stage == 3 and not settings.trainer.zero_optimization
+    assert settings.trainer.zero.zero_stage == 3 and not settings.trainer.zero.zero_optimization

@@ -9,9 +9,10 @@ import torch
 from merak.core import group_registry
 from merak.core.slices import TensorSlice, parameter_slices
 from merak.session.assemble import assemble
-from merak.shard.plan import ShardingOptions
+from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel import SequenceParallelPlan, TPPlan, TPPlanError, resolve_plan, set_tp_layer_lists
-from merak.tensor_parallel.options import TensorParallelOptions, option_problems
+from merak.tensor_parallel.options import TensorParallelSplit, option_problems
+from merak.tensor_parallel.settings import TensorParallelSettings
 from recipes.gpt.parallel import TP_PLAN as GPT_PLAN
 
 
@@ -106,10 +107,12 @@ def test_ratio_mapping_finds_layers_by_shape():
 
 
 def test_option_problems():
-    assert option_problems(TensorParallelOptions(size=2)) == [
+    assert option_problems(TensorParallelSplit(size=2)) == [
         "tp=2 needs a TP plan: this model has none (pass one, or describe it with merak.set_tp_layer_lists)"]
-    assert "tp_overlapping_level=3" in option_problems(TensorParallelOptions(overlap_level=3))[0]
-    assert option_problems(TensorParallelOptions(plan=GPT_PLAN, size=2, overlap_level=1)) == []
+    level_3 = TensorParallelSplit(settings=TensorParallelSettings(tp_overlapping_level=3))
+    assert "tp_overlapping_level=3" in option_problems(level_3)[0]
+    level_1 = TensorParallelSettings(tp_overlapping_level=1)
+    assert option_problems(TensorParallelSplit(plan=GPT_PLAN, size=2, settings=level_1)) == []
 
 
 def test_slice_of_fused_blocks_keeps_each_ranks_heads():
@@ -121,9 +124,9 @@ def _split_gpt2(init_device: str, tp: int, rank: int):
     example = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
     return assemble(build=_gpt2, seed=5, init_device=init_device, num_stages=1, num_microbatches=1, stage_id=0,
                     device=torch.device("cpu"), example_inputs=example,
-                    options=ShardingOptions(split_method="layer_split", split_points=("transformer.h.*",)),
-                    tensor_parallel=TensorParallelOptions(plan=GPT_PLAN, size=tp, rank=rank, parallel_vocab=True,
-                                                          sequence_parallel=False))
+                    sharding=ShardingSettings(split_method="layer_split", custom_split_points=["transformer.h.*"]),
+                    tensor_parallel=TensorParallelSplit(plan=GPT_PLAN, size=tp, rank=rank,
+                                                        settings=TensorParallelSettings(parallel_vocab=True)))
 
 
 @pytest.mark.parametrize("init_device", ["cpu", "meta"])
@@ -133,13 +136,15 @@ def test_shards_start_from_slices_of_the_single_device_weights(init_device):
     whole = dict(assemble(build=_padded_gpt2, seed=5, init_device=init_device, num_stages=1, num_microbatches=1,
                           stage_id=0, device=torch.device("cpu"),
                           example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long)},
-                          options=ShardingOptions()).model.named_parameters())
+                          sharding=ShardingSettings()).model.named_parameters())
     for rank in range(2):
         group_registry.unregister_groups()
         built = assemble(build=_padded_gpt2, seed=5, init_device=init_device, num_stages=1, num_microbatches=1,
                          stage_id=0, device=torch.device("cpu"),
-                         example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long)}, options=ShardingOptions(),
-                         tensor_parallel=TensorParallelOptions(plan=plan, size=2, rank=rank, parallel_vocab=True))
+                         example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long)},
+                         sharding=ShardingSettings(),
+                         tensor_parallel=TensorParallelSplit(plan=plan, size=2, rank=rank,
+                                                             settings=TensorParallelSettings(parallel_vocab=True)))
         slices = parameter_slices(built.model)
         assert "transformer.h.1.attn.c_proj.weight" in slices and "lm_head.weight" in slices
         for name, param in built.model.named_parameters():
