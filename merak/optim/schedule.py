@@ -55,10 +55,10 @@ def lr_factor(step: int, settings: OptimizerSettings, total_steps: int) -> float
         return step / max(1, warmup_steps)
     if kind == "constant_with_warmup":
         return 1.0
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    if kind == "linear":
-        return max(0.0, 1.0 - progress)
-    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    decay = 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    floor = settings.min_lr_rate
+    return floor + (1.0 - floor) * max(0.0, decay)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, settings: OptimizerSettings, *,

@@ -42,6 +42,9 @@ class OptimizerSettings:
                                 requirement="must be an integer >= 0")
     warmup_ratio: float = setting(0.0, "warmup as a fraction of the run, when warmup_steps is 0",
                                   check=lambda v: 0 <= v <= 1, requirement="must be within [0, 1]")
+    min_lr_rate: float = setting(0.0, "linear and cosine decay end at this fraction of learning_rate "
+                                      "(Hugging Face's min_lr_rate)",
+                                 check=lambda v: 0 <= v <= 1, requirement="must be within [0, 1]")
     max_consecutive_skipped_steps: int = setting(
         3, "a step whose loss or gradient norm is not finite is skipped on every rank; after this many in a "
            "row the run stops (fp16 overflows a smaller loss scale may cure do not count)",
