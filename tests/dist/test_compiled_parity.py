@@ -18,19 +18,18 @@ import torch
 from gpt_reference import PARITY_OPTIONS, relative_error, train_reference, vocab_padded
 from omegaconf import OmegaConf
 
-from merak.session.assemble import assemble
 from merak.core.slices import parameter_slices
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
-from recipes.gpt import data, model, parallel
-from merak.tensor_parallel.settings import TensorParallelSettings
-from merak.tensor_parallel.options import TensorParallelSplit
-from merak.shard.settings import ShardingSettings
-from merak.pipeline.settings import ScheduleSettings
-from merak.pipeline.settings import CompileSettings
 from merak.optim.settings import ZeroSettings
+from merak.pipeline.settings import CompileSettings, ScheduleSettings
+from merak.session.assemble import assemble
+from merak.shard.settings import ShardingSettings
+from merak.tensor_parallel.options import TensorParallelSplit
+from merak.tensor_parallel.settings import TensorParallelSettings
+from recipes.gpt import data, model, parallel
 
 pytestmark = pytest.mark.dist
 

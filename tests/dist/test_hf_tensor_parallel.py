@@ -15,16 +15,16 @@ from microbatch_reference import train_microbatches
 from tp_parity import compare_workers, save_worker, step_record
 
 import merak  # noqa: F401  (before transformers)
-from merak.session.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
+from merak.optim.settings import OptimizerSettings
+from merak.session.assemble import assemble
+from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel import plan_for
 from merak.tensor_parallel.cross_entropy import cross_entropy
-from merak.tensor_parallel.settings import TensorParallelSettings
 from merak.tensor_parallel.options import TensorParallelSplit
-from merak.shard.settings import ShardingSettings
-from merak.optim.settings import OptimizerSettings
+from merak.tensor_parallel.settings import TensorParallelSettings
 
 pytestmark = pytest.mark.dist
 

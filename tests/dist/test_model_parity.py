@@ -16,12 +16,12 @@ import tiny_models
 import torch
 from microbatch_reference import train_microbatches
 
-from merak.session.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
-from merak.shard.settings import ShardingSettings
 from merak.optim.settings import OptimizerSettings
+from merak.session.assemble import assemble
+from merak.shard.settings import ShardingSettings
 
 pytestmark = pytest.mark.dist
 

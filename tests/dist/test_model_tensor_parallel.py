@@ -17,10 +17,14 @@ import torch
 from microbatch_reference import train_microbatches
 from tp_parity import compare_workers, save_worker, step_record
 
-from merak.session.assemble import assemble
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
+from merak.optim.settings import OptimizerSettings
+from merak.session.assemble import assemble
+from merak.shard.settings import ShardingSettings
+from merak.tensor_parallel.options import TensorParallelSplit
+from merak.tensor_parallel.settings import TensorParallelSettings
 from recipes.bert import model as bert_model
 from recipes.bert import parallel as bert_parallel
 from recipes.swin import parallel as swin_parallel
@@ -28,10 +32,6 @@ from recipes.t5 import model as t5_model
 from recipes.t5 import parallel as t5_parallel
 from recipes.vit import parallel as vit_parallel
 from recipes.wide_resnet import parallel as wide_resnet_parallel
-from merak.tensor_parallel.settings import TensorParallelSettings
-from merak.tensor_parallel.options import TensorParallelSplit
-from merak.shard.settings import ShardingSettings
-from merak.optim.settings import OptimizerSettings
 
 pytestmark = pytest.mark.dist
 

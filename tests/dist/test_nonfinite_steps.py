@@ -14,8 +14,7 @@ from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.optim.distributed import DistributedOptimizer
 from merak.optim.schedule import make_optimizer
-from merak.optim.settings import OptimizerSettings, ZeroSettings
-from merak.optim.settings import PrecisionSettings
+from merak.optim.settings import OptimizerSettings, PrecisionSettings, ZeroSettings
 
 pytestmark = pytest.mark.dist
 

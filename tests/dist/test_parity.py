@@ -16,14 +16,14 @@ import pytest
 import torch
 from gpt_reference import PARITY_OPTIONS, assert_steps_match, train_reference
 
-from merak.session.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.distributed.transports import RENDEZVOUS_ENV
 from merak.engine import PipelineEngine
-from recipes.gpt import data, model, parallel
+from merak.session.assemble import assemble
 from merak.shard.settings import ShardingSettings
+from recipes.gpt import data, model, parallel
 
 pytestmark = pytest.mark.dist
 

@@ -23,17 +23,17 @@ import torch
 from gpt_reference import assert_steps_match
 from omegaconf import OmegaConf
 
-from merak.session.assemble import assemble
 from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.distributed.transports import RENDEZVOUS_ENV, PostedTransport
 from merak.engine import PipelineEngine
-from merak.pipeline.schedules import SCHEDULES, schedule_info
-from recipes.gpt import data, model, parallel
-from merak.shard.settings import ShardingSettings
-from merak.pipeline.settings import ScheduleSettings
 from merak.optim.settings import OptimizerSettings
+from merak.pipeline.schedules import SCHEDULES, schedule_info
+from merak.pipeline.settings import ScheduleSettings
+from merak.session.assemble import assemble
+from merak.shard.settings import ShardingSettings
+from recipes.gpt import data, model, parallel
 
 pytestmark = pytest.mark.dist
 
