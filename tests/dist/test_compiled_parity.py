@@ -86,7 +86,8 @@ def _train(state, layout: Layout, model_cfg, tokens: str) -> dict:
         num_stages=state.grid.pp * layout.chunks, num_microbatches=MICROBATCHES,
         stage_id=tuple(state.coordinates.pp + c * state.grid.pp for c in range(layout.chunks)), device=state.device,
         example_inputs=parallel.example_inputs(model_cfg, micro_batch),
-        tensor_parallel=TensorParallelSplit(plan=parallel.TP_PLAN, size=state.grid.tp, rank=state.coordinates.tp, settings=TensorParallelSettings(sequence_parallel=state.grid.tp > 1)))
+        tensor_parallel=TensorParallelSplit(plan=parallel.TP_PLAN, size=state.grid.tp, rank=state.coordinates.tp,
+                                            settings=TensorParallelSettings(sequence_parallel=state.grid.tp > 1)))
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                             schedule=layout.schedule, num_microbatches=MICROBATCHES, total_steps=STEPS,
                             optimizer=OPTIONS, recompute=layout.recompute, zero=layout.zero, num_chunks=layout.chunks,
@@ -106,14 +107,31 @@ def _train(state, layout: Layout, model_cfg, tokens: str) -> dict:
     return {"records": records, "slices": parameter_slices(built.model), "compile": engine.compile_report()}
 
 
-def _train_layout(out_dir: str, name: str, model_cfg, tokens: str) -> None:
-    layout = LAYOUTS[name]
+def _train_layouts(out_dir: str, names: list[str], model_cfgs: dict, tokens: str) -> None:
+    """One world trains every layout of its grid in turn (a fresh model and engine each)."""
+    first = LAYOUTS[names[0]]
     torch.set_num_threads(1)
-    state = groups.init(dp=layout.dp, tp=layout.tp, pp=layout.pp, timeout_s=300)
+    state = groups.init(dp=first.dp, tp=first.tp, pp=first.pp, timeout_s=300)
     try:
-        torch.save(_train(state, layout, model_cfg, tokens), Path(out_dir) / f"rank{state.rank}.pt")
+        for name in names:
+            result = _train(state, LAYOUTS[name], model_cfgs[name], tokens)
+            torch.save(result, Path(out_dir) / f"{name}-rank{state.rank}.pt")
     finally:
         groups.shutdown()
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(tmp_path_factory, toy_model_cfg, toy_tokens) -> Path:
+    """Every layout trained compiled: one gloo world per grid (dp, tp, pp), its layouts one after another."""
+    out_dir = tmp_path_factory.mktemp("compiled")
+    grids: dict[tuple[int, int, int], list[str]] = {}
+    for name, layout in LAYOUTS.items():
+        grids.setdefault((layout.dp, layout.tp, layout.pp), []).append(name)
+    model_cfgs = {name: _model_cfg(toy_model_cfg, layout) for name, layout in LAYOUTS.items()}
+    for names in grids.values():
+        spawn_workers(_train_layouts, world_size=LAYOUTS[names[0]].world_size,
+                      args=(str(out_dir), names, {n: model_cfgs[n] for n in names}, toy_tokens))
+    return out_dir
 
 
 def _compiled_single_process(layout: Layout, model_cfg, tokens: str) -> list[dict]:
@@ -127,9 +145,9 @@ def _compiled_single_process(layout: Layout, model_cfg, tokens: str) -> list[dic
             for r in result["records"]]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_compiled_layout_matches_single_process(name, tmp_path, toy_model_cfg, toy_tokens):
+def test_compiled_layout_matches_single_process(name, compiled_runs, toy_model_cfg, toy_tokens):
     layout = LAYOUTS[name]
     model_cfg = _model_cfg(toy_model_cfg, layout)
     if layout.dropout:
@@ -137,10 +155,9 @@ def test_compiled_layout_matches_single_process(name, tmp_path, toy_model_cfg, t
     else:
         reference = train_reference(model_cfg, toy_tokens, options=OPTIONS, steps=STEPS, global_batch=GLOBAL_BATCH,
                                     seed=SEED)
-    spawn_workers(_train_layout, world_size=layout.world_size, args=(str(tmp_path), name, model_cfg, toy_tokens))
     seen = set()
     for rank in range(layout.world_size):
-        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        saved = torch.load(compiled_runs / f"{name}-rank{rank}.pt", weights_only=False)
         # Every range of parts compiled: none fell back to eager execution.
         assert saved["compile"]["enabled"] and saved["compile"]["eager_ranges"] == {}, saved["compile"]
         assert saved["compile"]["compile_s"] > 0, saved["compile"]

@@ -10,6 +10,7 @@ compares them).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import tiny_models
@@ -39,7 +40,8 @@ SEED = 11
 STEPS = 2
 MICROBATCHES = 4
 TP = 2
-OPTIONS = OptimizerSettings(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0, lr_scheduler_type="constant")
+OPTIONS = OptimizerSettings(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=0,
+                            lr_scheduler_type="constant")
 # Tiny models: tests/tiny_models.py, plus T5 with a vocabulary divisible by tp for parallel_vocab.
 MODELS = {**tiny_models.ALL, "t5-vocab104": functools.partial(tiny_models.t5, vocab_size=104),
           "bert-vocab102": functools.partial(tiny_models.bert, vocab_size=102)}
@@ -86,26 +88,44 @@ def _microbatches(name: str) -> list[dict]:
     return batches
 
 
-def _train(out_dir: str, case: str) -> None:
+def _train(out_dir: Path, state, case: str) -> None:
     name, plan, pp, points, vocab = CASES[case]
+    example = {k: v for k, v in _microbatches(name)[0].items() if k != "labels"}
+    built = assemble(
+        build=functools.partial(_build, name), seed=SEED, init_device="cpu",
+        sharding=ShardingSettings(split_method="layer_split", custom_split_points=list(points)), num_stages=pp,
+        num_microbatches=MICROBATCHES, stage_id=state.coordinates.pp, device=torch.device("cpu"),
+        example_inputs=example,
+        tensor_parallel=TensorParallelSplit(plan=plan, size=TP, rank=state.coordinates.tp,
+                                            settings=TensorParallelSettings(parallel_vocab=vocab)))
+    engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=_loss_fn(name), state=state,
+                            schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS)
+    data = _microbatches(name)
+    records = [step_record(engine, engine.train_step(data[step * MICROBATCHES:(step + 1) * MICROBATCHES]))
+               for step in range(STEPS)]
+    (out_dir / case).mkdir(exist_ok=True)
+    save_worker(str(out_dir / case), state.rank, built.model, records, len(built.tp_plan.changes))
+
+
+def _train_cases(out_dir: str, pp: int, cases: list[str]) -> None:
+    """One world (tp=2 x pp) trains each of its cases in turn, a fresh model and engine each."""
     torch.set_num_threads(1)
     state = groups.init(tp=TP, pp=pp, timeout_s=120)
     try:
-        example = {k: v for k, v in _microbatches(name)[0].items() if k != "labels"}
-        built = assemble(
-            build=functools.partial(_build, name), seed=SEED, init_device="cpu",
-            sharding=ShardingSettings(split_method="layer_split", custom_split_points=list(points)), num_stages=pp,
-            num_microbatches=MICROBATCHES, stage_id=state.coordinates.pp, device=torch.device("cpu"),
-            example_inputs=example,
-            tensor_parallel=TensorParallelSplit(plan=plan, size=TP, rank=state.coordinates.tp, settings=TensorParallelSettings(parallel_vocab=vocab)))
-        engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=_loss_fn(name), state=state,
-                                schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS)
-        data = _microbatches(name)
-        records = [step_record(engine, engine.train_step(data[step * MICROBATCHES:(step + 1) * MICROBATCHES]))
-                   for step in range(STEPS)]
-        save_worker(out_dir, state.rank, built.model, records, len(built.tp_plan.changes))
+        for case in cases:
+            _train(Path(out_dir), state, case)
     finally:
         groups.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory) -> Path:
+    """Every case trained: one gloo world per pipeline depth, its cases one after another."""
+    out_dir = tmp_path_factory.mktemp("model-tp")
+    for pp in sorted({case[2] for case in CASES.values()}):
+        cases = [case for case, values in CASES.items() if values[2] == pp]
+        spawn_workers(_train_cases, world_size=TP * pp, args=(str(out_dir), pp, cases))
+    return out_dir
 
 
 def _reference(name: str) -> list[dict]:
@@ -114,12 +134,11 @@ def _reference(name: str) -> list[dict]:
                               microbatches=MICROBATCHES, options=OPTIONS)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tp2_matches_single_process(case, tmp_path):
+def test_tp2_matches_single_process(case, tp_runs):
     name, _, pp, _, vocab = CASES[case]
-    spawn_workers(_train, world_size=TP * pp, args=(str(tmp_path), case))
-    sliced = compare_workers(tmp_path, TP * pp, _reference(name), case)
+    sliced = compare_workers(tp_runs / case, TP * pp, _reference(name), case)
     if vocab:
         embedding = "shared.weight" if name.startswith("t5") else "bert.embeddings.word_embeddings.weight"
         assert embedding in sliced, f"{case}: the embedding was not split by vocabulary"
