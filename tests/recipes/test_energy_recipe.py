@@ -57,9 +57,13 @@ def _energy(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def toy_profile(tmp_path_factory, cache_dir) -> Path:
-    """The toy pipeline's instruction profile on a simulated A100 (one run for the module's tests)."""
+    """The toy pipeline's instruction profile on a simulated A100 (one run for the module's tests).
+
+    One measured step per clock and no warm-up step: the simulated GPU sleeps through most of each
+    step, and every supported clock is profiled (the CPU-bound first stage's energy never rises), so
+    each step per clock costs a full sweep. Warm-up steps are counted in tests/dist/test_hf_dropin.py."""
     profile_dir = tmp_path_factory.mktemp("profile")
-    _train(["trainer.gradient_accumulation_steps=1", "trainer.profile=true", "trainer.num_warmup_steps=1",
+    _train(["trainer.gradient_accumulation_steps=1", "trainer.profile=true", "trainer.num_warmup_steps=0",
             "trainer.num_prof_steps=1"], profile_dir)
     return profile_dir / "merak+toy+uniform+dp1+pp2+tp1+mbs2.csv"
 
@@ -100,7 +104,7 @@ def test_profile_plan_and_run_the_plan(tmp_path, cache_dir, toy_profile, applied
     summary = json.loads((profile_dir / "summary.json").read_text())
     profiled = summary["clocks_profiled"]
     assert summary["highest_clock"] == 1410 and 40 <= profiled <= 81
-    assert summary["steps"] == 2 * profiled  # one warm-up and one measured step per clock
+    assert summary["steps"] == profiled  # one measured step per clock, no warm-up
     assert {(r["stage"], r["instruction"]) for r in rows} == {(s, n) for s in "01" for n in ("forward", "backward")}
     assert len(rows) == 4 * profiled
     # The last stage (the LM head) is all simulated work: while it computes, the simulated A100 draws
@@ -161,11 +165,12 @@ def test_straggler_aware_plans_slow_the_fast_pipeline(tmp_path, cache_dir, toy_p
     adapted = tmp_path / "adapted"
     _train(["parallel=dp2_pp2", "trainer.gradient_accumulation_steps=8",
             f"trainer.frequency_frontier={plan_dir / 'frontier.json'}", "trainer.simulated_straggler_pipeline=1",
-            "trainer.simulated_straggler_clock=1005", "trainer.max_steps=13", "trainer.straggler_window=3"], adapted)
+            "trainer.simulated_straggler_clock=1005", "trainer.max_steps=7", "trainer.straggler_window=3"], adapted)
     after, after_pipelines = _pipelines(adapted)
 
-    # Pipeline 0 moves to a slower point (a later window may correct it when the straggler's time
-    # moved by more than the hysteresis); the straggler stays on the fastest.
+    # Pipeline 0 moves to a slower point (decisions after steps 1-3 and, with more steps, every 3 steps
+    # after: a later window may correct it when the straggler's time moved by more than the hysteresis);
+    # the straggler stays on the fastest.
     assert after["switches"] and all(s["pipeline"] == 0 for s in after["switches"])
     assert after["switches"][0]["step"] == 4  # the first decision, after steps 1-3
     assert after["base_point"] == 0
