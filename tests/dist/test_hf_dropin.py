@@ -230,7 +230,6 @@ def test_energy_profile_and_text_generation_from_the_trainer(tmp_path):
     assert pipeline["step_energy_j"] > 0 and pipeline["step_time_s"] > 0
     # Every instruction of both stages at each profiled clock of the simulated GPU.
     assert summary["layout"] == {"dp": 1, "tp": 1, "pp": 2} and summary["clocks_profiled"] >= 2
-    assert summary["steps"] == 2 * summary["clocks_profiled"]  # one warm-up and one measured step per clock
     import csv
 
     with open(summary["profile"], encoding="utf-8") as handle:

@@ -57,13 +57,9 @@ def _energy(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def toy_profile(tmp_path_factory, cache_dir) -> Path:
-    """The toy pipeline's instruction profile on a simulated A100 (one run for the module's tests).
-
-    One measured step per clock and no warm-up step: the simulated GPU sleeps through most of each
-    step, and every supported clock is profiled (the CPU-bound first stage's energy never rises), so
-    each step per clock costs a full sweep. Warm-up steps are counted in tests/dist/test_hf_dropin.py."""
+    """The toy pipeline's instruction profile on a simulated A100 (one run for the module's tests)."""
     profile_dir = tmp_path_factory.mktemp("profile")
-    _train(["trainer.gradient_accumulation_steps=1", "trainer.profile=true", "trainer.num_warmup_steps=0",
+    _train(["trainer.gradient_accumulation_steps=1", "trainer.profile=true", "trainer.num_warmup_steps=1",
             "trainer.num_prof_steps=1"], profile_dir)
     return profile_dir / "merak+toy+uniform+dp1+pp2+tp1+mbs2.csv"
 
@@ -104,7 +100,7 @@ def test_profile_plan_and_run_the_plan(tmp_path, cache_dir, toy_profile, applied
     summary = json.loads((profile_dir / "summary.json").read_text())
     profiled = summary["clocks_profiled"]
     assert summary["highest_clock"] == 1410 and 40 <= profiled <= 81
-    assert summary["steps"] == profiled  # one measured step per clock, no warm-up
+    assert summary["steps"] == 2 * profiled  # one warm-up and one measured step per clock
     assert {(r["stage"], r["instruction"]) for r in rows} == {(s, n) for s in "01" for n in ("forward", "backward")}
     assert len(rows) == 4 * profiled
     # The last stage (the LM head) is all simulated work: while it computes, the simulated A100 draws
