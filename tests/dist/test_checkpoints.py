@@ -186,28 +186,24 @@ def test_finetune_and_no_optimizer_state(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_export_to_hugging_face_and_back(tmp_path, toy_model_cfg):
+def test_export_to_hugging_face_and_back(tmp_path, toy_model_cfg, tp_source):
+    """tp_source's checkpoint-2 (tp=2 x pp=2 with sequence parallelism, dp=2 with ZeRO-1) exported. Its step 3
+    ran from the saved weights; each layout resumed from that checkpoint computes that step's loss again
+    (test_checkpoint_loads_into_other_layouts)."""
     from transformers import GPT2LMHeadModel
 
     from merak.checkpoint.export import main as export_main
     from merak.data.batching import BatchPlan, stack_samples
     from recipes.gpt import data, model
 
-    run_dir = tmp_path / "run"
-    summary = _run(run_dir, "parallel=tp2_pp2", "model.vocab_size=50304", "trainer.max_steps=2",
-                   "trainer.save=true")
+    summary = json.loads((tp_source / "summary.json").read_text())
     out = tmp_path / "hf"
-    assert export_main([str(run_dir / "checkpoint-2"), str(out)]) == 0
+    assert export_main([str(tp_source / "checkpoint-2"), str(out)]) == 0
     exported = GPT2LMHeadModel.from_pretrained(out).eval()
     assert exported.lm_head.weight is exported.transformer.wte.weight or torch.equal(
         exported.lm_head.weight, exported.transformer.wte.weight)
-    # The parallel run continued from the checkpoint computes the same loss on step 3's batch as
+    # The parallel run from the checkpoint's weights computes the same loss on step 3's batch as
     # the exported model (the whole vocabulary's logits enter it).
-    continued = tmp_path / "continued"
-    continued.mkdir()
-    shutil.copytree(run_dir / "checkpoint-2", continued / "checkpoint-2")
-    _run(continued, "parallel=tp2_pp2", "model.vocab_size=50304", "trainer.max_steps=3",
-         "trainer.resume_from_checkpoint=true")
     prepared = SPEC.prepare_data(_compose(TOY).data, _compose([*TOY, "model.vocab_size=50304"]).model)
     dataset = data.load(prepared, _compose([*TOY, "model.vocab_size=50304"]).model)
     plan = BatchPlan(num_samples=len(dataset), micro_batch_size=summary["global_batch_size"], num_microbatches=1,
@@ -216,7 +212,7 @@ def test_export_to_hugging_face_and_back(tmp_path, toy_model_cfg):
     with torch.no_grad():
         logits = exported(input_ids=batch["input_ids"]).logits
         loss = model.causal_lm_loss(logits, batch).item()
-    assert _metrics(continued)[3]["loss"] == pytest.approx(loss, rel=1e-5)
+    assert _metrics(tp_source)[3]["loss"] == pytest.approx(loss, rel=1e-5)
     # And those weights start a parallel run in another layout (pretrained_weights).
     imported = tmp_path / "imported"
     _run(imported, "parallel=dp2_pp2", "model.vocab_size=50304", "trainer.max_steps=1",

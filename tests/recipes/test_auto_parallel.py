@@ -1,7 +1,10 @@
-"""``parallel=auto`` through a recipe's real train.py: the planner chooses, the run trains what it chose."""
+"""``parallel=auto`` through a recipe's real train.py (the trials, the exit status of a model that fits
+nowhere) or in this process: the planner chooses, the run trains what it chose."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -9,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_py import run_in_process
 
+from merak.autoplan.cli import main as merak_plan
 from merak.autoplan.trials import TRIAL_TIE
 
 pytestmark = pytest.mark.recipe
@@ -18,24 +23,25 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "recipes/gpt/train.py"
 
 
-def _train(args, cache_dir, timeout=300) -> subprocess.CompletedProcess:
+def _train(args, cache_dir, timeout=300, script: Path = TRAIN) -> subprocess.CompletedProcess:
     env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, str(TRAIN), *args], cwd=REPO, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
 @pytest.mark.timeout(400)
 def test_auto_trains_the_layout_its_trials_chose(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    result = _train(["model=toy", "parallel=auto", "parallel.world_size=2", "parallel.trial_steps=5",
-                     "parallel.trial_seconds=0", "trainer.global_batch_size=8", "trainer.max_steps=2",
-                     f"hydra.run.dir={run_dir}"], cache_dir)
+    # Two trials (the planner's two leading grids), five steps each.
+    result = _train(["model=toy", "parallel=auto", "parallel.world_size=2", "parallel.trials=2",
+                     "parallel.trial_steps=5", "parallel.trial_seconds=0", "trainer.global_batch_size=8",
+                     "trainer.max_steps=2", f"hydra.run.dir={run_dir}"], cache_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["global_batch_size"] == 8
-    # dp=2 and pp=2 (at least) are in the running: each trained 5 steps; the chosen is the fastest measured,
+    # The two leading grids are in the running: each trained 5 steps; the chosen is the fastest measured,
     # or a layout the planner ranked higher (the trials are in its order) measured within the tie margin.
     trials = plan["trials"]["trials"]
     assert len(trials) >= 2 and len({t["key"].split(" mb")[0] for t in trials}) == len(trials)
@@ -54,13 +60,41 @@ def test_auto_trains_the_layout_its_trials_chose(tmp_path, cache_dir):
     assert "[rank 0]" not in printed.split("parallel=auto chose")[0]  # the trials' workers stay quiet
 
 
+@pytest.fixture(scope="module")
+def gpt2_plan(cache_dir, tmp_path_factory):
+    """``merak-plan`` (in this process) for gpt2 on two 8 x H100 servers: (exit status, plan.json, printed).
+
+    It profiles gpt2 at each tensor degree into the session's cache ($MERAK_CACHE_DIR/profiles), where the
+    dry run below finds the same profiles (moved here from tests/unit/test_autoplan_cli.py to share them)."""
+    out = tmp_path_factory.mktemp("merak-plan") / "plan.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = merak_plan(["gpt", "model=gpt2", "trainer.global_batch_size=16", "--cluster", "h100-80",
+                             "--nodes", "2", "--out", str(out), "--top", "3"])
+    return status, json.loads(out.read_text()) if out.exists() else None, printed.getvalue()
+
+
 @pytest.mark.timeout(400)
-def test_auto_dry_run_plans_for_a_gpu_cluster(tmp_path, cache_dir):
+def test_cli_plans_gpt2_on_two_gpu_servers(gpt2_plan):
+    status, payload, printed = gpt2_plan
+    assert status == 0
+    assert payload["world_size"] == 16
+    assert payload["cluster"]["nodes"] == 2 and payload["cluster"]["devices_per_node"] == 8
+    best = payload["best"]["layout"]
+    assert best["dp"] * best["tp"] * best["pp"] == 16
+    assert best["tp"] in (1, 2, 4)  # 12 heads: no tensor degree of 8, and none across nodes
+    assert payload["best"]["fits"] and 0 < payload["best"]["mfu"] < 1
+    assert payload["compared"] == []
+    assert "gpt/gpt2 on 16 x H100-80GB" in printed
+
+
+@pytest.mark.timeout(400)
+def test_auto_dry_run_plans_for_a_gpu_cluster(tmp_path, cache_dir, gpt2_plan):
+    """In this process (gpt2's profiles taken by gpt2_plan; train.py's own runs of parallel=auto: above and below)."""
     run_dir = tmp_path / "run"
     # Weightless (meta) like a giant model: the dry run then partitions without computing anything.
-    result = _train(["model=gpt2", "parallel=auto", "cluster=h100-80", "cluster.nodes=2", "trainer.init_device=meta",
-                     "trainer.global_batch_size=64", "dry_run=true", f"hydra.run.dir={run_dir}"], cache_dir)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_in_process("gpt", ["model=gpt2", "parallel=auto", "cluster=h100-80", "cluster.nodes=2",
+                           "trainer.init_device=meta", "trainer.global_batch_size=64", "dry_run=true"], run_dir)
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["world_size"] == 16 and plan["cluster"]["accelerator"]["name"].startswith("H100")
     assert plan["best"]["fits"] and plan["best"]["mfu"] > 0
@@ -92,19 +126,16 @@ def test_a_stage_without_parameters_trains_with_zero(tmp_path, cache_dir):
     ZeRO-1 over dp=2 leaves that stage's ranks nothing to update. It trains as the same microbatches do
     in one pipeline stage (the masked-token mean of each microbatch is the loss, so the comparison keeps
     the microbatches)."""
-    bert = REPO / "recipes/bert/train.py"
     common = ["model=toy", "trainer.global_batch_size=16", "trainer.per_device_train_batch_size=8",
               "trainer.max_steps=3", "trainer.activation_checkpointing=false", "parallel.dp=2", "parallel.tp=1"]
     runs = {"one_stage": ["parallel.pp=1"],
             "empty_stage": ["parallel.pp=2", "trainer.zero_optimization=true", "trainer.partition_method=custom",
                             "trainer.custom_partition=[0,1,25]"]}
-    losses = {}
-    for name, args in runs.items():
-        env = dict(os.environ, MERAK_CACHE_DIR=str(cache_dir), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-        env.pop("RANK", None)
-        env.pop("WORLD_SIZE", None)
-        result = subprocess.run([sys.executable, str(bert), *common, *args, f"hydra.run.dir={tmp_path / name}"],
-                                cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        losses[name] = _losses(tmp_path / name)
+    # The reference in this process (merak.run as train.py calls it); the empty stage through bert's real
+    # train.py (its one run on CPU).
+    run_in_process("bert", [*common, *runs["one_stage"]], tmp_path / "one_stage")
+    result = _train([*common, *runs["empty_stage"], f"hydra.run.dir={tmp_path / 'empty_stage'}"], cache_dir,
+                    script=REPO / "recipes/bert/train.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = {name: _losses(tmp_path / name) for name in runs}
     assert losses["empty_stage"] == pytest.approx(losses["one_stage"], rel=1e-6)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_py import run_in_process
 
 from merak.distributed.launch import free_port
 
@@ -77,11 +78,10 @@ def _run_together(commands: list[list[str]], envs: list[dict], timeout: int) -> 
 
 @pytest.fixture(scope="module")
 def spawn_losses(tmp_path_factory, cache_dir) -> list[float]:
-    """pp2 with merak's own launcher: one Hydra process spawning two workers."""
+    """pp2 with merak's own launcher: merak.run as train.py calls it, in this process, starting two workers
+    (train.py's own run of it, as a process: test_console.py)."""
     run_dir = tmp_path_factory.mktemp("spawn")
-    result = subprocess.run([sys.executable, str(TRAIN), *TOY, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                            env=_env(cache_dir), check=False, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_in_process("gpt", TOY, run_dir)
     return _losses(run_dir)
 
 

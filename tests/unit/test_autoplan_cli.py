@@ -91,16 +91,4 @@ def test_cli_compare_that_cannot_run_exits_2(cache_dir, tmp_path):
     assert main([*TOY, "--out", str(tmp_path / "plan.json"), "--compare", "mine:pp=4,schedule=no_such_schedule"]) == 2
 
 
-def test_cli_plans_gpt2_on_two_gpu_servers(cache_dir, tmp_path, capsys):
-    out = tmp_path / "plan.json"
-    assert main(["gpt", "model=gpt2", "trainer.global_batch_size=16", "--cluster", "h100-80", "--nodes", "2",
-                 "--out", str(out), "--top", "3"]) == 0
-    payload = json.loads(out.read_text())
-    assert payload["world_size"] == 16
-    assert payload["cluster"]["nodes"] == 2 and payload["cluster"]["devices_per_node"] == 8
-    best = payload["best"]["layout"]
-    assert best["dp"] * best["tp"] * best["pp"] == 16
-    assert best["tp"] in (1, 2, 4)  # 12 heads: no tensor degree of 8, and none across nodes
-    assert payload["best"]["fits"] and 0 < payload["best"]["mfu"] < 1
-    assert payload["compared"] == []
-    assert "gpt/gpt2 on 16 x H100-80GB" in capsys.readouterr().out
+# merak-plan for gpt2 on two GPU servers: tests/recipes/test_auto_parallel.py (it shares gpt2's profiles).
