@@ -30,7 +30,7 @@ from merak.pipeline.compiled import CompileClock
 from merak.pipeline.executor import PipelineExecutor
 from merak.pipeline.hooks import HookList, InstructionEvent, PipelineHook
 from merak.pipeline.recompute import (
-    CheckpointOptions,
+    StageRecomputation,
     checkpointed_parts,
     part_seed,
     stage_checkpoint_ratios,
@@ -227,7 +227,7 @@ class PipelineEngine:
         if options is None or not options.activation_checkpointing:
             for module in self.chunks.values():
                 if hasattr(module, "configure_checkpointing"):
-                    module.configure_checkpointing(CheckpointOptions())
+                    module.configure_checkpointing(StageRecomputation())
             return
         pieces = self.num_stages * self.num_chunks
         ratios = stage_checkpoint_ratios(options.activation_checkpoint_ratio, pieces,
@@ -237,7 +237,7 @@ class PipelineEngine:
                 raise ValueError(f"activation checkpointing needs stages made of parts (StageModule); "
                                  f"stage {self.stage_id} is a {type(module).__name__}")
             ratio = ratios[chunk * self.num_stages + self.stage_id]
-            module.configure_checkpointing(CheckpointOptions(
+            module.configure_checkpointing(StageRecomputation(
                 parts=checkpointed_parts(ratio, len(module.parts)), num_layers=options.checkpoint_num_layers))
 
     def _compile_stages(self, options: CompileSettings) -> None:

@@ -36,7 +36,7 @@ _state = {"checkpointing": "configured", "seed": None}
 
 
 @dataclass(frozen=True)
-class CheckpointOptions:
+class StageRecomputation:
     """Activation checkpointing of one stage.
 
     Attributes:

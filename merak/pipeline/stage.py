@@ -36,7 +36,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.first_part = first_part
-        self.checkpoint_options = recompute.CheckpointOptions()
+        self.checkpoint_options = recompute.StageRecomputation()
         self.compiled: CompiledParts | None = None
 
     def compile_parts(self, options: CompileSettings, where: str = "stage", *, retains_graph: bool = False) -> None:
@@ -45,7 +45,7 @@ class StageModule(nn.Module):
         self.compiled = CompiledParts(self.parts, options, where, retains_graph=retains_graph) \
             if options.enabled else None
 
-    def configure_checkpointing(self, options: recompute.CheckpointOptions) -> None:
+    def configure_checkpointing(self, options: recompute.StageRecomputation) -> None:
         """Checkpoint the first ``options.parts`` parts in chunks of ``options.num_layers``."""
         if not 0 <= options.parts <= len(self.parts) or options.num_layers < 1:
             raise ValueError(f"cannot checkpoint {options.parts} parts in chunks of {options.num_layers} "
