@@ -180,8 +180,8 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
                      and tp <= cluster.devices_per_node and not spec.check_layout(model_cfg, 1, tp, 1)]
         if tp_values and not _supports_sequence_parallel(profiles, tp_values[0]):
             space = dataclasses.replace(space, sequence_parallel=(False,))
-    model = CostModel(profiles, cluster, _dtype_name(settings.trainer),
-                      sharding=spec.sharding(settings.trainer.sharding))
+    sharding = spec.sharding(settings.trainer.sharding)
+    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), sharding=sharding)
     capacity = cluster.accelerator.memory_gib * 2**30
     candidates = search(model, space, capacity)
     elapsed = time.perf_counter() - started

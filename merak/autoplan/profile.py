@@ -321,19 +321,17 @@ def _profile_at(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch
     model.train()
     tp_settings = dataclasses.replace(trainer.tensor_parallel, sequence_parallel=sequence_parallel,
                                       tp_overlapping_level=0)
-    split_model(model, TensorParallelSplit(plan=spec.tensor_parallel_plan(settings.model_cfg), size=tp,
-                                           settings=tp_settings))
+    split_model(model, TensorParallelSplit(spec.tensor_parallel_plan(settings.model_cfg), tp, settings=tp_settings))
     dtype = trainer.precision.dtype
     if dtype != torch.float32:
         model.to(dtype)
-    batch_settings = dataclasses.replace(settings,
-                                         trainer=trainer.replace(per_device_train_batch_size=micro_batch_size))
+    at_this_size = trainer.replace(per_device_train_batch_size=micro_batch_size)
+    batch_settings = dataclasses.replace(settings, trainer=at_this_size)
     examples = example_inputs(spec, batch_settings, None if spec.example_inputs is not None else
                               spec.prepare_data(settings.data_cfg, settings.model_cfg))
     if dtype != torch.float32:
         examples = {k: v.to(dtype) if v.is_floating_point() else v for k, v in examples.items()}
     sharding = spec.sharding(trainer.sharding)
-    return profile_graph(model, examples, trace_method=sharding.trace_method or "fx",
-                         input_names=trainer.batch.input_names or spec.input_names,
-                         leaf_modules=tuple(sharding.leaf_modules), tp=tp,
+    return profile_graph(model, examples, trace_method=sharding.trace_method or "fx", tp=tp,
+                         input_names=trainer.batch.input_names or spec.input_names, leaf_modules=sharding.leaf_modules,
                          sequence_parallel=sequence_parallel, device_type=device_type)
