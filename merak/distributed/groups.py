@@ -7,10 +7,12 @@ started) or creates one from the environment, then builds one group per axis.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -149,6 +151,7 @@ def init(dp: int = 1, tp: int = 1, pp: int = 1, *, backend: str | None = None,
     chosen = resolve_backend(backend)
     if not dist.is_initialized() and grid.world_size > 1:
         _start_process_group(grid, chosen, timeout_s)
+        atexit.register(_shutdown_at_exit)
     if dist.is_initialized():
         chosen = dist.get_backend()
         if dist.get_world_size() != grid.world_size:
@@ -216,6 +219,15 @@ def shutdown(*, synchronize: bool = False) -> None:
     if synchronize and dist.get_world_size() > 1:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def _shutdown_at_exit() -> None:
+    """A script that started the group with :func:`init` and ends without :func:`shutdown` (the seed API's
+    usage) tears it down together with its peers: ranks that destroyed their group at different moments
+    of interpreter exit were seen to abort. After an unhandled error the peers may never arrive, so the
+    group is then destroyed without waiting."""
+    if dist.is_initialized():
+        shutdown(synchronize=not hasattr(sys, "last_value"))
 
 
 def get_rank_grid() -> RankGrid:
