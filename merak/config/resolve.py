@@ -68,10 +68,6 @@ class TrainerSettings:
         return cls(**{name: typed_section(by_section[name], section, "trainer", problems)
                       for name, section in TRAINER_SECTIONS.items()})
 
-    def flat(self) -> dict[str, Any]:
-        """Every setting by its flat name (what ``trainer.*`` holds in a config)."""
-        return {name: getattr(getattr(self, section), name) for name, section in SECTION_OF.items()}
-
     def replace(self, **changes) -> TrainerSettings:
         """A copy with settings changed by their flat names (``replace(max_steps=5)``)."""
         sections: dict[str, dict] = {}

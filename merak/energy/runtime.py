@@ -16,7 +16,6 @@ import torch
 from merak.distributed import groups
 from merak.energy.device import GPUDevice
 from merak.energy.hooks import FrequencyPlanHook, InstructionMeter, SimulatedCompute
-from merak.energy.settings import energy_enabled
 from merak.energy.simulated import SimulatedGPU
 from merak.pipeline.hooks import PipelineHook
 
@@ -149,7 +148,7 @@ class EnergyRuntime:
 
 def start_energy(energy, state) -> EnergyRuntime | None:
     """The worker's EnergyRuntime, or None when the run uses no energy feature."""
-    return EnergyRuntime(energy, state) if energy_enabled(energy) else None
+    return EnergyRuntime(energy, state) if energy.enabled else None
 
 
 __all__ = ["EnergyRuntime", "make_device", "start_energy"]

@@ -56,18 +56,13 @@ class EnergySettings:
 
     @property
     def enabled(self) -> bool:
-        """Whether the run uses a GPU device for energy."""
-        return energy_enabled(self)
+        """Whether the run uses a GPU device for energy: profiling, a plan, zeus, or an explicit device."""
+        return bool(self.profile or self.frequency_plan or self.frequency_frontier or self.pfo_server_url
+                    or self.energy_device in ("nvml", "simulated"))
 
     def problems(self, *, schedule: str, pp: int, num_microbatches: int, num_chunks: int, dp: int = 1) -> list[str]:
         """Everything wrong with these values for the run's schedule and layout."""
         return energy_problems(self, schedule, pp, num_microbatches, num_chunks, dp)
-
-
-def energy_enabled(energy) -> bool:
-    """Whether the run uses a GPU device for energy: profiling, a plan, zeus, or an explicit device."""
-    return bool(energy.profile or energy.frequency_plan or energy.frequency_frontier or energy.pfo_server_url
-                or energy.energy_device in ("nvml", "simulated"))
 
 
 def _server_problem(url: str) -> str | None:
@@ -102,7 +97,7 @@ def energy_problems(energy, schedule: str, pp: int, num_microbatches: int, num_c
     if len(chosen) > 1:
         problems.append(f"trainer.{' and energy.'.join(chosen)} are exclusive: profile, run a plan file, run "
                         "a frontier, or take plans from a zeus server")
-    if energy_enabled(energy) and energy.energy_device == "none":
+    if energy.enabled and energy.energy_device == "none":
         problems.append(f"trainer.{chosen[0] if chosen else 'energy_device'} needs a GPU device: set "
                         "trainer.energy_device to auto, nvml or simulated")
     if energy.frequency_plan:
