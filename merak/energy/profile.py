@@ -3,9 +3,10 @@
 With one microbatch per step, each step runs every stage's forward and backward (and the
 recompute instructions of the Merak schedules) once; schedules that need more microbatches
 (interleaved_1f1b, shifted_critical_path) run each several times, and each instruction's time
-and energy is the mean over its runs. For each supported clock, highest first,
-every rank locks its GPU to it, runs ``num_warmup_steps`` steps, then measures
-``num_prof_steps`` steps, and averages each instruction's time and energy. Past half of the
+and energy is the mean over its runs. For each supported clock, highest first (or those
+``trainer.profile_clock_step`` MHz apart: :func:`clocks_to_profile`), every rank locks its GPU
+to it, runs ``num_warmup_steps`` steps, then measures ``num_prof_steps`` steps, and averages each
+instruction's time and energy. Past half of the
 clock list, once every rank has seen its forward+backward energy rise for 5 clocks in a row
 (the energy minimum is behind), profiling stops early. Rank 0 writes the CSV
 (:mod:`merak.energy.profile_csv`) in the run directory, and beside it what the steps took
@@ -68,11 +69,25 @@ def measure_overheads(rows: list[ProfileRow], spans: list[tuple[int, float, floa
     return Overheads(instruction=statistics.median(per_instruction), step=statistics.median(per_step))
 
 
+def clocks_to_profile(supported: list[int], step_mhz: int | None) -> list[int]:
+    """The clocks to profile, highest first: every one of ``supported`` (highest first), or with
+    ``step_mhz`` each one at least that far below the last one kept (the device's clock list need
+    not be evenly spaced, nor ``step_mhz`` a multiple of its spacing)."""
+    if not step_mhz:
+        return list(supported)
+    kept: list[int] = []
+    for clock in supported:
+        if not kept or kept[-1] - clock >= step_mhz:
+            kept.append(clock)
+    return kept
+
+
 def run_profile(session, runtime) -> dict | None:
     """Profile ``session``'s stages on ``runtime.device``; returns the profile summary on rank 0."""
     settings, state, trainer = session.settings, session.state, session.settings.trainer
     device, meter = runtime.device, runtime.meter
-    clocks = device.supported_clocks()
+    supported = device.supported_clocks()
+    clocks = clocks_to_profile(supported, trainer.energy.profile_clock_step)
     per_clock = trainer.energy.num_warmup_steps + trainer.energy.num_prof_steps
     coords = state.coordinates
     rows: list[ProfileRow] = []
@@ -115,7 +130,7 @@ def run_profile(session, runtime) -> dict | None:
     overheads = measure_overheads(all_rows, all_spans, trainer.schedule.train_schedule, grid.pp,
                                   trainer.schedule.chunks, session.engine.num_microbatches)
     write_overheads(path, overheads)
-    summary = {"profile": path, "device": device.name, "clocks_profiled": profiled, "clocks_supported": len(clocks),
+    summary = {"profile": path, "device": device.name, "clocks_profiled": profiled, "clocks_supported": len(supported),
                "highest_clock": clocks[0], "lowest_clock_profiled": clocks[profiled - 1],
                "steps": step, "rows": sum(len(part) for part in everyone),
                "layout": {"dp": grid.dp, "tp": grid.tp, "pp": grid.pp}, "schedule": trainer.schedule.train_schedule,

@@ -25,6 +25,10 @@ class EnergySettings:
                                        "the measured ones", check=non_negative, requirement="must be an integer >= 0")
     num_prof_steps: int = setting(4, "profile: measured steps per clock; with pfo_server_url: steps reported to "
                                      "the server", check=positive, requirement="must be a positive integer")
+    profile_clock_step: int | None = setting(None, "profile: MHz between profiled clocks, from the highest down "
+                                                   "(null: every supported clock; a coarser profile is quicker "
+                                                   "and gives the planner fewer clocks to choose from)",
+                                             check=positive, requirement="must be a positive integer")
     pfo_server_url: str | None = setting(None, "a zeus pipeline-frequency server (merak-energy serve) to take "
                                                "the clock plan from")
     energy_device: str = setting("auto", "auto (NVML on CUDA, else simulated) | nvml | simulated | none")

@@ -39,6 +39,7 @@ CLI = [sys.executable, "-m", "merak.energy.cli"]
 TOY = ["model=toy", "parallel=pp2", "trainer.per_device_train_batch_size=2", "trainer.disable_tqdm=true",
        "trainer.split_method=farthest_min_deps", "trainer.partition_method=uniform"]
 STEPS = 3
+CLOCK_STEP = 150  # MHz between profiled clocks: 9 of the simulated A100's 81
 STEP = ["trainer.gradient_accumulation_steps=4", f"trainer.max_steps={STEPS}"]
 
 
@@ -57,10 +58,11 @@ def _energy(run_dir: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def toy_profile(tmp_path_factory, cache_dir) -> Path:
-    """The toy pipeline's instruction profile on a simulated A100 (one run for the module's tests)."""
+    """The toy pipeline's instruction profile on a simulated A100 (one run for the module's tests), at
+    every tenth of its 81 clocks (1410, 1260, ... 210 MHz)."""
     profile_dir = tmp_path_factory.mktemp("profile")
     _train(["trainer.gradient_accumulation_steps=1", "trainer.profile=true", "trainer.num_warmup_steps=1",
-            "trainer.num_prof_steps=1"], profile_dir)
+            "trainer.num_prof_steps=1", f"trainer.profile_clock_step={CLOCK_STEP}"], profile_dir)
     return profile_dir / "merak+toy+uniform+dp1+pp2+tp1+mbs2.csv"
 
 
@@ -99,7 +101,9 @@ def test_profile_plan_and_run_the_plan(tmp_path, cache_dir, toy_profile, applied
         rows = list(reader)
     summary = json.loads((profile_dir / "summary.json").read_text())
     profiled = summary["clocks_profiled"]
-    assert summary["highest_clock"] == 1410 and 40 <= profiled <= 81
+    assert summary["highest_clock"] == 1410 and summary["clocks_supported"] == 81 and 5 <= profiled <= 9
+    clocks = sorted({int(r["frequency"]) for r in rows}, reverse=True)
+    assert clocks == list(range(1410, 209, -CLOCK_STEP))[:profiled]
     assert summary["steps"] == 2 * profiled  # one warm-up and one measured step per clock
     assert {(r["stage"], r["instruction"]) for r in rows} == {(s, n) for s in "01" for n in ("forward", "backward")}
     assert len(rows) == 4 * profiled

@@ -12,7 +12,7 @@ import pytest
 from merak.energy.dag import step_graph, topological_order
 from merak.energy.paths import LevelledGraph
 from merak.energy.planner import FrequencyPlanner
-from merak.energy.profile import measure_overheads
+from merak.energy.profile import clocks_to_profile, measure_overheads
 from merak.energy.profile_csv import (
     Option,
     Overheads,
@@ -225,3 +225,12 @@ def test_overheads_file_round_trip_and_malformed(tmp_path):
         (tmp_path / "merak+m+p+dp1+pp2+tp1+mbs1.overheads.json").write_text(text)
         with pytest.raises(ProfileError, match=why):
             read_overheads(profile)
+
+
+def test_a_coarser_profile_keeps_clocks_at_least_the_step_apart():
+    a100 = list(range(1410, 209, -15))
+    assert clocks_to_profile(a100, None) == a100
+    assert clocks_to_profile(a100, 150) == list(range(1410, 209, -150))  # 1410, 1260, ... 210
+    uneven = [1980, 1965, 1900, 1890, 1800, 1700, 1695]
+    assert clocks_to_profile(uneven, 80) == [1980, 1900, 1800, 1700]
+    assert clocks_to_profile(uneven, 1000) == [1980]
