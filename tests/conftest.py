@@ -12,8 +12,16 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs its files in parallel processes (pytest-xdist, one per core), and many tests launch
+# more: each computes on one thread, as merak's own workers do. More compute threads than cores leave
+# every process spin-waiting for the others' (OpenMP), several times slower than one thread each.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 import merak  # noqa: E402,F401  (applies the torchvision fallback before transformers loads)
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

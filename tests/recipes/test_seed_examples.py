@@ -38,16 +38,34 @@ SEED_000 = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SEED_000))
-def test_examples_readme_gpt_command_with_data_path(tmp_path, cache_dir, name):
+def test_examples_readme_gpt_commands_parse_to_their_settings():
+    """Both command lines, parsed as run_gpt.py parses them: only --zero_optimization tells them apart.
+    (The ZeRO one also runs as written, below; running the plain one too would prove nothing more.)"""
+    from transformers import HfArgumentParser
+
+    import merak
+    from examples.seed_api import ExampleArguments
+    from merak.hf.arguments import trainer_settings
+
+    parser = HfArgumentParser((ExampleArguments, merak.MerakArguments))
+    parsed = {name: parser.parse_args_into_dataclasses([*SEED_000[name], *TOY]) for name in SEED_000}
+    for example, args in parsed.values():
+        assert example.model_name == "toy" and example.data_files == ["./train_context.csv"]
+        assert example.data_path == "/ssd/datasets/imagenet/pytorch" and args.problems() == []
+    settings = {name: trainer_settings(args) for name, (_, args) in parsed.items()}
+    assert {name: values["zero_optimization"] for name, values in settings.items()} == {"plain": False, "zero": True}
+    assert settings["plain"] == {**settings["zero"], "zero_optimization": False}
+
+
+def test_examples_readme_gpt_zero_command_with_data_path(tmp_path, cache_dir):
     """run_gpt.py accepts --data_path (unused by a text model) under torch.distributed.launch."""
     write_text_csv(tmp_path / "train_context.csv")
     link_example(tmp_path, "run_gpt.py")
-    result = run_command([*LAUNCH, "run_gpt.py", *SEED_000[name], *TOY], cwd=tmp_path, env=_launch_env(cache_dir))
+    result = run_command([*LAUNCH, "run_gpt.py", *SEED_000["zero"], *TOY], cwd=tmp_path, env=_launch_env(cache_dir))
     assert result.returncode == 0, result.stderr[-3000:]
     # 2 processes, no --pp: both are data-parallel replicas; 4 x 4 samples each per step.
     summary = check_training(tmp_path / "output", layout={"dp": 2, "tp": 1, "pp": 1}, global_batch_size=32)
-    assert summary["precision"]["zero_stage"] == (1 if name == "zero" else 0)
+    assert summary["precision"]["zero_stage"] == 1
 
 
 # The language-modeling README's three torchrun command lines, toy-sized; gpt also as a pipeline.
