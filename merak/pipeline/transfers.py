@@ -13,7 +13,10 @@ by posting order alone, per direction, as NCCL does. This module makes both side
 
 Whether the grouped lists can deadlock under rendezvous semantics (a send completes only when its
 receive runs, a group blocks until all its operations have met their partners) is then the simulator's
-``sends="rendezvous"`` check, which every registered schedule passes (``tests/unit``).
+``sends="rendezvous"`` check, which every registered schedule passes (``tests/unit``). Where they would,
+groups are split or sends delayed, one repair at a time; the repairs grow with the step, so after each the
+simulation goes on from where it stopped (:class:`_Rendezvous`) rather than running the step again, which
+made the grouping cost grow with the square of the step (minutes per rank for pp=8 at 128 microbatches).
 
 Pure Python, no torch.
 """
@@ -21,8 +24,9 @@ Pure Python, no torch.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from merak.pipeline.instructions import (
     P2P_TYPES,
@@ -42,6 +46,8 @@ from merak.pipeline.validate import ScheduleError
 
 if TYPE_CHECKING:
     from merak.pipeline.simulate import Deadlock
+
+logger = logging.getLogger(__name__)
 
 Message = tuple[str, int, int]  # (kind, sending virtual stage, microbatch)
 
@@ -161,25 +167,31 @@ def _group(ops: Sequence[P2POp]) -> Instruction:
     return ops[0] if len(ops) == 1 else Exchange(tuple(ops))
 
 
+_NOWHERE = (0, -1)  # the placement of a message's end that no rank posts
+
+
+def _in_posting_order(instruction: Instruction, stage_id: int, num_stages: int,
+                      placed: dict | _Placements) -> Instruction:
+    """``instruction`` (of ``stage_id``) with its operations in the order both ranks of each pair post
+    them: per pair of ranks and direction, by the sender's group, then the receiver's (``placed``:
+    :func:`_placements`). A lone transfer or a compute comes back as it is."""
+    ops = p2p_ops(instruction)
+    if len(ops) < 2:
+        return instruction
+
+    def order(op: P2POp) -> tuple:
+        pair, message = _key(op, stage_id, num_stages)
+        return pair, (placed.get((pair, message, True), _NOWHERE)[1], placed.get((pair, message, False), _NOWHERE)[1])
+
+    return _group(sorted(ops, key=order))
+
+
 def _sorted_groups(grouped: list[list[Instruction]]) -> list[list[Instruction]]:
-    """Every group's operations in the order both ranks of each pair post them: per pair of ranks and
-    direction, by the sender's group, then the receiver's."""
+    """Every group's operations in the order both ranks of each pair post them (:func:`_in_posting_order`)."""
     num_stages = len(grouped)
     placed = _placements(grouped)
-    where = {(pair, message): [placed.get((pair, message, True), (0, -1))[1],
-                               placed.get((pair, message, False), (0, -1))[1]]
-             for pair, message, _ in placed}  # (pair, message) -> [sender's group index, receiver's]
-    result = []
-    for s, stage in enumerate(grouped):
-        out = []
-        for instruction in stage:
-            ops = p2p_ops(instruction)
-            if len(ops) > 1:
-                instruction = _group(sorted(ops, key=lambda op, s=s: (_key(op, s, num_stages)[0],
-                                                                      where[_key(op, s, num_stages)])))
-            out.append(instruction)
-        result.append(out)
-    return result
+    return [[_in_posting_order(instruction, s, num_stages, placed) for instruction in stage]
+            for s, stage in enumerate(grouped)]
 
 
 def _placements(grouped: list[list[Instruction]]) -> dict[tuple, tuple[int, int]]:
@@ -190,14 +202,15 @@ def _placements(grouped: list[list[Instruction]]) -> dict[tuple, tuple[int, int]
             for op in p2p_ops(instruction)}
 
 
-def _split_waiting_groups(grouped: list[list[Instruction]], stuck: Deadlock) -> bool:
+def _split_waiting_groups(grouped: list[list[Instruction]], stuck: Deadlock | _Stuck,
+                          where: dict | _Placements) -> list[_Edit]:
     """Split each group that waits for a description from a sender that has not reached its send: its
     sends, the receives whose descriptions have come and those that cross its sends, first; the other
     receives in a group after it. (A group posts nothing before it has the description of
-    everything it receives.) True if any split."""
+    everything it receives.) ``where``: :func:`_placements` of ``grouped`` as it was before any split.
+    Returns the splits (none: nothing to split)."""
     num_stages = len(grouped)
-    where = _placements(grouped)
-    changed = False
+    edits = []
     for s, phase in enumerate(stuck.phases):
         if phase != "descriptions":
             continue
@@ -220,17 +233,18 @@ def _split_waiting_groups(grouped: list[list[Instruction]], stuck: Deadlock) -> 
         rest = [op for op in ops if op not in first]
         if first and rest:
             grouped[s][position:position + 1] = [_group(first), _group(rest)]
-            changed = True
-    return changed
+            edits.append(_Edit(s, position, position + 1, position + 2))
+    return edits
 
 
-def _delay_a_send(grouped: list[list[Instruction]], stuck: Deadlock, receive_times: dict, latest: bool) -> bool:
+def _delay_a_send(grouped: list[list[Instruction]], stuck: Deadlock | _Stuck, receive_times: dict, latest: bool,
+                  reached: dict | _Placements) -> list[_Edit]:
     """Move one send that holds its group, with its group's later sends to the same peer, after the rest
     of the group (in a group of their own), or, when they are the whole group, into the next point of its
     rank (or a point of their own at the end). Of the sends whose receivers have not reached them, the one
-    whose receiver asks for it latest (``latest``; else earliest). False if there is none."""
+    whose receiver asks for it latest (``latest``; else earliest). ``reached``: :func:`_placements` of
+    ``grouped``. Returns the one change as a list (empty: there is no such send)."""
     num_stages = len(grouped)
-    reached = _placements(grouped)
     candidates = []
     for s, phase in enumerate(stuck.phases):
         if phase != "transfer":
@@ -241,7 +255,7 @@ def _delay_a_send(grouped: list[list[Instruction]], stuck: Deadlock, receive_tim
             if is_send(op) and stuck.positions[receiver] < index:
                 candidates.append((receive_times.get(key, 0.0), s, op))
     if not candidates:
-        return False
+        return []
     _, rank, send = (max if latest else min)(candidates, key=lambda c: c[0])
     stage, position = grouped[rank], stuck.positions[rank]
     ops = list(p2p_ops(stage[position]))
@@ -250,7 +264,7 @@ def _delay_a_send(grouped: list[list[Instruction]], stuck: Deadlock, receive_tim
     kept = [op for op in ops if op not in moving]
     if kept:  # the rest of the group goes first, the sends in a group of their own after it
         stage[position:position + 1] = [_group(kept), _group(moving)]
-        return True
+        return [_Edit(rank, position, position + 1, position + 2)]
     del stage[position]
     at = position
     while at < len(stage) and p2p_ops(stage[at]):  # the rest of its own point
@@ -259,9 +273,9 @@ def _delay_a_send(grouped: list[list[Instruction]], stuck: Deadlock, receive_tim
         at += 1
     if at < len(stage):
         stage[at] = _group([*moving, *p2p_ops(stage[at])])
-    else:
-        stage.append(_group(moving))
-    return True
+        return [_Edit(rank, position, at + 2, at + 1)]
+    stage.append(_group(moving))
+    return [_Edit(rank, position, len(stage), len(stage))]
 
 
 def group_transfers(lists: Sequence[Sequence[Instruction]]) -> list[list[Instruction]]:
@@ -282,33 +296,45 @@ def group_transfers(lists: Sequence[Sequence[Instruction]]) -> list[list[Instruc
         ScheduleError: the transfers cannot be put in one order both sides keep, or no such change ends
             the deadlock.
     """
-    from merak.pipeline.simulate import Deadlock, simulate
-
     num_stages = len(lists)
     times = _post_times(lists)
     receive_times = {_key(op, s, num_stages): time
                      for (s, op), time in times.items() if not is_send(op)}
-    flat = _untangle(lists, times)
-    grouped = []
-    for stage in flat:
-        out, point = [], []
-        for instruction in [*stage, None]:
-            if isinstance(instruction, P2P_TYPES):
-                point.append(instruction)
-                continue
-            if point:
-                out.append(_group(point))
-                point = []
-            if instruction is not None:
-                out.append(instruction)
-        grouped.append(out)
-    grouped = _sorted_groups(grouped)
+    grouped = _sorted_groups([_points(stage) for stage in _untangle(lists, times)])
+    repaired = _repair_resuming(grouped, receive_times)
+    if repaired is not None:
+        return repaired
+    return _repair_from_scratch(grouped, receive_times)
+
+
+def _points(stage: list[Instruction]) -> list[Instruction]:
+    """``stage`` with each run of consecutive transfers (a point) as one group."""
+    out, point = [], []
+    for instruction in [*stage, None]:
+        if isinstance(instruction, P2P_TYPES):
+            point.append(instruction)
+            continue
+        if point:
+            out.append(_group(point))
+            point = []
+        if instruction is not None:
+            out.append(instruction)
+    return out
+
+
+def _repair_from_scratch(grouped: list[list[Instruction]], receive_times: dict) -> list[list[Instruction]]:
+    """Repair deadlocks one at a time, simulating the whole step after each repair: the reference that
+    :func:`_repair_resuming` reproduces, and what runs when that gives up (its cost grows with the square
+    of the lists' length).
+
+    Delaying the send whose receiver asks for it latest moves the fewest; in the rare shape where that
+    ends in a cycle of waiting receives, the earliest-first order is tried."""
+    from merak.pipeline.simulate import Deadlock, simulate
+
     failure = None
-    # Delaying the send whose receiver asks for it latest moves the fewest; in the rare shape where that
-    # ends in a cycle of waiting receives, the earliest-first order is tried.
     for latest in (True, False):
         attempt = [list(stage) for stage in grouped]
-        for _ in range(4 * sum(len(stage) for stage in attempt)):
+        for _ in range(_repair_budget(attempt)):
             try:
                 # Each repair is simulated unchecked; the lists that run are checked once, at the end.
                 simulate(attempt, sends="rendezvous", check=False)
@@ -316,8 +342,296 @@ def group_transfers(lists: Sequence[Sequence[Instruction]]) -> list[list[Instruc
                 return attempt
             except Deadlock as stuck:
                 failure = stuck
-                if not (_split_waiting_groups(attempt, stuck) or
-                        _delay_a_send(attempt, stuck, receive_times, latest)):
+                if not (_split_waiting_groups(attempt, stuck, _placements(attempt)) or
+                        _delay_a_send(attempt, stuck, receive_times, latest, _placements(attempt))):
                     break
                 attempt = _sorted_groups(attempt)
     raise ScheduleError(f"the schedule's transfers cannot be grouped to run under rendezvous semantics: {failure}")
+
+
+def _repair_budget(grouped: list[list[Instruction]]) -> int:
+    """How many repairs one order of delays may make before it gives up."""
+    return 4 * sum(len(stage) for stage in grouped)
+
+
+def _repair_resuming(grouped: list[list[Instruction]], receive_times: dict) -> list[list[Instruction]] | None:
+    """What :func:`_repair_from_scratch` returns, found with the same repairs in the same order, in time
+    about linear in the lists' length (:func:`_resumed_repairs`), and simulated in full once, as the
+    reference does. None when no repair ends the deadlock or anything fails (ill-formed lists): the
+    caller then takes the reference path, which raises its error."""
+    from merak.pipeline.simulate import Deadlock, simulate
+
+    try:
+        attempt = _resumed_repairs(grouped, receive_times, latest=True)
+        if attempt is None:
+            attempt = _resumed_repairs(grouped, receive_times, latest=False)
+        if attempt is None:
+            return None
+    except Exception as error:  # ill-formed lists, which the reference reports as it always has, or a fault here
+        logger.debug("transfers: grouping again from scratch after %r", error)
+        return None
+    try:
+        simulate(attempt, sends="rendezvous")
+    except Deadlock as error:
+        logger.warning("transfers: resumed simulation missed a deadlock (%s); grouping again from scratch", error)
+        return None
+    except ScheduleError as error:
+        logger.debug("transfers: grouping again from scratch after %r", error)
+        return None
+    return attempt
+
+
+def _resumed_repairs(grouped: list[list[Instruction]], receive_times: dict,
+                     latest: bool) -> list[list[Instruction]] | None:
+    """One order of delays of :func:`_repair_from_scratch` (``latest``), without simulating the step
+    again after each repair: the simulation (:class:`_Rendezvous`) goes on from where it stopped, and
+    only the groups whose order a repair can change are sorted again (:func:`_resort`). None if it gives
+    up where the reference does."""
+    attempt = [list(stage) for stage in grouped]
+    where = _Placements(attempt)
+    runner = _Rendezvous(attempt)
+    for _ in range(_repair_budget(attempt)):
+        stuck = runner.run()
+        if stuck is None:
+            return attempt
+        edits = (_split_waiting_groups(attempt, stuck, where) or
+                 _delay_a_send(attempt, stuck, receive_times, latest, where))
+        if not edits:
+            return None
+        if not runner.resume(_resort(attempt, where, edits)):
+            logger.debug("transfers: a repair changed what had already run; simulating the step again")
+            runner = _Rendezvous(attempt)
+    return None
+
+
+class _Edit(NamedTuple):
+    """A repair of one rank's list: ``grouped[stage][start:old_stop]`` became what now is
+    ``grouped[stage][start:new_stop]`` (nothing else changed, what follows only moved)."""
+
+    stage: int
+    start: int
+    old_stop: int
+    new_stop: int
+
+
+class _Placements:
+    """:func:`_placements` kept up to date through repairs, at a cost that does not grow with what
+    follows the repair: the transfers of a group share one cell ``[rank, index]``, and a repair only
+    renumbers the cells after it. Reads as the dict does (``[key]`` and ``get``)."""
+
+    def __init__(self, grouped: list[list[Instruction]]) -> None:
+        self.grouped = grouped
+        self.cell_of: dict[tuple, list[int]] = {}
+        self.cells = [[self._cell(s, index) for index in range(len(stage))] for s, stage in enumerate(grouped)]
+
+    def __getitem__(self, key: tuple) -> tuple[int, int]:
+        rank, index = self.cell_of[key]
+        return rank, index
+
+    def get(self, key: tuple, default: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        cell = self.cell_of.get(key)
+        return default if cell is None else (cell[0], cell[1])
+
+    def as_dict(self) -> dict[tuple, tuple[int, int]]:
+        """What :func:`_placements` returns for the lists as they are now."""
+        return {key: (rank, index) for key, (rank, index) in self.cell_of.items()}
+
+    def take(self, edit: _Edit) -> None:
+        """Follow ``edit``, already made to the lists: place the groups it made, renumber those after."""
+        cells = self.cells[edit.stage]
+        cells[edit.start:edit.old_stop] = [self._cell(edit.stage, index)
+                                           for index in range(edit.start, edit.new_stop)]
+        if edit.new_stop != edit.old_stop:
+            for index in range(edit.new_stop, len(cells)):
+                if cells[index] is not None:
+                    cells[index][1] = index
+
+    def _cell(self, stage_id: int, index: int) -> list[int] | None:
+        ops = p2p_ops(self.grouped[stage_id][index])
+        if not ops:
+            return None
+        cell = [stage_id, index]
+        num_stages = len(self.grouped)
+        for op in ops:
+            self.cell_of[(*_key(op, stage_id, num_stages), is_send(op))] = cell
+        return cell
+
+
+def _resort(grouped: list[list[Instruction]], where: _Placements, edits: list[_Edit]) -> dict[int, int]:
+    """After ``edits``, what :func:`_sorted_groups` would do, without sorting every group: bring
+    ``where`` up to date and sort again the groups the edits made and the groups holding their partners.
+
+    No other group can change order: a group orders its operations with one peer by where their partners
+    are on that peer, and an edit moves the groups after it by one place, which keeps their order; only
+    partners in the groups it made can change places with others.
+
+    Returns:
+        Per rank whose list changed, the first index that did.
+    """
+    num_stages = len(grouped)
+    changed: dict[int, int] = {}
+    for edit in edits:
+        where.take(edit)
+        changed[edit.stage] = min(changed.get(edit.stage, edit.start), edit.start)
+    touched = set()  # (rank, index) of the groups to sort again
+    for edit in edits:
+        for index in range(edit.start, edit.new_stop):
+            for op in p2p_ops(grouped[edit.stage][index]):
+                touched.add((edit.stage, index))
+                pair, message = _key(op, edit.stage, num_stages)
+                partner = where.get((pair, message, not is_send(op)))
+                if partner is not None:
+                    touched.add(partner)
+    for s, index in touched:
+        instruction = grouped[s][index]
+        ordered = _in_posting_order(instruction, s, num_stages, where)
+        if ordered != instruction:
+            grouped[s][index] = ordered
+            changed[s] = min(changed.get(s, index), index)
+    return changed
+
+
+class _Stuck(NamedTuple):
+    """Where the stages stop, as :class:`~merak.pipeline.simulate.Deadlock` reports it."""
+
+    positions: list[int]
+    phases: list[str | None]
+
+
+class _Mismatch(Exception):
+    """Two ranks' k-th messages on one channel differ (the simulator's "message mismatch")."""
+
+
+# One posted operation: [message, posted]; posted once its group has every description it receives.
+_Entry = list
+# A posted operation of a waiting group: (entry, its side of the channel, the other side, its index on both
+# sides, is a send, the peer rank).
+_Slot = tuple[_Entry, list, list, int, bool, int]
+
+
+class _Rendezvous:
+    """How far every stage's list runs under rendezvous semantics, as :func:`~merak.pipeline.simulate.
+    simulate` (``sends="rendezvous"``) runs it, without the times, and able to go on after a repair.
+
+    The rules are the simulator's: a group posts its operations on their channels' queues (matched
+    first-in first-out per channel), is posted once every message it receives has been posted by its
+    sender (its description is out), and completes once every partner is posted. None of these
+    conditions ever turns false again, so where the stages stop does not depend on the order in which
+    they are run: this runs a stage only when a peer has posted something since it last stopped.
+
+    A repair changes lists at a stuck stage's position or later (:meth:`resume`); what had already run
+    stays valid, and the stuck group is taken off its queues (its operations are their tails) and posted
+    again as it now is.
+    """
+
+    def __init__(self, lists: list[list[Instruction]]) -> None:
+        self.lists = lists
+        self.num_stages = len(lists)
+        self.pc = [0] * self.num_stages
+        self.waiting: list[list[_Slot] | None] = [None] * self.num_stages
+        self.queues: dict[tuple[int, int], tuple[list[_Entry], list[_Entry]]] = {}
+        self.ready = set(range(self.num_stages))
+
+    def run(self) -> _Stuck | None:
+        """Run every stage as far as it goes. None if all finished, else where they stopped."""
+        while self.ready:
+            self._advance(self.ready.pop())
+        lists, pc, waiting = self.lists, self.pc, self.waiting
+        if all(pc[s] == len(lists[s]) for s in range(self.num_stages)):
+            return None
+        phases = [None if pc[s] == len(lists[s]) else
+                  "descriptions" if waiting[s] is not None and not waiting[s][0][0][1] else "transfer"
+                  for s in range(self.num_stages)]
+        return _Stuck(list(pc), phases)
+
+    def resume(self, changed: dict[int, int]) -> bool:
+        """Take in changes of the lists (per rank, the first index that changed). False when one changed
+        what its rank had already run past: this state is then no use."""
+        for s, first in sorted(changed.items()):
+            if first > self.pc[s]:
+                continue
+            if first < self.pc[s] or not self._post_again(s):
+                return False
+        return True
+
+    def _advance(self, s: int) -> None:
+        """Run stage ``s`` until it finishes or waits: for descriptions, or for partners to be posted."""
+        stage, pc = self.lists[s], self.pc[s]
+        while pc < len(stage):
+            ops = p2p_ops(stage[pc])
+            if ops:
+                group = self.waiting[s]
+                if group is None:
+                    group = self.waiting[s] = self._post(s, ops)
+                if not group[0][0][1] and not self._describe(group):
+                    break
+                if any(k >= len(theirs) or not theirs[k][1] for _, _, theirs, k, _, _ in group):
+                    break
+                self.waiting[s] = None
+            pc += 1
+        self.pc[s] = pc
+
+    def _post(self, s: int, ops: Sequence[P2POp]) -> list[_Slot]:
+        """Put stage ``s``'s group of ``ops`` on their channels' queues; its peers may now go on."""
+        group = []
+        for op in ops:
+            pair, message = _key(op, s, self.num_stages)
+            send = is_send(op)
+            sends, receives = self.queues.setdefault(pair, ([], []))
+            mine, theirs = (sends, receives) if send else (receives, sends)
+            k = len(mine)
+            entry = [message, False]
+            mine.append(entry)
+            if k < len(theirs) and theirs[k][0] != message:
+                raise _Mismatch(f"ranks {pair}: {theirs[k][0]} meets {message}")
+            peer = pair[1] if send else pair[0]
+            self.ready.add(peer)
+            group.append((entry, mine, theirs, k, send, peer))
+        return group
+
+    def _describe(self, group: list[_Slot]) -> bool:
+        """Post ``group`` once every message it receives has been posted by its sender."""
+        if any(k >= len(theirs) for _, _, theirs, k, send, _ in group if not send):
+            return False
+        for entry, _, _, _, _, peer in group:
+            entry[1] = True
+            self.ready.add(peer)
+        return True
+
+    def _post_again(self, s: int) -> bool:
+        """Take stage ``s``'s waiting group off its queues and post the group now at its position.
+
+        What had run stays valid when no peer can have acted on a change: an operation whose partner is
+        posted is posted again at the same place on its channel, as the same message, and posted (its
+        group described) again if it was; and if a peer may have completed on it, the group describes
+        itself with no receive that the old group did not have (else its description could rest on what
+        that peer did after). False otherwise."""
+        old = self.waiting[s]
+        self.ready.add(s)
+        if old is None:
+            return True
+        for entry, mine, *_ in reversed(old):  # what a stage posts last is the tail of its queues
+            if mine[-1] is not entry:
+                return False
+            mine.pop()
+        self.waiting[s] = None
+        stage, pc = self.lists[s], self.pc[s]
+        ops = p2p_ops(stage[pc]) if pc < len(stage) else ()
+        try:
+            new = self._post(s, ops) if ops else []
+        except _Mismatch:
+            return False
+        if new:
+            self.waiting[s] = new
+            self._describe(new)
+        now = {(id(mine), k): entry for entry, mine, _, k, _, _ in new}
+        seen = [(entry, mine, k) for entry, mine, theirs, k, _, _ in old if k < len(theirs)]
+        for entry, mine, k in seen:
+            again = now.get((id(mine), k))
+            if again is None or again[0] != entry[0] or (entry[1] and not again[1]):
+                return False
+        if any(entry[1] for entry, _, _ in seen):
+            before = {(id(mine), k): entry[0] for entry, mine, _, k, _, _ in old}
+            if any(before.get((id(mine), k)) != entry[0] for entry, mine, _, k, send, _ in new if not send):
+                return False
+        return True
