@@ -28,13 +28,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PlanSwitch:
-    """A pipeline moved from frontier point ``before`` to ``after`` at the start of step ``step``."""
+    """A pipeline moved from frontier point ``before`` to ``after`` at the start of step ``step``: the
+    least-energy point predicted to take at most ``limit`` seconds (the straggler's ``target`` less the
+    margin and the pipeline's own excess over the base point's prediction)."""
 
     step: int
     pipeline: int
     before: int
     after: int
     target: float
+    limit: float
 
 
 class PlanSwitcher:
@@ -58,6 +61,7 @@ class PlanSwitcher:
         self.frontier, self.base, self.hysteresis, self.margin = frontier, base, hysteresis, margin
         self.current = [base] * pipelines
         self.target: float | None = None
+        self.limits: list[float | None] = [None] * pipelines  # what each pipeline's point had to fit within
 
     def own_times(self, measured: list[float]) -> list[float]:
         """Each pipeline's time had it run the base point."""
@@ -76,7 +80,8 @@ class PlanSwitcher:
         for pipeline, own_time in enumerate(own):
             # The straggler (or one as slow) has no slack: its limit is at most the base point's time.
             excess = own_time - base_time
-            choice = max(self.base, self.frontier.index_within(target * (1 - self.margin) - excess))
+            self.limits[pipeline] = target * (1 - self.margin) - excess
+            choice = max(self.base, self.frontier.index_within(self.limits[pipeline]))
             if choice != self.current[pipeline]:
                 switches.append((pipeline, self.current[pipeline], choice))
                 self.current[pipeline] = choice
@@ -138,7 +143,8 @@ class StragglerAwarePlans(PipelineHook):
             if switches:
                 self.since_step = step
             for pipeline, before, after in switches:
-                self.switches.append(PlanSwitch(step, pipeline, before, after, self.switcher.target))
+                self.switches.append(PlanSwitch(step, pipeline, before, after, self.switcher.target,
+                                                self.switcher.limits[pipeline]))
                 if pipeline != self.pipeline:
                     continue
                 self.control.plan = list(self.frontier.points[after].plans[self.stage])

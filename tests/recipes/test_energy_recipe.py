@@ -39,7 +39,7 @@ CLI = [sys.executable, "-m", "merak.energy.cli"]
 TOY = ["model=toy", "parallel=pp2", "trainer.per_device_train_batch_size=2", "trainer.disable_tqdm=true",
        "trainer.split_method=farthest_min_deps", "trainer.partition_method=uniform"]
 STEPS = 3
-CLOCK_STEP = 150  # MHz between profiled clocks: 9 of the simulated A100's 81
+CLOCK_STEP = 45  # MHz between profiled clocks: 27 of the simulated A100's 81
 STEP = ["trainer.gradient_accumulation_steps=4", f"trainer.max_steps={STEPS}"]
 
 
@@ -59,7 +59,7 @@ def _energy(run_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def toy_profile(tmp_path_factory, cache_dir) -> Path:
     """The toy pipeline's instruction profile on a simulated A100 (one run for the module's tests), at
-    every tenth of its 81 clocks (1410, 1260, ... 210 MHz)."""
+    every third of its 81 clocks (1410, 1365, ... 240 MHz)."""
     profile_dir = tmp_path_factory.mktemp("profile")
     _train(["trainer.gradient_accumulation_steps=1", "trainer.profile=true", "trainer.num_warmup_steps=1",
             "trainer.num_prof_steps=1", f"trainer.profile_clock_step={CLOCK_STEP}"], profile_dir)
@@ -101,9 +101,10 @@ def test_profile_plan_and_run_the_plan(tmp_path, cache_dir, toy_profile, applied
         rows = list(reader)
     summary = json.loads((profile_dir / "summary.json").read_text())
     profiled = summary["clocks_profiled"]
-    assert summary["highest_clock"] == 1410 and summary["clocks_supported"] == 81 and 5 <= profiled <= 9
-    clocks = sorted({int(r["frequency"]) for r in rows}, reverse=True)
-    assert clocks == list(range(1410, 209, -CLOCK_STEP))[:profiled]
+    every_third = list(range(1410, 209, -CLOCK_STEP))
+    assert summary["highest_clock"] == 1410 and summary["clocks_supported"] == 81
+    assert len(every_third) / 2 <= profiled <= len(every_third)  # it may stop past the energy minimum
+    assert sorted({int(r["frequency"]) for r in rows}, reverse=True) == every_third[:profiled]
     assert summary["steps"] == 2 * profiled  # one warm-up and one measured step per clock
     assert {(r["stage"], r["instruction"]) for r in rows} == {(s, n) for s in "01" for n in ("forward", "backward")}
     assert len(rows) == 4 * profiled
@@ -176,11 +177,13 @@ def test_straggler_aware_plans_slow_the_fast_pipeline(tmp_path, cache_dir, toy_p
     assert after["base_point"] == 0
     slowed = after_pipelines[0]["point"]
     assert slowed > 0 and after_pipelines[1]["point"] == 0
-    # Chosen to finish within the straggler's time as measured when it was chosen (the target moves with
-    # this machine's load afterwards; within the hysteresis nothing switches again).
+    # The least-energy point predicted to finish within the straggler's time as measured when it was chosen,
+    # less the margin and pipeline 0's own excess over the prediction (the target moves with this machine's
+    # load afterwards; within the hysteresis nothing switches again).
     chosen = [switch for switch in after["switches"] if switch["pipeline"] == 0][-1]
-    assert chosen["after"] == slowed
-    assert frontier.points[slowed].iteration_time <= chosen["target"]
+    assert chosen["after"] == slowed and chosen["limit"] < chosen["target"] * 1.5
+    times = [point.iteration_time for point in frontier.points]
+    assert times[slowed] <= chosen["limit"] and (slowed + 1 == len(times) or times[slowed + 1] > chosen["limit"])
     # The frontier's prediction for pipeline 0's point over the job's step, as reported; at that step, the
     # fastest point would use a tenth more.
     step = after["iteration_time_s"]

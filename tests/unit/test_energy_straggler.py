@@ -106,6 +106,8 @@ def test_plan_switcher_follows_the_straggler_with_hysteresis():
     switcher = PlanSwitcher(_frontier([1.0, 1.1, 1.2, 1.3], [10.0, 9.0, 8.5, 8.2]), 2, 0, 0.02, 0.01)
     assert switcher.update([1.0, 1.25]) == [(0, 0, 2)]  # least energy within 1.25 * 0.99 = 1.2375: 1.2
     assert switcher.current == [2, 0] and switcher.target == 1.25
+    # the straggler's own time is 0.25 s over the base's prediction: it must fit 0.25 s less
+    assert switcher.limits == pytest.approx([1.2375, 0.9875])
     assert switcher.own_times([1.2, 1.25]) == pytest.approx([1.0, 1.25])
     assert switcher.update([1.2, 1.25]) == []  # the same target
     assert switcher.update([1.2, 1.27]) == []  # within 2 %
@@ -159,7 +161,8 @@ def test_straggler_aware_plans_switch_a_window_after_the_straggler_shows(monkeyp
     assert [s.compute_span for s in meter.steps] == pytest.approx([3.0] * 3)
     clocks.append(_step(hooks, gpu))  # step 3: steps 1 and 2 are exchanged, 4 s > 3 s: point 2 (3.9 s)
     assert [c[0] for c in calls] == [3] and calls[0][1] == (0, pytest.approx(3.0))
-    assert hook.switches == [PlanSwitch(3, 0, 0, 2, 4.0)] and hook.since_step == 3 and hook.point == 2
+    assert hook.switches == [PlanSwitch(3, 0, 0, 2, 4.0, pytest.approx(3.96))] and hook.since_step == 3
+    assert hook.point == 2
     assert clocks[3] == [1005, 1005]
     assert meter.steps[3].compute_span == pytest.approx(A100.time(3.0, 1005))
     clocks += [_step(hooks, gpu) for _ in range(3)]  # step 5 decides again, on steps 3 and 4: no change
@@ -168,7 +171,9 @@ def test_straggler_aware_plans_switch_a_window_after_the_straggler_shows(monkeyp
     other[0] = 3.0  # the straggler recovers: at step 7 everyone goes back to the base
     clocks.append(_step(hooks, gpu))
     assert [c[0] for c in calls] == [3, 5, 7]
-    assert hook.switches[1] == PlanSwitch(7, 0, 2, 0, pytest.approx(3.0)) and hook.since_step == 7
+    own = A100.time(3.0, 1005) - (3.9 - 3.0)  # pipeline 0's time had it run the base point
+    assert hook.switches[1] == PlanSwitch(7, 0, 2, 0, pytest.approx(3.0), pytest.approx(0.99 * 3.0 - (own - 3.0)))
+    assert hook.since_step == 7
     assert clocks[7] == [1410, 1410] and hook.point == 0
 
 
