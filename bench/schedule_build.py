@@ -35,8 +35,8 @@ SHAPES = ("1f1b:8:64", "gpipe:16:64", "zb_h1:8:64", "interleaved_1f1b:8:32:2", "
 def _lists(shape: str) -> list[list]:
     name, stages, microbatches, *chunks = shape.split(":")
     info = schedule_info(name)
-    return [info.build(s, int(stages), int(microbatches), int(chunks[0]) if chunks else 1)
-            for s in range(int(stages))]
+    extra = (int(chunks[0]) if chunks else 2,) if info.chunked else ()
+    return [info.build(s, int(stages), int(microbatches), *extra) for s in range(int(stages))]
 
 
 def _reference(lists: list[list]) -> list[list]:
