@@ -6,9 +6,9 @@ recompute instructions of the Merak schedules) once; schedules that need more mi
 and energy is the mean over its runs. For each supported clock, highest first (or those
 ``trainer.profile_clock_step`` MHz apart: :func:`clocks_to_profile`), every rank locks its GPU
 to it, runs ``num_warmup_steps`` steps, then measures ``num_prof_steps`` steps, and averages each
-instruction's time and energy. Past half of the
-clock list, once every rank has seen its forward+backward energy rise for 5 clocks in a row
-(the energy minimum is behind), profiling stops early. Rank 0 writes the CSV
+instruction's time and energy. Past half of the clock list, once every rank has seen its
+forward+backward energy rise for 5 clocks in a row (the energy minimum is behind), profiling
+stops early. Rank 0 writes the CSV
 (:mod:`merak.energy.profile_csv`) in the run directory, and beside it what the steps took
 besides their instructions (:class:`~merak.energy.profile_csv.Overheads`),
 which the planner adds to its predictions.
@@ -70,9 +70,9 @@ def measure_overheads(rows: list[ProfileRow], spans: list[tuple[int, float, floa
 
 
 def clocks_to_profile(supported: list[int], step_mhz: int | None) -> list[int]:
-    """The clocks to profile, highest first: every one of ``supported`` (highest first), or with
-    ``step_mhz`` each one at least that far below the last one kept (the device's clock list need
-    not be evenly spaced, nor ``step_mhz`` a multiple of its spacing)."""
+    """The clocks to profile, highest first: all of ``supported`` (highest first), or with ``step_mhz``
+    each one at least that far below the last one kept (the device's clocks need not be evenly
+    spaced, nor ``step_mhz`` a multiple of their spacing)."""
     if not step_mhz:
         return list(supported)
     kept: list[int] = []

@@ -367,7 +367,7 @@ def _repair_resuming(grouped: list[list[Instruction]], receive_times: dict) -> l
             attempt = _resumed_repairs(grouped, receive_times, latest=False)
         if attempt is None:
             return None
-    except Exception as error:  # ill-formed lists, which the reference reports as it always has, or a fault here
+    except (ScheduleError, _Mismatch, KeyError) as error:  # ill-formed lists: the reference reports them
         logger.debug("transfers: grouping again from scratch after %r", error)
         return None
     try:
@@ -431,10 +431,6 @@ class _Placements:
     def get(self, key: tuple, default: tuple[int, int] | None = None) -> tuple[int, int] | None:
         cell = self.cell_of.get(key)
         return default if cell is None else (cell[0], cell[1])
-
-    def as_dict(self) -> dict[tuple, tuple[int, int]]:
-        """What :func:`_placements` returns for the lists as they are now."""
-        return {key: (rank, index) for key, (rank, index) in self.cell_of.items()}
 
     def take(self, edit: _Edit) -> None:
         """Follow ``edit``, already made to the lists: place the groups it made, renumber those after."""
