@@ -41,11 +41,7 @@ def _lists(shape: str) -> list[list]:
 
 def _reference(lists: list[list]) -> list[list]:
     """The grouping with the whole step simulated again after every repair."""
-    num_stages = len(lists)
-    times = transfers._post_times(lists)
-    receive_times = {transfers._key(op, s, num_stages): t for (s, op), t in times.items() if not transfers.is_send(op)}
-    grouped = transfers._sorted_groups([transfers._points(stage) for stage in transfers._untangle(lists, times)])
-    return transfers._repair_from_scratch(grouped, receive_times)
+    return transfers._repair_from_scratch(*transfers._first_groups(lists))
 
 
 def main(argv=None) -> None:
@@ -72,6 +68,7 @@ def main(argv=None) -> None:
         logger.info("%s: %.2f s, reference %.2f s", shape, fast, slow)
     print(common.format_facts(facts))
     print(common.format_table(["shape", "grouping s", "reference s", "reference / grouping", "same lists"], rows))
+
 
 if __name__ == "__main__":
     main()

@@ -296,15 +296,21 @@ def group_transfers(lists: Sequence[Sequence[Instruction]]) -> list[list[Instruc
         ScheduleError: the transfers cannot be put in one order both sides keep, or no such change ends
             the deadlock.
     """
-    num_stages = len(lists)
-    times = _post_times(lists)
-    receive_times = {_key(op, s, num_stages): time
-                     for (s, op), time in times.items() if not is_send(op)}
-    grouped = _sorted_groups([_points(stage) for stage in _untangle(lists, times)])
+    grouped, receive_times = _first_groups(lists)
     repaired = _repair_resuming(grouped, receive_times)
     if repaired is not None:
         return repaired
     return _repair_from_scratch(grouped, receive_times)
+
+
+def _first_groups(lists: Sequence[Sequence[Instruction]]) -> tuple[list[list[Instruction]], dict]:
+    """The lists with each point's transfers as one group in posting order, before any deadlock is
+    repaired, and when each receive is asked for in the schedule's own timeline (which repairs read)."""
+    num_stages = len(lists)
+    times = _post_times(lists)
+    receive_times = {_key(op, s, num_stages): time
+                     for (s, op), time in times.items() if not is_send(op)}
+    return _sorted_groups([_points(stage) for stage in _untangle(lists, times)]), receive_times
 
 
 def _points(stage: list[Instruction]) -> list[Instruction]:

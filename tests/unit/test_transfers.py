@@ -23,7 +23,13 @@ from merak.pipeline.instructions import (
 )
 from merak.pipeline.schedules import SCHEDULES, build_forward_only_schedule, build_schedule, schedule_info
 from merak.pipeline.simulate import Costs, ScheduleError, simulate
-from merak.pipeline.transfers import group_transfers, message_of
+from merak.pipeline.transfers import (
+    _first_groups,
+    _repair_from_scratch,
+    _repair_resuming,
+    group_transfers,
+    message_of,
+)
 
 TAIL = [ReduceTiedGrads(), ReduceGrads(), OptimizerStep()]
 
@@ -125,6 +131,21 @@ def test_messages_posted_in_opposite_orders_in_one_direction_are_an_error():
               for m in range(3) for k in range(3)]
     with pytest.raises(ScheduleError, match="mismatch|opposite orders"):
         group_transfers([stage0, stage1])
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_resumed_repairs_give_the_reference_lists(name):
+    """The repairs that go on from where the simulation stopped make the lists that simulating the whole
+    step after each repair makes, without falling back to it."""
+    info = schedule_info(name)
+    for stages in (2, 3, 4):
+        for microbatches in (stages, 2 * stages, 4 * stages):
+            if name == "shifted_critical_path" and microbatches < 4:
+                continue
+            placed = [info.build(s, stages, microbatches, *((2,) if info.chunked else ())) for s in range(stages)]
+            resumed = _repair_resuming(*_first_groups(placed))
+            assert resumed is not None, (stages, microbatches)
+            assert resumed == _repair_from_scratch(*_first_groups(placed)), (stages, microbatches)
 
 
 def test_grouping_work_grows_linearly_with_the_microbatches(monkeypatch):
