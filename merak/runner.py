@@ -29,6 +29,7 @@ from merak.distributed import groups
 from merak.distributed.launch import (
     RunInterrupted,
     WorkerFailed,
+    default_start_method,
     existing_world_size,
     interrupts_raise,
     spawn_workers,
@@ -47,6 +48,7 @@ from merak.shard.split import ShardingError
 from merak.tensor_parallel.options import tensor_parallel_state_kept
 from merak.tensor_parallel.plan import TPPlanError
 from merak.trace.capture import TraceError
+from merak.trace.reuse import captures_reused
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +76,13 @@ def run(spec, cfg) -> dict:
     """
     use_merak_format()
     outside_world = existing_world_size()
-    if wants_auto(cfg):
-        cfg = plan_layout(spec, cfg, outside_world=outside_world, train=lambda trial: run(spec, trial))
-    settings = resolve_settings(spec, cfg, world_size=outside_world)
-    with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
-        return _run_locked(spec, cfg, settings, outside_world)
+    # The launcher's planning, its workers (forked) and an auto layout's trials capture the model once.
+    with captures_reused():
+        if wants_auto(cfg):
+            cfg = plan_layout(spec, cfg, outside_world=outside_world, train=lambda trial: run(spec, trial))
+        settings = resolve_settings(spec, cfg, world_size=outside_world)
+        with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
+            return _run_locked(spec, cfg, settings, outside_world)
 
 
 def run_command(spec, cfg) -> dict:
@@ -131,9 +135,13 @@ def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> 
         return dry_run(spec, settings, prepared)
     if (settings.trainer.sharding.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1 \
             or settings.trainer.schedule.chunks > 1:
-        # Only to fail early: the workers plan again, identically, and report it then (once, on rank 0).
+        # To fail early: the workers plan again, identically, and report it then (once, on rank 0).
+        # Workers forked from here rebuild this capture instead of tracing the model again.
         with only_errors():
             plan_before_launch(spec, settings, prepared)
+            if _forks_workers(settings, outside_world):
+                for tp_rank in range(1, settings.grid.tp):  # each tp rank's slice is its own graph
+                    plan_before_launch(spec, settings, prepared, tp_rank=tp_rank)
     warn_about_idle_stages(settings)
     grid = settings.grid
     logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
@@ -169,12 +177,20 @@ def warn_about_idle_stages(settings: RunSettings) -> None:
                        stages, microbatches, stages)
 
 
-def plan_before_launch(spec, settings: RunSettings, prepared: str):
-    """Capture, shard and partition in this process, so impossible splits fail before any worker
-    starts (a giant model stays on the meta device). Returns the assembled model and plan."""
+def _forks_workers(settings: RunSettings, outside_world: int | None) -> bool:
+    method = settings.launcher.start_method
+    return outside_world is None and settings.grid.world_size > 1 and \
+        (method == "fork" or method == "auto" and default_start_method() == "fork")
+
+
+def plan_before_launch(spec, settings: RunSettings, prepared: str, *, tp_rank: int = 0):
+    """Capture, shard and partition in this process (as the workers of ``tp_rank`` will), so impossible
+    splits fail before any worker starts (a giant model stays on the meta device). Returns the
+    assembled model and plan."""
     try:
         with tensor_parallel_state_kept():
-            return assemble_worker(spec, settings, prepared, stage_id=0, device=torch.device("cpu"), planning=True)
+            return assemble_worker(spec, settings, prepared, stage_id=0, device=torch.device("cpu"),
+                                   tp_rank=tp_rank, planning=True)
     except (TraceError, ShardingError, PartitionError, TPPlanError) as error:
         raise ConfigError(f"invalid configuration:\n  - {error}") from error
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -49,6 +50,17 @@ def toy_tokens(cache_dir, toy_model_cfg) -> str:
     data_cfg = OmegaConf.create({"source": "python_docs", "files": None, "text_column": "text",
                                  "cache_dir": str(cache_dir)})
     return data.prepare(data_cfg, toy_model_cfg)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_capture_per_model(request):
+    """Each test module captures a model once, as one run does (merak.trace.reuse): a later build of the
+    same model, in this process or in a world forked from it, is rebuilt from the first graph. A module
+    that tests the reuse itself sets ``REUSES_CAPTURES = False``."""
+    from merak.trace.reuse import captures_reused
+
+    with captures_reused() if getattr(request.module, "REUSES_CAPTURES", True) else contextlib.nullcontext():
+        yield
 
 
 @pytest.fixture(autouse=True)

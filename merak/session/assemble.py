@@ -30,6 +30,7 @@ from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel.options import TensorParallelSplit, split_model
 from merak.tensor_parallel.overlap import SubPipelinedStage, batch_size, halve
 from merak.tensor_parallel.plan import ResolvedPlan
+from merak.trace import reuse
 from merak.trace.capture import forward_parameter_names
 from merak.trace.meta import InitFn, default_init, materialize, parameters_on_meta
 
@@ -134,9 +135,12 @@ def assemble(*, build: Callable[[], nn.Module], seed: int, init_device: str, sha
     model, on_meta = build_model(build, seed=seed, init_device=init_device)
     model.train()
     # Counted before slicing (the stages' own counts would include replicated layers once per tp rank),
-    # for the run summary: a plan-only run (dry run) has no use for it.
-    whole_flops = whole_model_flops(model, example_inputs) if tensor_parallel.size > 1 and materialize_stage \
-        else None
+    # for the run summary. Planning alone has no use for it, except in a run (a launcher planning for
+    # the workers it forks: they find it counted).
+    whole_flops = None
+    if tensor_parallel.size > 1 and (materialize_stage or reuse.active()):
+        whole_flops = reuse.counted_once("forward FLOPs", model, example_inputs,
+                                         lambda: whole_model_flops(model, example_inputs))
     tp_plan = split_model(model, tensor_parallel)
     if dtype != torch.float32:
         model.to(dtype)

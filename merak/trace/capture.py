@@ -25,6 +25,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from merak.trace import reuse
+
 logger = logging.getLogger(__name__)
 
 TRACE_METHODS = ("fx", "dynamo")
@@ -218,6 +220,22 @@ def capture(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, met
     _check_input_names(model, input_names)
     examples = {name: example_inputs[name] for name in input_names}
     leaf_scopes = _leaf_scopes(model, leaf_modules)
+    key = reuse.fingerprint(model, examples, (method, input_names, leaf_modules)) if reuse.active() else None
+    reused = reuse.recall(key, model)
+    if reused is not None:
+        module, fields = reused
+        logger.info("captured %s with %s (%d nodes, rebuilt from this run's first capture)", type(model).__name__,
+                    "torch.fx" if fields["method"] == "fx" else "torch.export", len(module.graph.nodes))
+        return CapturedGraph(module, leaf_scopes=leaf_scopes, **{**fields, "notes": list(fields["notes"])})
+    captured = _capture_anew(model, examples, method, input_names, leaf_modules)
+    captured.leaf_scopes = leaf_scopes
+    reuse.remember(key, model, captured.module, {"method": captured.method, "input_names": captured.input_names,
+                                                 "output_spec": captured.output_spec, "notes": list(captured.notes)})
+    return captured
+
+
+def _capture_anew(model: nn.Module, examples: Mapping[str, torch.Tensor], method: str, input_names: list[str],
+                  leaf_modules: Sequence) -> CapturedGraph:
     notes: list[str] = []
     with _training_capture_config(model):
         if method == "fx":
@@ -225,7 +243,7 @@ def capture(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, met
                 module = _capture_fx(model, input_names, leaf_modules)
                 logger.info("captured %s with torch.fx (%d nodes)", type(model).__name__, len(module.graph.nodes))
                 ordered = [str(n.target) for n in module.graph.nodes if n.op == "placeholder"]
-                return CapturedGraph(module, "fx", ordered, None, leaf_scopes, notes)
+                return CapturedGraph(module, "fx", ordered, None, notes=notes)
             except TraceError as fx_error:
                 notes.append(f"torch.fx failed, used torch.export: {_first_lines(fx_error, 2)}")
                 # Expected for most Hugging Face models, so not news; if export fails too, the error names both.
@@ -240,7 +258,7 @@ def capture(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, met
             except TraceError as export_error:
                 raise TraceError(f"{export_error}\n{_LEAF_HINT}") from export_error
     logger.info("captured %s with torch.export (%d nodes)", type(model).__name__, len(module.graph.nodes))
-    return CapturedGraph(module, "export", input_names, out_spec, leaf_scopes, notes)
+    return CapturedGraph(module, "export", input_names, out_spec, notes=notes)
 
 
 _LEAF_HINT = ("If a submodule cannot be traced, name it in leaf_modules (its class, class name or "
