@@ -76,13 +76,11 @@ def run(spec, cfg) -> dict:
     """
     use_merak_format()
     outside_world = existing_world_size()
-    # The launcher's planning, its workers (forked) and an auto layout's trials capture the model once.
-    with captures_reused():
-        if wants_auto(cfg):
-            cfg = plan_layout(spec, cfg, outside_world=outside_world, train=lambda trial: run(spec, trial))
-        settings = resolve_settings(spec, cfg, world_size=outside_world)
-        with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
-            return _run_locked(spec, cfg, settings, outside_world)
+    if wants_auto(cfg):
+        cfg = plan_layout(spec, cfg, outside_world=outside_world, train=lambda trial: run(spec, trial))
+    settings = resolve_settings(spec, cfg, world_size=outside_world)
+    with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
+        return _run_locked(spec, cfg, settings, outside_world)
 
 
 def run_command(spec, cfg) -> dict:
@@ -133,10 +131,20 @@ def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> 
     resume = _checkpoint_to_resume(settings)
     if cfg.get("dry_run"):
         return dry_run(spec, settings, prepared)
-    if (settings.trainer.sharding.trace_method is not None and settings.grid.pp > 1) or settings.grid.tp > 1 \
-            or settings.trainer.schedule.chunks > 1:
+    plans_first = (settings.trainer.sharding.trace_method is not None and settings.grid.pp > 1) \
+        or settings.grid.tp > 1 or settings.trainer.schedule.chunks > 1
+    # The planning capture is rebuilt, not traced again, by the worker in this process or the workers it
+    # forks (spawned workers start afresh: remembering would only cost a copy of the graph).
+    reused = plans_first and (outside_world is not None or settings.grid.world_size == 1
+                              or _forks_workers(settings, outside_world))
+    with captures_reused() if reused else contextlib.nullcontext():
+        return _plan_and_train(spec, settings, prepared, steps, resume, outside_world, plans_first=plans_first)
+
+
+def _plan_and_train(spec, settings: RunSettings, prepared, steps: int, resume: str | None,
+                    outside_world: int | None, *, plans_first: bool) -> dict:
+    if plans_first:
         # To fail early: the workers plan again, identically, and report it then (once, on rank 0).
-        # Workers forked from here rebuild this capture instead of tracing the model again.
         with only_errors():
             plan_before_launch(spec, settings, prepared)
             if _forks_workers(settings, outside_world):
