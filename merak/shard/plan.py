@@ -25,6 +25,7 @@ from merak.shard.costs import MachineRates, UnitCosts, calibrate, measure_units,
 from merak.shard.graph import GraphUnits
 from merak.shard.settings import AUTOPIPE_COSTS, PARTITION_METHODS, ShardingSettings
 from merak.shard.split import ShardingError, min_bytes, split_units
+from merak.trace import reuse
 from merak.trace.capture import capture
 from merak.trace.meta import has_meta_parameters
 from merak.trace.simplify import simplify_captured
@@ -293,7 +294,7 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
         raise part.PartitionError(f"autopipe_costs={sharding.autopipe_costs!r}; choose one of "
                                   f"{', '.join(AUTOPIPE_COSTS)}")
     inputs = {name: example_inputs[name] for name in captured.input_names}
-    costs = measure_units(units, inputs)
+    costs = _unit_costs(model, units, inputs, sharding)
     rates = machine_rates
     if rates is None:
         rates = calibrate() if needs_calibration(sharding) else nominal_rates(device_type or "cpu")
@@ -316,6 +317,28 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
                         split_method=sharding.split_method, partition_method=sharding.partition_method,
                         notes=list(captured.notes), num_microbatches=num_microbatches,
                         shard_starts=[0, *cuts, len(units)])
+
+
+def _unit_costs(model: nn.Module, units: GraphUnits, inputs: Mapping[str, torch.Tensor],
+                sharding: ShardingSettings) -> UnitCosts:
+    """measure_units, once per model in a run (merak.trace.reuse): a graph rebuilt from the run's first
+    capture, simplified alike, has the same nodes by name."""
+    captured = units.captured
+
+    def measure() -> UnitCosts:
+        costs = measure_units(units, inputs)
+        return replace(costs, value_bytes={node.name: v for node, v in costs.value_bytes.items()},
+                       descriptions={node.name: d for node, d in costs.descriptions.items()})
+
+    what = f"unit costs {sharding.trace_method} {captured.input_names} {list(map(str, sharding.leaf_modules or ()))}"
+    named = reuse.counted_once(what, model, inputs, measure)
+    nodes = {node.name: node for node in captured.module.graph.nodes}
+    if not named.value_bytes.keys() <= nodes.keys() or len(named.flops) != len(units):  # not the same graph
+        return measure_units(units, inputs)
+    return replace(named, flops=list(named.flops), bytes_moved=list(named.bytes_moved), ops=list(named.ops),
+                   made_bytes=list(named.made_bytes), weight_bytes=list(named.weight_bytes),
+                   value_bytes={nodes[name]: v for name, v in named.value_bytes.items()},
+                   descriptions={nodes[name]: d for name, d in named.descriptions.items()})
 
 
 def unit_step_seconds(unit_forward_s: Sequence[float], loss_s: tuple[float, float]) -> list[float]:

@@ -167,3 +167,22 @@ def test_numbers_of_the_model_are_counted_once_per_run():
         values = [counted_once("flops", m, EXAMPLE, count(m)) for m in (first, second, other)]
     assert values == [1, 1, 2]
     assert counted_once("flops", first, EXAMPLE, count(first)) == 3  # outside a run: counted every time
+
+
+def test_a_rebuilt_capture_is_planned_on_the_first_captures_unit_costs(monkeypatch):
+    from merak.shard import plan as plan_module
+
+    measured = []
+    measure = plan_module.measure_units
+    monkeypatch.setattr(plan_module, "measure_units", lambda *a: measured.append(1) or measure(*a))
+
+    def planned():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[layer for _ in range(4) for layer in (nn.Linear(8, 8), nn.ReLU())])
+        return plan_module.plan_pipeline(model, {"input": torch.ones(2, 8)}, num_stages=2, num_microbatches=2)
+
+    with captures_reused():
+        first, second = planned(), planned()
+    assert len(measured) == 1
+    assert second.boundaries == first.boundaries and second.shard_starts == first.shard_starts
+    assert [vars(r) for r in second.reports] == [vars(r) for r in first.reports]
