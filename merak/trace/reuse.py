@@ -4,7 +4,8 @@ A run captures its model more than once. The launcher captures it to check the p
 any worker starts, and then every worker builds the same model (same recipe, same config) and
 captures it again: with ``n`` workers sharing a machine's cores, that is ``n + 1`` captures of one
 graph, the largest share of a run's start-up. Inside :func:`captures_reused` (the runner enters it
-for the whole run), a capture is remembered; a later capture of a model with the same fingerprint
+where a worker will rebuild the launcher's capture: workers it forks, or the worker it is itself under
+torchrun or srun), a capture is remembered; a later capture of a model with the same fingerprint
 rebuilds the remembered graph around the new model's own parameters instead of tracing it again.
 Workers forked inside the block inherit what the launcher remembered; spawned workers (CUDA) start
 with nothing remembered and capture as before.
@@ -121,10 +122,12 @@ class _Describer:
             return ("partial", describe(value.func, ".func"), describe(value.args, ".args"),
                     describe(value.keywords, ".keywords"))
         if callable(value) and hasattr(value, "__qualname__") and not isinstance(value, nn.Module):
-            # A closure or a function with defaults is described by what it holds too.
-            held = [cell.cell_contents for cell in getattr(value, "__closure__", None) or ()]
+            # A closure or a function with defaults is described by what it holds too (each held object
+            # itself: descriptions are remembered by id, so nothing made here may be described).
+            cells = getattr(value, "__closure__", None) or ()
             return ("callable", getattr(value, "__module__", None), value.__qualname__,
-                    describe(held, ".__closure__"), describe(getattr(value, "__defaults__", None), ".__defaults__"))
+                    [describe(cell.cell_contents, f".__closure__[{i}]") for i, cell in enumerate(cells)],
+                    describe(getattr(value, "__defaults__", None), ".__defaults__"))
         if isinstance(value, (list, tuple, set, frozenset)):
             items = [describe(v, f"[{i}]") for i, v in enumerate(value)]
             return (type(value).__name__, sorted(map(repr, items)) if isinstance(value, (set, frozenset)) else items)
@@ -231,7 +234,9 @@ def recall(key: str | None, model: nn.Module) -> tuple[fx.GraphModule, dict] | N
         if kind == "model":
             root[target] = _attribute(model, value)
         else:  # the same constant read under two names stays one object
-            root[target] = copies.setdefault(id(value), copy.deepcopy(value))
+            if id(value) not in copies:
+                copies[id(value)] = copy.deepcopy(value)
+            root[target] = copies[id(value)]
     module = fx.GraphModule(root, copy.deepcopy(template.graph), type(model).__name__)
     module.train(template.training)
     return module, dict(template.fields)

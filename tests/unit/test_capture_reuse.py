@@ -121,14 +121,19 @@ def test_anything_that_can_change_the_graph_is_captured_anew(second, example, op
 
 
 def test_hooks_and_attributes_it_cannot_describe_are_captured_anew(traced):
-    hooked = Scaled()
-    hooked.first.register_forward_hook(lambda module, args, out: out * 2)
+    def scaling(factor):
+        return lambda module, args, out: out * factor
+
+    hooked, other = Scaled(), Scaled()
+    hooked.first.register_forward_hook(scaling(2.0))
+    other.first.register_forward_hook(scaling(3.0))  # the same hook function, holding another value
     _capture_twice(Scaled(), hooked)
+    _capture_twice(hooked, other)
     opaque = Scaled()
     opaque.table = torch.ones(100_000)  # a large tensor that is neither parameter nor buffer
     assert fingerprint(opaque, EXAMPLE, ()) is None
     _capture_twice(opaque, opaque)
-    assert traced == ["Scaled"] * 4
+    assert traced == ["Scaled"] * 6
 
 
 def test_nothing_is_remembered_outside_a_run(traced):
