@@ -294,7 +294,7 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
         raise part.PartitionError(f"autopipe_costs={sharding.autopipe_costs!r}; choose one of "
                                   f"{', '.join(AUTOPIPE_COSTS)}")
     inputs = {name: example_inputs[name] for name in captured.input_names}
-    costs = _unit_costs(model, units, inputs, sharding)
+    costs = _unit_costs(units, inputs)
     rates = machine_rates
     if rates is None:
         rates = calibrate() if needs_calibration(sharding) else nominal_rates(device_type or "cpu")
@@ -319,10 +319,9 @@ def plan_pipeline(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], 
                         shard_starts=[0, *cuts, len(units)])
 
 
-def _unit_costs(model: nn.Module, units: GraphUnits, inputs: Mapping[str, torch.Tensor],
-                sharding: ShardingSettings) -> UnitCosts:
-    """measure_units, once per model in a run (merak.trace.reuse): a graph rebuilt from the run's first
-    capture, simplified alike, has the same nodes by name."""
+def _unit_costs(units: GraphUnits, inputs: Mapping[str, torch.Tensor]) -> UnitCosts:
+    """measure_units, once per captured model in a run (merak.trace.reuse): a graph rebuilt from the run's
+    first capture, simplified alike, has the same nodes by name."""
     captured = units.captured
 
     def measure() -> UnitCosts:
@@ -330,8 +329,7 @@ def _unit_costs(model: nn.Module, units: GraphUnits, inputs: Mapping[str, torch.
         return replace(costs, value_bytes={node.name: v for node, v in costs.value_bytes.items()},
                        descriptions={node.name: d for node, d in costs.descriptions.items()})
 
-    what = f"unit costs {sharding.trace_method} {captured.input_names} {list(map(str, sharding.leaf_modules or ()))}"
-    named = reuse.counted_once(what, model, inputs, measure)
+    named = reuse.counted_once_for(captured.key and f"unit costs of {captured.key}", measure)
     nodes = {node.name: node for node in captured.module.graph.nodes}
     if not named.value_bytes.keys() <= nodes.keys() or len(named.flops) != len(units):  # not the same graph
         return measure_units(units, inputs)

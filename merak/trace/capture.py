@@ -48,6 +48,8 @@ class CapturedGraph:
             output from the flat graph outputs (None for fx: its graph builds the output).
         leaf_scopes: qualified names of leaf-module instances whose nodes must stay in one shard.
         notes: why a fallback happened, for logs and dry-run reports.
+        key: the model's fingerprint in a run that reuses captures (merak.trace.reuse), else None;
+            what is derived from the graph alone can be remembered under it.
     """
 
     module: fx.GraphModule
@@ -56,6 +58,7 @@ class CapturedGraph:
     output_spec: pytree.TreeSpec | None = None
     leaf_scopes: set[str] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    key: str | None = None
 
 
 def _is_leaf_instance(module: nn.Module, qualname: str, leaf_modules: Sequence) -> bool:
@@ -226,9 +229,9 @@ def capture(model: nn.Module, example_inputs: Mapping[str, torch.Tensor], *, met
         module, fields = reused
         logger.info("captured %s with %s (%d nodes, rebuilt from this run's first capture)", type(model).__name__,
                     "torch.fx" if fields["method"] == "fx" else "torch.export", len(module.graph.nodes))
-        return CapturedGraph(module, leaf_scopes=leaf_scopes, **{**fields, "notes": list(fields["notes"])})
+        return CapturedGraph(module, leaf_scopes=leaf_scopes, key=key, **{**fields, "notes": list(fields["notes"])})
     captured = _capture_anew(model, examples, method, input_names, leaf_modules)
-    captured.leaf_scopes = leaf_scopes
+    captured.leaf_scopes, captured.key = leaf_scopes, key
     reuse.remember(key, model, captured.module, {"method": captured.method, "input_names": captured.input_names,
                                                  "output_spec": captured.output_spec, "notes": list(captured.notes)})
     return captured

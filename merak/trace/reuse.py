@@ -35,7 +35,7 @@ from torch._library.custom_ops import CustomOpDef
 logger = logging.getLogger(__name__)
 
 _remembered: dict[str, _Template] | None = None
-_counted: dict[str, object] = {}  # counted_once's values, kept as long as _remembered
+_counted: dict[str, object] = {}  # counted_once_for's values, kept as long as _remembered
 
 _DEPTH = 4  # how deep plain attributes are described (a config object's fields are two levels down)
 _TENSOR_VALUES = 4096  # tensor attributes up to this size are described by value; larger ones are opaque
@@ -188,8 +188,12 @@ def fingerprint(model: nn.Module, examples: Mapping[str, torch.Tensor], options:
 def counted_once(what: str, model: nn.Module, examples: Mapping[str, torch.Tensor], count: Callable[[], object]):
     """``count()`` (a number that depends only on ``model`` and ``examples``, such as its FLOPs), taken
     once per run: later models with the same fingerprint get the remembered value."""
-    key = fingerprint(model, examples, (what,)) if _remembered is not None else None
-    if key is None:
+    return counted_once_for(fingerprint(model, examples, (what,)) if _remembered is not None else None, count)
+
+
+def counted_once_for(key: str | None, count: Callable[[], object]):
+    """``count()``, taken once per run for ``key`` (None: counted every time)."""
+    if _remembered is None or key is None:
         return count()
     if key not in _counted:
         _counted[key] = count()
