@@ -4,10 +4,14 @@ merak.run either joins the processes torchrun / srun started (one Hydra per
 process) or, from the single Hydra process, starts ``dp*tp*pp`` workers here.
 A worker that fails makes :func:`spawn_workers` stop the others and raise with
 that worker's traceback: no run is left hanging. SIGINT or SIGTERM sent to the
-launcher stops every worker and raises :class:`RunInterrupted`; workers ignore
-SIGINT themselves, so Ctrl-C in a terminal (which signals the whole process
-group) is handled once, by the launcher. The launcher also hosts the rendezvous
-store, listening on the loopback interface only.
+launcher stops every worker and raises :class:`RunInterrupted`; SIGHUP (a closed
+terminal, a dropped SSH session) is handled the same way. Workers ignore SIGINT
+and SIGHUP themselves, so Ctrl-C in a terminal (which signals the whole process
+group) is handled once, by the launcher. A launcher that dies without stopping
+its workers (SIGKILL, a crash) takes them with it: each worker asks the kernel
+for SIGKILL when its parent dies (Linux), or watches its parent elsewhere. The
+launcher also hosts the rendezvous store, listening on the loopback interface
+only.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ class WorkerFailed(RuntimeError):
     """A worker process raised or died; the message holds its traceback or exit status."""
 
 
-class RunInterrupted(Exception):
-    """The launcher received SIGINT or SIGTERM (its workers, if any, were stopped).
+class RunInterrupted(BaseException):
+    """The launcher received SIGINT, SIGTERM or SIGHUP (its workers, if any, were stopped).
+
+    A BaseException, as KeyboardInterrupt is: code that catches ``Exception`` to report its own
+    failures (a graph capture, a library's fallback) must not turn an interrupt into an error.
 
     Attributes:
         signal_number: the signal received.
@@ -47,6 +54,9 @@ class RunInterrupted(Exception):
 
 
 _STOP_GRACE_S = 5.0
+# The signals an interrupted launcher answers: stop the workers, exit 128 + the signal number.
+INTERRUPTS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PARENT_POLL_S = 1.0
 
 
 # Errors a worker hits only because another worker went away first.
@@ -94,11 +104,40 @@ def default_start_method() -> str:
     return "spawn" if torch.cuda.is_available() else "fork"
 
 
-def _entry(local_rank: int, fn: Callable, world_size: int, port: int, args: tuple, env: dict) -> None:
+def _die_with_parent(parent: int) -> None:
+    """End this process as soon as ``parent`` (the launcher) is gone, however it ended.
+
+    torch asks for SIGINT at the parent's death, which a worker ignores (see :func:`_entry`): ask for
+    SIGKILL instead. Where prctl is missing (not Linux), a daemon thread polls the parent.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        armed = libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) == 0
+    except (OSError, AttributeError):  # no libc symbol prctl: not Linux
+        armed = False
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(128 + signal.SIGKILL)
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        os._exit(128 + signal.SIGKILL)
+
+    threading.Thread(target=watch, name="merak-parent-watch", daemon=True).start()
+
+
+def _entry(local_rank: int, fn: Callable, world_size: int, port: int, args: tuple, env: dict,
+           launcher: int) -> None:
     # The launcher alone answers interrupts (it stops every worker); a forked worker would otherwise
     # run the launcher's handlers. SIGTERM from the launcher ends a worker at once, silently.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for number in INTERRUPTS:
+        signal.signal(number, signal.SIG_DFL if number == signal.SIGTERM else signal.SIG_IGN)
+    _die_with_parent(launcher)
     os.environ.update(env)
     os.environ.update({
         "RANK": str(local_rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
@@ -127,8 +166,8 @@ def _forget_inherited_compile_threads() -> None:
 
 @contextlib.contextmanager
 def interrupts_raise() -> Iterator[None]:
-    """Within the block, SIGINT and SIGTERM raise :class:`RunInterrupted` in the main thread (a
-    no-op in other threads, where Python cannot install handlers)."""
+    """Within the block, SIGINT, SIGTERM and SIGHUP raise :class:`RunInterrupted` in the main thread
+    (a no-op in other threads, where Python cannot install handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -136,7 +175,7 @@ def interrupts_raise() -> Iterator[None]:
     def handler(number, _frame):
         raise RunInterrupted(number)
 
-    previous = {number: signal.signal(number, handler) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous = {number: signal.signal(number, handler) for number in INTERRUPTS}
     try:
         yield
     finally:
@@ -181,14 +220,15 @@ def spawn_workers(fn: Callable, *, world_size: int, args: tuple = (), start_meth
 
     Raises:
         WorkerFailed: when any worker raises or exits non-zero (the others are stopped).
-        RunInterrupted: when this process receives SIGINT or SIGTERM (every worker is stopped).
+        RunInterrupted: when this process receives SIGINT, SIGTERM or SIGHUP (every worker is stopped).
     """
     method = default_start_method() if start_method == "auto" else start_method
     listener = _loopback_listener()
     store = None
     with interrupts_raise():
         context = mp.start_processes(
-            _entry, args=(fn, world_size, listener.getsockname()[1], args, dict(env or {})), nprocs=world_size,
+            _entry, args=(fn, world_size, listener.getsockname()[1], args, dict(env or {}), os.getpid()),
+            nprocs=world_size,
             join=False, start_method=method)
         try:
             # Served from here once the workers exist: forking a process that runs the store's threads
@@ -224,7 +264,7 @@ def _interrupts_ignored() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in INTERRUPTS}
     try:
         yield
     finally:

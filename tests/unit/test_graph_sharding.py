@@ -7,11 +7,14 @@ and every value a later shard needs crosses each boundary in between.
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import tiny_models
 import torch
 from torch import nn
 
+from merak.distributed.launch import RunInterrupted
 from merak.shard.build import shard_modules
 from merak.shard.graph import GraphUnits
 from merak.shard.plan import plan_pipeline
@@ -221,3 +224,16 @@ def test_no_tracing_runs_the_whole_model_as_one_stage():
     with pytest.raises(ValueError, match="needs build_stages"):
         assemble(build=tiny_models.SkipNet, seed=3, init_device="cpu", sharding=ShardingSettings(trace_method=None),
                  num_stages=2, num_microbatches=2, stage_id=0, device=torch.device("cpu"), example_inputs=batch)
+
+
+class _InterruptedWhileTraced(nn.Module):
+    def forward(self, x):
+        raise RunInterrupted(signal.SIGINT)  # what the launcher's handler raises when Ctrl-C arrives
+
+
+def test_an_interrupt_during_capture_is_an_interrupt_not_a_trace_error():
+    """Capture reports what breaks a trace as a TraceError (a config error, exit 2); Ctrl-C or SIGTERM
+    arriving mid-capture must stay an interrupt (exit 130/143)."""
+    model = nn.Sequential(nn.Linear(4, 4), _InterruptedWhileTraced())
+    with pytest.raises(RunInterrupted):
+        capture(model, {"input": torch.randn(2, 4)})
