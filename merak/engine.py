@@ -7,7 +7,6 @@ trainer API and tests drive the same code.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import warnings
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from merak.checkpoint.identity import model_info
 from merak.core.slices import sequence_partial, sliced_parameter_ids, tensor_slices
 from merak.distributed.groups import ParallelState, stage_set_group
 from merak.distributed.p2p import PointToPoint
@@ -150,7 +150,7 @@ class PipelineEngine:
         # The holder that writes each tensor: tied copies on their first stage, replicas on tp rank 0.
         self.primary_names = {n for n, p in self._param_names if id(p) in norm_ids} | {
             n for n, _ in self._buffer_names if coords.tp == 0 or n in self.slices}
-        self.model_info = _model_info(model)
+        self.model_info = model_info(model)
         # With sequence parallelism, replicated parameters between the blocks saw only this
         # rank's part of the sequence: their gradients are summed over the tp group.
         self.sequence_partial = [p for _, p in self._param_names if p.requires_grad and sequence_partial(p)]
@@ -411,15 +411,6 @@ class PipelineEngine:
         if self.state.device.type == "cuda":
             report["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.state.device)
         return report
-
-
-def _model_info(model: nn.Module) -> dict | None:
-    """What a Hugging Face export needs to rebuild the model (None for other models)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "save_pretrained") or not hasattr(config, "to_dict"):
-        return None
-    return {"class": type(model).__name__, "module": type(model).__module__,
-            "config": json.loads(config.to_json_string(use_diff=False))}
 
 
 class _GradientsReady(PipelineHook):

@@ -18,8 +18,9 @@ import time
 import torch
 
 from merak.autoplan.auto import plan_layout, wants_auto
-from merak.checkpoint import CheckpointError, find_checkpoint
+from merak.checkpoint import CheckpointError, find_checkpoint, list_checkpoints
 from merak.checkpoint.files import read_manifest
+from merak.checkpoint.identity import ModelIdentity, checkpoints_that_conflict
 from merak.compat.allocator import keep_freed_memory
 from merak.config import ConfigError, RunSettings, resolve_settings, total_steps
 from merak.core.files import write_json_atomic
@@ -48,6 +49,7 @@ from merak.shard.split import ShardingError
 from merak.tensor_parallel.options import tensor_parallel_state_kept
 from merak.tensor_parallel.plan import TPPlanError
 from merak.trace.capture import TraceError
+from merak.trace.meta import parameters_on_meta
 from merak.trace.reuse import captures_reused
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> 
     resume = _checkpoint_to_resume(settings)
     if cfg.get("dry_run"):
         return dry_run(spec, settings, prepared)
+    _check_checkpoints_fit(spec, settings, resume)
     plans_first = (settings.trainer.sharding.trace_method is not None and settings.grid.pp > 1) \
         or settings.grid.tp > 1 or settings.trainer.schedule.chunks > 1
     # The planning capture is rebuilt, not traced again, by the worker in this process or the workers it
@@ -244,6 +247,21 @@ def _checkpoint_to_resume(settings: RunSettings) -> str | None:
     if path is not None:
         logger.info("resuming from %s", path)
     return path
+
+
+def _check_checkpoints_fit(spec, settings: RunSettings, resume: str | None) -> None:
+    """Refuse, before any worker starts, to resume another model or to save over its checkpoints
+    (the model is built on the meta device to compare: names and shapes, no memory)."""
+    checkpoint = settings.trainer.checkpoint
+    saves = checkpoint.save and bool(list_checkpoints(settings.output_dir))
+    if resume is None and not saves:
+        return
+    with parameters_on_meta():
+        model = spec.build_model(settings.model_cfg)
+    problems = checkpoints_that_conflict(ModelIdentity.of_model(model), resume=resume, output_dir=settings.output_dir,
+                                         saves=saves, partial_load=checkpoint.partial_load)
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {problem}" for problem in problems))
 
 
 def _warn_if_batch_changed(path: str, manifest: dict, global_batch_size: int) -> None:

@@ -9,7 +9,7 @@ import re
 import shutil
 import stat
 import zlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 logger = logging.getLogger(__name__)
 
@@ -272,13 +272,23 @@ def read_json(checkpoint: str, manifest: dict, relative: str):
         raise CheckpointError(f"{checkpoint}: {relative} cannot be read ({error})") from None
 
 
-def rotate(root: str, keep: int | None, protect: str | Collection[str]) -> None:
+def rotate(root: str, keep: int | None, protect: str | Collection[str],
+           same_model: Callable[[dict], bool] = lambda manifest: True) -> None:
     """Delete the oldest committed checkpoints beyond the newest ``keep``, except those in ``protect``
-    (the one just written, the best model's)."""
+    (the one just written, the best model's). Only checkpoints whose manifest ``same_model`` accepts
+    are counted or removed: another model's checkpoints, and those whose manifest cannot be read,
+    are never deleted."""
     if keep is None or keep < 1:
         return
     kept = {os.path.abspath(p) for p in ([protect] if isinstance(protect, str) else protect)}
-    found = list_checkpoints(root)
+
+    def ours(path: str) -> bool:
+        try:
+            return same_model(read_manifest(path))
+        except CheckpointError:
+            return False
+
+    found = [(step, path) for step, path in list_checkpoints(root) if ours(path)]
     for _, path in found[:max(0, len(found) - keep)]:
         if os.path.abspath(path) not in kept:
             logger.info("save_total_limit=%d: removing %s", keep, path)

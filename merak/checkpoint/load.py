@@ -181,10 +181,12 @@ class PretrainedSource:
         return _read(self.path, shard, lambda: handle.get_tensor(name))
 
 
-def _load_weights(engine, source, *, strict: bool) -> int:
-    """Copy every local parameter and persistent buffer from ``source`` (sliced for this rank)."""
+def _load_weights(engine, source, *, strict: bool, skip_other_shapes: bool = False) -> int:
+    """Copy every local parameter and persistent buffer from ``source`` (sliced for this rank).
+    ``strict``: a tensor the source lacks is an error (else it stays as initialized);
+    ``skip_other_shapes``: so is one of another shape (else an error)."""
     count = 0
-    missing = []
+    missing, reshaped = [], []
     for name, tensor in [*engine.named_parameters(), *engine.named_buffers()]:
         found = next((alias for alias in engine.aliases.get(name, (name,)) if source.has(alias)), None)
         if found is None:
@@ -192,6 +194,10 @@ def _load_weights(engine, source, *, strict: bool) -> int:
             continue
         full = source.weight(found)
         spec = engine.slices.get(name)
+        wanted = tuple(spec.full_shape) if spec is not None else tuple(tensor.shape)
+        if skip_other_shapes and tuple(full.shape) != wanted:
+            reshaped.append(name)
+            continue
         local = spec.take(full) if spec is not None else full
         if tuple(local.shape) != tuple(tensor.shape):
             raise files.CheckpointError(f"{source.path}: {found} has shape {tuple(full.shape)}, which does not fit "
@@ -205,6 +211,9 @@ def _load_weights(engine, source, *, strict: bool) -> int:
     if missing:
         logger.warning("%s lacks %d tensors of this model (left as initialized): %s", source.path, len(missing),
                        ", ".join(missing[:5]))
+    if reshaped:
+        logger.warning("%s holds %d tensors of this model with other shapes (left as initialized): %s", source.path,
+                       len(reshaped), ", ".join(reshaped[:5]))
     return count
 
 
@@ -250,7 +259,8 @@ def load_checkpoint(engine, checkpoint: str, *, options: CheckpointSettings = Ch
     """
     source = CheckpointSource(checkpoint)
     manifest = source.manifest
-    _load_weights(engine, source, strict=True)
+    partial = options.finetune and options.partial_load
+    _load_weights(engine, source, strict=not partial, skip_other_shapes=partial)
     trainer_state = files.read_json(checkpoint, manifest, "trainer_state.json")
     if options.finetune:
         logger.info("finetune: weights from %s; step, optimizer and schedule start at 0", checkpoint)

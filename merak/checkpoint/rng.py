@@ -8,6 +8,14 @@ import numpy as np
 import torch
 
 
+def seed_all(seed: int) -> None:
+    """Seed Python's, numpy's and torch's (CPU and every CUDA device's) global generators, so two runs
+    with the same seed draw the same numbers (and save the same states) wherever user code draws."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def capture_rng() -> dict:
     version, state, gauss = random.getstate()
     kind, keys, position, has_gauss, cached = np.random.get_state()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from merak.checkpoint import files
+from merak.checkpoint.identity import ModelIdentity
 from merak.checkpoint.rng import capture_rng
 from merak.checkpoint.settings import CheckpointSettings
 from merak.checkpoint.tensors import optimizer_file, weight_entries, weights_file
@@ -156,7 +157,9 @@ def save_checkpoint(engine, output_dir: str, *, step: int, trainer_state: dict, 
                     "zero_stage": engine.optimizer.zero.stage, "dtype": str(engine.optimizer.precision.dtype),
                     "model_info": engine.model_info, "run": run_info, "files": listing}
         files.commit(staging, final, manifest)
-        files.rotate(output_dir, options.save_total_limit, protect={final, *keep})
+        model = ModelIdentity.of_manifest(manifest).digest
+        files.rotate(output_dir, options.save_total_limit, protect={final, *keep},
+                     same_model=lambda other: ModelIdentity.of_manifest(other).digest == model)
         total = sum(r["bytes"] for r in listing.values())
         logger.info("saved %s (%.1f MB in %.2f s)", final, total / 1e6, time.perf_counter() - started)
     _barrier()

@@ -18,6 +18,8 @@ class CheckpointSettings:
     resume_from_checkpoint: str | bool | None = setting(
         None, "a checkpoint directory, or true: the newest in output_dir (none yet: start fresh)")
     finetune: bool = setting(False, "load weights only; step, optimizer and lr schedule start at 0")
+    partial_load: bool = setting(False, "with finetune: a different model takes the tensors it shares with the "
+                                 "checkpoint (same name and shape); the rest start as initialized")
     no_save_rng: bool = setting(False, "do not save RNG states")
     no_save_optim: bool = setting(False, "do not save the optimizer state")
     no_load_rng: bool = setting(False, "do not load RNG states")
@@ -35,6 +37,9 @@ class CheckpointSettings:
         if self.finetune and resume in (None, False, ""):
             problems.append("trainer.finetune=true loads weights from a checkpoint: set "
                             "trainer.resume_from_checkpoint to its directory")
+        if self.partial_load and not self.finetune:
+            problems.append("trainer.partial_load=true loads part of another model's checkpoint: it needs "
+                            "trainer.finetune=true (the step, optimizer and schedule start at 0)")
         if self.pretrained_weights and resume not in (None, False, ""):
             problems.append("trainer.pretrained_weights and trainer.resume_from_checkpoint both set: a run starts "
                             "from one of them")

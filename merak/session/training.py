@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import Subset
 
 from merak.checkpoint import load_checkpoint, load_pretrained, save_checkpoint
+from merak.checkpoint.rng import seed_all
 from merak.config import RunSettings
 from merak.core.files import write_json_atomic
 from merak.data.batching import BatchPlan, MicrobatchLoader
@@ -149,7 +150,7 @@ class TrainingSession:
         grid = settings.grid
         # Dropout masks differ between replicas and stages, but not within a tensor-parallel group,
         # whose ranks hold the same replicated activations.
-        torch.manual_seed(trainer.batch.seed + grid.rank_of(pp=state.coordinates.pp, dp=state.coordinates.dp, tp=0))
+        seed_all(trainer.batch.seed + grid.rank_of(pp=state.coordinates.pp, dp=state.coordinates.dp, tp=0))
         self.first_step = self._start()  # after seeding: a checkpoint's RNG states win
         self.step = self.first_step
         self.loader = None

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,6 +171,36 @@ def test_bad_checkpoints_get_clear_errors(tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(ConfigError, match=rf"corrupt: model/{weights.name} is damaged \(CRC32"):
         _run(tmp_path / "other", "parallel=pp2", "trainer.max_steps=3", f"trainer.resume_from_checkpoint={corrupt}")
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_resumes_only_its_own_model(tmp_path):
+    """Two identical runs save identical generator states; a checkpoint is resumed only into the model
+    it holds (refused before any worker starts, naming what differs) and never saved over by another
+    model; a partial load into another model is asked for by name."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for run_dir, unrelated in ((first, 1), (second, 2)):
+        random.seed(unrelated)  # whatever drew from the global generators before (another process start)
+        np.random.seed(unrelated)
+        _run(run_dir, "parallel=pp2", "trainer.max_steps=2", "trainer.save=true", "trainer.save_steps=2")
+    assert _files(first / "checkpoint-2", "rng") == _files(second / "checkpoint-2", "rng")
+
+    resume = ["parallel=pp2", "trainer.max_steps=3", "trainer.save=true", "trainer.save_steps=1",
+              "trainer.save_total_limit=1", "trainer.resume_from_checkpoint=true"]
+    with pytest.raises(ConfigError, match=r"holds another model .*n_layer 4 -> 2.*tensors only in the checkpoint: "
+                                          r"transformer\.h\.2\."):
+        _run(first, *resume, "model.num_layers=2")
+    with pytest.raises(ConfigError, match=r"holds another model .*config: n_head 4 -> 2\)"):  # the same shapes
+        _run(first, *resume, "model.num_heads=2")
+    with pytest.raises(ConfigError, match="holds checkpoints of another model"):  # not resuming, but saving there
+        _run(first, "parallel=pp2", "model.num_layers=2", "trainer.max_steps=1", "trainer.save=true")
+    assert sorted(p.name for p in first.glob("checkpoint-*")) == ["checkpoint-2"]
+
+    partial = _run(tmp_path / "partial", "parallel=pp2", "model.num_layers=2", "trainer.max_steps=1",
+                   "trainer.finetune=true", "trainer.partial_load=true",
+                   f"trainer.resume_from_checkpoint={first / 'checkpoint-2'}")
+    fresh = _run(tmp_path / "fresh", "parallel=pp2", "model.num_layers=2", "trainer.max_steps=1")
+    assert partial["first_loss"] < fresh["first_loss"] - 1e-3  # the shared embeddings and blocks were trained
 
 
 @pytest.mark.timeout(300)
