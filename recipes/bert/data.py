@@ -19,8 +19,9 @@ on python_docs). ``data.tokenizer_chars`` limits the text the vocabulary is trai
 nodes that prepare the data separately agree. Documents are joined with [SEP] and cut into
 blocks of ``model.seq_length - 2`` tokens; each sample is ``[CLS] block [SEP]`` (no
 padding). The vocabulary (tokenizer JSON) and the token array are cached in
-``data.cache_dir``, named by a hash of their settings, built once under a file lock and
-written atomically; ranks memory-map the tokens.
+``data.cache_dir``, named by a hash of their settings and the text (local files: their
+content), built once under a file lock and written atomically (a damaged one is named in a
+warning and rebuilt); ranks memory-map the tokens.
 
 Masking follows BERT: ``data.mask_prob`` (15 %) of a sample's word positions are chosen
 (never [CLS]/[SEP], at least one; 15 % of 30 is 4 or 5 at random, so the mean is exact);

@@ -17,8 +17,10 @@ byte-level BPE (50257 tokens), read from the vocabulary files of the ``gpt3-toke
 nothing is downloaded; or any Hugging Face tokenizer by local directory or hub name. Its
 vocabulary must fit ``model.vocab_size`` (checked before any worker starts).
 Documents are joined with the tokenizer's end-of-sequence token and cut into blocks of
-``model.seq_length`` tokens. The token array is cached (``data.cache_dir``),
-written atomically, and memory-mapped by the ranks that read data.
+``model.seq_length`` tokens. The token array is cached (``data.cache_dir``), named by a hash of the
+tokenizer and the text (local files: their content), built once under a file lock, written
+atomically (a damaged one is named in a warning and rebuilt), and memory-mapped by the ranks that
+read data.
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ def prepare(data_cfg, model_cfg) -> str:
     if problem:
         raise ConfigError(f"invalid configuration:\n  - {problem}")
     path = text.cache_path(data_cfg, f"gpt-tokens-{text.cache_key(tokenizer.key, text.source_key(data_cfg))}.npy")
-    if not path.exists():
-        text.cached_tokens(path, tokenizer.encoder(), text.LazyTexts(data_cfg), tokenizer.separator, tokenizer.name)
+    with text.building(path):
+        # Checked here, not only in cached_tokens, so that a reusable cache never builds the encoder.
+        if not text.reusable(path):
+            text.cached_tokens(path, tokenizer.encoder(), text.LazyTexts(data_cfg), tokenizer.separator,
+                               tokenizer.name)
     return str(path)
 
 

@@ -18,8 +18,9 @@ most (a small corpus gives fewer; the model's rows above are unused, as in t5-ba
 The training is made independent of the process (same text, same ids), so nodes that
 prepare the data separately agree. The documents' tokens are concatenated (T5's packing)
 and cut into chunks of ``raw`` tokens; vocabulary (tokenizer JSON) and tokens are cached in
-``data.cache_dir``, named by a hash of their settings, built once under a file lock and
-written atomically; ranks memory-map the tokens.
+``data.cache_dir``, named by a hash of their settings and the text (local files: their
+content), built once under a file lock and written atomically (a damaged one is named in a
+warning and rebuilt); ranks memory-map the tokens.
 
 Span corruption follows T5: ``data.noise_density`` (0.15) of a chunk's tokens, in spans of
 mean length ``data.mean_noise_span_length`` (3), are noise; the input keeps the other

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from train_py import run_in_process
 
 from merak.config import ConfigError
+from recipes import text
 from recipes.bert import data as bert_data
 from recipes.t5 import data as t5_data
 
@@ -153,6 +154,11 @@ def test_same_seed_same_samples(recipe, cache_dir):
     assert any(not torch.equal(first[i]["input_ids"], other[i]["input_ids"]) for i in range(5))
 
 
+def _cache_files(cache: Path) -> list[Path]:
+    """The tokenizers' and token arrays' files in ``cache`` (not the locks, nor the memo of the files' digests)."""
+    return sorted(f for f in cache.iterdir() if f.suffix != ".lock" and f.name != text.DIGESTS)
+
+
 def _csv(path: Path, rows: int = 60) -> Path:
     """A CSV of ``rows`` short documents in the seeds' train_context.csv style."""
     lines = ["id,title,text"] + [f'{i},row {i},"Row {i}: the quick brown fox jumps over the lazy dog, '
@@ -170,7 +176,7 @@ def test_second_prepare_reuses_the_cache(recipe, train, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     data_cfg = _data_cfg(recipe, "files", cache, files=[str(_csv(tmp_path / "train_context.csv"))])
     prepared = module.prepare(data_cfg, model_cfg)
-    files = sorted(f for f in cache.iterdir() if f.suffix != ".lock")
+    files = _cache_files(cache)
     assert sorted(f.suffix for f in files) == [".json", ".npy"]  # the tokenizer and the tokens, nothing left over
     stamps = [f.stat().st_mtime_ns for f in files]
 
@@ -180,12 +186,12 @@ def test_second_prepare_reuses_the_cache(recipe, train, tmp_path, monkeypatch):
     monkeypatch.setattr(module, train, no_training)
     monkeypatch.setattr("recipes.text.read_texts", no_training)
     assert module.prepare(data_cfg, model_cfg) == prepared
-    assert sorted(f for f in cache.iterdir() if f.suffix != ".lock") == files
+    assert _cache_files(cache) == files
     assert [f.stat().st_mtime_ns for f in files] == stamps
     # A different model vocabulary is another tokenizer.
     monkeypatch.undo()
     module.prepare(data_cfg, OmegaConf.merge(model_cfg, {"vocab_size": 800}))
-    assert len([f for f in cache.iterdir() if f.suffix != ".lock"]) == 4
+    assert len(_cache_files(cache)) == 4
 
 
 _TRAIN_SMALL = """
