@@ -23,6 +23,7 @@ from merak.checkpoint.files import read_manifest
 from merak.checkpoint.identity import ModelIdentity, checkpoints_that_conflict
 from merak.compat.allocator import keep_freed_memory
 from merak.config import ConfigError, RunSettings, resolve_settings, total_steps
+from merak.config.overrides import hydra_run_record
 from merak.core.files import write_json_atomic
 from merak.core.partition import PartitionError
 from merak.data.batching import BatchPlan
@@ -76,12 +77,19 @@ def run(spec, cfg) -> dict:
         merak.distributed.launch.WorkerFailed: when a worker fails (others are stopped).
         merak.distributed.launch.RunInterrupted: on SIGINT or SIGTERM (workers are stopped).
     """
+    return _run(spec, cfg, records_job=True)
+
+
+def _run(spec, cfg, *, records_job: bool) -> dict:
     use_merak_format()
     outside_world = existing_world_size()
-    if wants_auto(cfg):
-        cfg = plan_layout(spec, cfg, outside_world=outside_world, train=lambda trial: run(spec, trial))
+    if wants_auto(cfg):  # trial runs do not write the job's record: the run they choose does
+        cfg = plan_layout(spec, cfg, outside_world=outside_world,
+                          train=lambda trial: _run(spec, trial, records_job=False))
     settings = resolve_settings(spec, cfg, world_size=outside_world)
-    with interrupts_raise(), _run_directory_lock(settings.output_dir, outside_world):
+    lock = _run_directory_lock(settings.output_dir, outside_world)
+    record = hydra_run_record(cfg) if records_job and isinstance(lock, RunDirectoryLock) else contextlib.nullcontext()
+    with interrupts_raise(), lock, record:
         return _run_locked(spec, cfg, settings, outside_world)
 
 

@@ -112,6 +112,14 @@ def test_second_run_in_a_busy_directory_and_sigint_to_the_launcher(tmp_path, cac
             run_in_process("gpt", [*TOY, "parallel=single", "trainer.max_steps=2"], run_dir)
         assert "is in use by a run that is still going" in str(busy.value) and f"pid {first.pid}" in str(busy.value)
         assert "training gpt" not in caplog.text  # refused before any worker started
+        # The same refusal as a command: the running run's record and log stay its own.
+        record = (run_dir / ".hydra" / "config.yaml").read_text()
+        refused = subprocess.run([sys.executable, str(GPT_TRAIN), *TOY, "parallel=single", "trainer.seed=2",
+                                  f"hydra.run.dir={run_dir}"], cwd=REPO, env=recipe_env(cache_dir),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        assert refused.returncode == 2 and "is in use by a run that is still going" in refused.stdout
+        assert (run_dir / ".hydra" / "config.yaml").read_text() == record and "seed: 2" not in record
+        assert "is in use" not in (run_dir / "train.log").read_text()
         steps = [m["step"] for m in read_metrics(run_dir)]  # every line whole JSON, all of the first run
         assert steps == list(range(1, len(steps) + 1))
 
