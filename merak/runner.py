@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import tempfile
 import time
 
 import torch
@@ -87,6 +88,7 @@ def _run(spec, cfg, *, records_job: bool) -> dict:
         cfg = plan_layout(spec, cfg, outside_world=outside_world,
                           train=lambda trial: _run(spec, trial, records_job=False))
     settings = resolve_settings(spec, cfg, world_size=outside_world)
+    _check_output_dir(settings.output_dir)
     lock = _run_directory_lock(settings.output_dir, outside_world)
     record = hydra_run_record(cfg) if records_job and isinstance(lock, RunDirectoryLock) else contextlib.nullcontext()
     with interrupts_raise(), lock, record:
@@ -120,6 +122,18 @@ def _in_sweep() -> bool:
         return HydraConfig.get().mode == RunMode.MULTIRUN
     except (ImportError, ValueError):  # not under Hydra
         return False
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """The run directory exists (or can be made) and takes files: said in one line before anything starts."""
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as error:
+        why = f"{error.strerror}: {error.filename}" if error.strerror and error.filename else str(error)
+        raise ConfigError(f"invalid configuration:\n  - the run directory {output_dir} cannot be written ({why}); "
+                          f"choose another (hydra.run.dir=... or trainer.output_dir=...)") from None
 
 
 def _run_directory_lock(output_dir: str, outside_world: int | None):

@@ -112,7 +112,8 @@ def _auto_tokenizer(name: str):
     except (OSError, ValueError, ImportError) as error:  # not found, offline, unknown class, missing backend
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         first_line = str(error).splitlines()[0] if str(error) else ""
-        why = ("offline (HF_HUB_OFFLINE is set) and not in the Hugging Face cache" if offline
+        # A local directory is read from disk whether offline or not: its own error says what is wrong.
+        why = ("offline (HF_HUB_OFFLINE is set) and not in the Hugging Face cache" if offline and not path.is_dir()
                else f"{type(error).__name__}: {first_line}")
         raise ConfigError(f"invalid configuration:\n  - data.tokenizer={name!r}: transformers.AutoTokenizer "
                           f"cannot load it ({why}); pass a local directory holding tokenizer.json "

@@ -49,6 +49,10 @@ def main(argv: list[str] | None = None, *, prog: str = "merak-export") -> int:
     except CheckpointError as error:  # the message names the file and what is wrong: no traceback
         logger.error("merak-export: %s", error)
         return 2
+    except OSError as error:  # OUT_DIR cannot be written: a file, read-only, a full disk
+        logger.error("merak-export: cannot write %s: %s", args.out_dir,
+                     f"{error.strerror} ({error.filename})" if error.strerror else error)
+        return 2
     return 0
 
 

@@ -234,6 +234,8 @@ def test_export_to_hugging_face_and_back(tmp_path, toy_model_cfg, tp_source):
 
     summary = json.loads((tp_source / "summary.json").read_text())
     out = tmp_path / "hf"
+    (tmp_path / "a-file").write_text("")
+    assert export_main([str(tp_source / "checkpoint-2"), str(tmp_path / "a-file")]) == 2  # one line, no traceback
     assert export_main([str(tp_source / "checkpoint-2"), str(out)]) == 0
     exported = GPT2LMHeadModel.from_pretrained(out).eval()
     assert exported.lm_head.weight is exported.transformer.wte.weight or torch.equal(

@@ -92,6 +92,16 @@ def test_tokenizer_that_cannot_load_names_the_offline_choices(tmp_path):
         text_tokenizer.load(str(tmp_path / "missing"))
 
 
+def test_a_local_tokenizer_directory_that_cannot_load_says_why_even_offline(tmp_path, monkeypatch):
+    """Offline or not, a local directory is read from disk: the Hugging Face cache is beside the point."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "tok").mkdir()
+    with pytest.raises(ConfigError, match=r"data.tokenizer='.*tok': transformers.AutoTokenizer cannot load it "
+                                          r"\((OSError|ValueError)") as refused:
+        text_tokenizer.load(str(tmp_path / "tok"))
+    assert "Hugging Face cache" not in str(refused.value)
+
+
 @pytest.mark.recipe
 @pytest.mark.timeout(120)
 def test_recipe_trains_with_a_tokenizer_directory(tmp_path, cache_dir):

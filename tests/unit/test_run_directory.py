@@ -80,3 +80,15 @@ def test_a_lock_file_removed_by_hand_lets_one_new_run_in(tmp_path):
         RunDirectoryLock(str(tmp_path)).acquire()
     second.release()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_line_before_anything_starts(tmp_path):
+    from merak.config import ConfigError
+    from merak.runner import _check_output_dir
+
+    (tmp_path / "a-file").write_text("")
+    for where in (tmp_path / "a-file", tmp_path / "a-file" / "run"):
+        with pytest.raises(ConfigError, match=rf"the run directory {where} cannot be written \(.*\); choose another"):
+            _check_output_dir(str(where))
+    _check_output_dir(str(tmp_path / "new" / "run"))  # made when missing
+    assert (tmp_path / "new" / "run").is_dir()
