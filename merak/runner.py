@@ -15,6 +15,7 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
@@ -146,15 +147,15 @@ def _run_directory_lock(output_dir: str, outside_world: int | None):
 
 def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> dict:
     prepared = spec.prepare_data(settings.data_cfg, settings.model_cfg)
+    os.makedirs(settings.output_dir, exist_ok=True)
+    if cfg.get("dry_run"):  # it plans, it does not train: the data need not hold a global batch
+        return dry_run(spec, settings, prepared)
     num_samples = len(spec.load_dataset(prepared, settings.model_cfg))
     try:
         steps = total_steps(settings, _steps_per_epoch(settings, num_samples))
     except ValueError as error:
         raise ConfigError(f"invalid configuration:\n  - {error}") from None
-    os.makedirs(settings.output_dir, exist_ok=True)
     resume = _checkpoint_to_resume(settings)
-    if cfg.get("dry_run"):
-        return dry_run(spec, settings, prepared)
     _check_checkpoints_fit(spec, settings, resume)
     plans_first = (settings.trainer.sharding.trace_method is not None and settings.grid.pp > 1) \
         or settings.grid.tp > 1 or settings.trainer.schedule.chunks > 1
@@ -216,10 +217,14 @@ def _forks_workers(settings: RunSettings, outside_world: int | None) -> bool:
         (method == "fork" or method == "auto" and default_start_method() == "fork")
 
 
-def plan_before_launch(spec, settings: RunSettings, prepared: str, *, tp_rank: int = 0):
+def plan_before_launch(spec, settings: RunSettings, prepared: str, *, tp_rank: int = 0, only_plans: bool = False):
     """Capture, shard and partition in this process (as the workers of ``tp_rank`` will), so impossible
-    splits fail before any worker starts (a giant model stays on the meta device). Returns the
+    splits fail before any worker starts (a giant model stays on the meta device). ``only_plans``: no
+    worker follows (a dry run), so the model is built on the meta device whatever its size. Returns the
     assembled model and plan."""
+    if only_plans and settings.trainer.sharding.init_device == "auto":
+        settings = replace(settings, trainer=replace(
+            settings.trainer, sharding=replace(settings.trainer.sharding, init_device="meta")))
     try:
         with tensor_parallel_state_kept():
             return assemble_worker(spec, settings, prepared, stage_id=0, device=torch.device("cpu"),
@@ -231,7 +236,7 @@ def plan_before_launch(spec, settings: RunSettings, prepared: str, *, tp_rank: i
 def dry_run(spec, settings: RunSettings, prepared: str) -> dict:
     """Build, capture, shard and partition in this process; report and write partition.json; no training."""
     started = time.perf_counter()
-    built = plan_before_launch(spec, settings, prepared)
+    built = plan_before_launch(spec, settings, prepared, only_plans=True)
     if built.plan is None:
         raise ConfigError("dry_run needs a captured graph: set trainer.trace_method to fx or dynamo")
     report = {"recipe": spec.name, "model": settings.model_cfg.get("name", "?"),
@@ -299,8 +304,6 @@ def _agree_on_output_dir(settings: RunSettings, resume: str | None) -> tuple[Run
     """Rank 0's run directory (and checkpoint to resume) for every rank. Under torchrun or srun each
     rank composed its own Hydra config: the default, timestamped run directory differs between ranks
     started in different seconds, which would split checkpoints across directories."""
-    from dataclasses import replace
-
     everyone = groups.gather_from_all((settings.output_dir, resume))
     if len({directory for directory, _ in everyone}) > 1:
         logger.warning("the ranks' run directories differ (%s): all use rank 0's; pass hydra.run.dir (the same "

@@ -125,11 +125,16 @@ def test_bad_config_fails_before_workers_start(overrides, expected, tmp_path, ca
 def test_dry_run_prints_and_writes_the_plan(tmp_path, cache_dir, capfd, caplog):
     caplog.set_level(logging.INFO)
     run_dir = tmp_path / "plan"
-    run_in_process("gpt", [*TOY, "parallel=pp4", "parallel.tp=2", "dry_run=true", "trainer.partition_method=autopipe"],
-                   run_dir)
+    # A global batch larger than the whole text: a dry run plans, it does not need the data to hold a batch.
+    text = tmp_path / "small.txt"
+    text.write_text("".join(f"line {i} of a text far smaller than one global batch\n" for i in range(30)))
+    run_in_process("gpt", ["model=toy", "trainer.per_device_train_batch_size=2", "trainer.global_batch_size=64",
+                           "data=files", f"data.files=[{text}]", "parallel=pp4", "parallel.tp=2", "dry_run=true",
+                           "trainer.partition_method=autopipe"], run_dir)
     report = json.loads((run_dir / "partition.json").read_text())
     assert not (run_dir / "metrics.jsonl").exists()  # nothing trained
     assert report["trace_method"] == "export" and report["partition_method"] == "autopipe"
+    assert report["built_on_meta"]  # only planned: even a small model's weights are never made
     # The plan is made for tp rank 0's shard: every change of the TP plan is listed.
     assert "transformer.h.3.attn.c_attn: column (3 fused blocks)" in report["tensor_parallel"]["changes"]
     bounds = report["boundaries"]
