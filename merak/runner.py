@@ -245,7 +245,12 @@ def dry_run(spec, settings: RunSettings, prepared: str) -> dict:
               "seconds": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak_rss_bytes()}
     if built.tp_plan is not None:
         report["tensor_parallel"] = {"tp": built.tp_plan.tp, "changes": [str(c) for c in built.tp_plan.changes]}
-        logger.info("tensor-parallel plan (tp=%d), what changes:\n%s", built.tp_plan.tp, built.tp_plan.describe())
+        # One line per changed module (hundreds for a large model): a file, not the console.
+        plan_path = os.path.join(settings.output_dir, "tp_plan.txt")
+        with open(plan_path, "w", encoding="utf-8") as handle:
+            handle.write(f"tensor-parallel plan (tp={built.tp_plan.tp}), what changes:\n{built.tp_plan.describe()}\n")
+        logger.info("tensor-parallel plan (tp=%d): %d changes, listed in %s", built.tp_plan.tp,
+                    len(built.tp_plan.changes), plan_path)
     path = os.path.join(settings.output_dir, "partition.json")
     write_json_atomic(path, report)
     logger.info("\n%s\nwrote %s", format_partition(report), path)

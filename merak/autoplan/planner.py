@@ -24,6 +24,7 @@ from merak.autoplan.profile import GraphProfile, profile_recipe
 from merak.autoplan.search import MEMORY_HEADROOM, Candidate, SearchSpace, explain, search
 from merak.core.files import write_json_atomic
 from merak.pipeline.simulate import ScheduleError
+from merak.report.console import only_errors
 
 logger = logging.getLogger(__name__)
 
@@ -135,10 +136,12 @@ class ProfileCache:
             except (ValueError, TypeError, OSError) as error:
                 logger.warning("ignoring the cached profile %s: %s", path, error)
         started = time.perf_counter()
-        profile = profile_recipe(self.spec, self.settings, tp=tp, sequence_parallel=sequence_parallel,
-                                 device_type=self.device_type)
+        # Each profile builds and captures the model twice: their lines would repeat per tp degree.
+        with only_errors("merak.session"), only_errors("merak.trace"), only_errors("merak.tensor_parallel"):
+            profile = profile_recipe(self.spec, self.settings, tp=tp, sequence_parallel=sequence_parallel,
+                                     device_type=self.device_type)
         self.seconds += time.perf_counter() - started
-        logger.info("profiled %s at tp=%d%s: %d units (%.1f s)", self.spec.name, tp,
+        logger.debug("profiled %s at tp=%d%s: %d units (%.1f s)", self.spec.name, tp,
                     ", sequence parallel" if sequence_parallel else "", len(profile), time.perf_counter() - started)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -114,8 +114,16 @@ def _complexity(layout: Layout) -> int:
         + int(layout.sequence_parallel)
 
 
-def _rank_key(candidate: Candidate) -> float:
-    return candidate.prediction.step_s * (1 + SIMPLICITY_MARGIN * _complexity(candidate.layout))
+def _starved(layout: Layout) -> bool:
+    """Fewer microbatches than pipeline stages: every stage idles for most of the step."""
+    return layout.num_microbatches < layout.pp
+
+
+def _rank_key(candidate: Candidate) -> tuple[bool, float]:
+    # A starved pipeline ranks after every other layout that fits, whatever its predicted step: the run
+    # would warn that its stages idle, and a prediction that favours it is the cost model's error bar.
+    layout = candidate.layout
+    return _starved(layout), candidate.prediction.step_s * (1 + SIMPLICITY_MARGIN * _complexity(layout))
 
 
 _PARTS = {"bubble_s": "pipeline bubble", "tp_comm_s": "tensor-parallel communication",
@@ -130,6 +138,9 @@ def explain(candidate: Candidate, best: Candidate) -> str:
     if not candidate.fits:
         return candidate.why_not
     slower = candidate.prediction.step_s / best.prediction.step_s - 1
+    if _starved(candidate.layout) and not _starved(best.layout):
+        return (f"{slower:+.1%}: {candidate.layout.num_microbatches} microbatches for {candidate.layout.pp} "
+                f"stages, each stage idles for most of the step")
     extra = {name: candidate.prediction.breakdown.get(name, 0.0) - best.prediction.breakdown.get(name, 0.0)
              for name in _PARTS}
     name = max(extra, key=extra.get)

@@ -154,6 +154,9 @@ def test_dry_run_prints_and_writes_the_plan(tmp_path, cache_dir, capfd, caplog):
     assert any(chunk in stage["sends"].values() for stage in stages[:-1])
     printed = "".join(capfd.readouterr()) + caplog.text  # the workers' output and the launcher's log
     assert "pipeline plan (gpt / toy, pp=4)" in printed and "fwd FLOPs" in printed
+    # The per-module tensor-parallel plan goes to a file: a large model's would be hundreds of lines.
+    assert "transformer.h.3.attn.c_attn" in (run_dir / "tp_plan.txt").read_text()
+    assert "transformer.h.3.attn.c_attn" not in printed and "listed in" in printed
 
 
 @pytest.mark.timeout(420)

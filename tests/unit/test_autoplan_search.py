@@ -181,6 +181,31 @@ def test_search_limits_pipeline_depth():
     assert ranked and max(c.layout.pp for c in ranked) == 2
 
 
+class _StarvedLooksFast(CostModel):
+    """Predicts pipelines with fewer microbatches than stages at half their step (a cost model's error)."""
+
+    def predict(self, layout, *, simulate_schedule=True):
+        prediction = super().predict(layout, simulate_schedule=simulate_schedule)
+        if layout.num_microbatches < layout.pp:
+            prediction.step_s /= 2
+        return prediction
+
+
+def test_search_chooses_fewer_microbatches_than_stages_only_when_nothing_else_fits():
+    synthetic = synthetic_model()
+    model = _StarvedLooksFast(synthetic.profiles, synthetic.cluster)
+    ranked = search(model, SearchSpace(world_size=4, global_batch_size=4), capacity_bytes=1e18)
+    starved = [c for c in ranked if c.layout.num_microbatches < c.layout.pp]
+    assert starved and min(c.prediction.step_s for c in starved) < ranked[0].prediction.step_s
+    assert ranked[0].layout.num_microbatches >= ranked[0].layout.pp
+    simulated = [c for c in ranked if c.prediction.simulated]  # ranked first, on the schedules' own timing
+    assert [c in starved for c in simulated] == sorted(c in starved for c in simulated)
+    assert "each stage idles for most of the step" in starved[0].why_not
+    only_pipelines = SearchSpace(world_size=2, global_batch_size=1,
+                                 layout_problems=lambda dp, tp, pp: [] if pp == 2 else ["pipelines only"])
+    assert search(model, only_pipelines, capacity_bytes=1e18)[0].layout.num_microbatches == 1
+
+
 # --- planning the toy GPT ------------------------------------------------------------------------------------
 
 TOY_GRIDS = {(4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2), (1, 1, 4)}
