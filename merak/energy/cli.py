@@ -3,7 +3,8 @@
     merak-energy plan PROFILE.csv --num-stages S --num-microbatches M --schedule 1f1b \\
         --p2p-power 80 --out DIR [--deadline SECONDS] [--points 60]
     merak-energy serve PLAN.py|FRONTIER.json [--deadline SECONDS] [--host 127.0.0.1] [--port 7787]
-        [--dump-dir DIR]
+        [--dump-dir DIR] [--log-level INFO] [--max-request-bytes 16777216] [--max-jobs 64]
+        [--max-ranks 4096]
 
 ``plan`` writes ``DIR/plan.py`` (the chosen point: the fastest step with the least energy, or
 the least energy within ``--deadline``), ``DIR/frontier/plan_NNN.py`` for every frontier point,
@@ -12,6 +13,11 @@ plans and predictions in one file: ``trainer.frequency_frontier`` runs it, movin
 a data-parallel pipeline straggles) and ``DIR/frontier.png``. It checks
 its options, the profile and every solve before it creates ``DIR``: a bad value exits with
 status 2 and an argparse-style message naming the option, and writes nothing.
+
+``serve`` checks its options the same way before it reads the plan (``--port`` 0..65535, 0 for a
+free port that the log names; ``--deadline`` > 0 and only with a frontier; a non-empty ``--host``;
+the limits >= their minimums), and reports a plan or frontier file it cannot use, or an address
+it cannot listen on, in one line with exit status 2.
 """
 
 from __future__ import annotations
@@ -31,12 +37,13 @@ from merak.energy.frontier import FrontierError, write_frontier
 from merak.energy.planner import FrequencyPlanner, PlanPoint
 from merak.energy.plans import PlanError, write_plan
 from merak.energy.profile_csv import Overheads, ProfileError, check_coverage, read_overheads, read_profile
+from merak.energy.zeus_server import DEFAULT_MAX_JOBS, DEFAULT_MAX_RANKS, DEFAULT_MAX_REQUEST_BYTES, LOG_LEVELS
 
 logger = logging.getLogger("merak.energy")
 
 
 class UsageError(ValueError):
-    """An option value ``plan`` cannot use; :func:`main` reports it as argparse does (exit status 2)."""
+    """An option value a command cannot use; :func:`main` reports it as argparse does (exit status 2)."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +55,10 @@ class Solution:
     all_max: PlanPoint
 
 
-def _check_count(option: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise UsageError(f"argument {option}: must be >= {minimum}, got {value}")
+def _check_count(option: str, value: int, minimum: int, maximum: int | None = None) -> None:
+    if value < minimum or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise UsageError(f"argument {option}: must be {bounds}, got {value}")
 
 
 def _check_number(option: str, value: float, minimum: float, *, inclusive: bool) -> None:
@@ -80,6 +88,38 @@ def check_plan_args(args) -> None:
             _check_number(option, value, 0.0, inclusive=True)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"argument --out: {args.out} exists and is not a directory")
+
+
+MIN_REQUEST_BYTES = 1024  # below this even a rank's registration (its GPU's clocks) would be refused
+
+
+def check_serve_args(args) -> None:
+    """Reject unusable ``serve`` options, before the plan is read or a port is opened.
+
+    Raises:
+        UsageError: naming the first bad option and its value.
+    """
+    if not os.path.isfile(args.plan):
+        why = "is not a file" if os.path.exists(args.plan) else "does not exist"
+        raise UsageError(f"argument plan: {args.plan} {why}")
+    if args.deadline is not None:
+        _check_number("--deadline", args.deadline, 0.0, inclusive=False)
+        if not args.plan.endswith(".json"):
+            # A plan file has one point: a deadline would be ignored without a word.
+            raise UsageError(f"argument --deadline: only a frontier file (.json) has points to choose from, "
+                             f"not {args.plan}")
+    if not args.host.strip():
+        raise UsageError("argument --host: must not be empty")
+    _check_count("--port", args.port, 0, 65535)
+    if not args.dump_dir.strip():
+        raise UsageError("argument --dump-dir: must not be empty")
+    if os.path.exists(args.dump_dir) and not os.path.isdir(args.dump_dir):
+        raise UsageError(f"argument --dump-dir: {args.dump_dir} exists and is not a directory")
+    if args.log_level.upper() not in LOG_LEVELS:
+        raise UsageError(f"argument --log-level: must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}")
+    _check_count("--max-request-bytes", args.max_request_bytes, MIN_REQUEST_BYTES)
+    _check_count("--max-jobs", args.max_jobs, 1)
+    _check_count("--max-ranks", args.max_ranks, 1)
 
 
 def profile_overheads(args) -> Overheads:
@@ -207,10 +247,19 @@ def plan_command(args) -> int:
 
 
 def serve_command(args) -> int:
+    """Check the options, then serve the plan until interrupted; returns the exit code.
+
+    Raises:
+        UsageError: an option is out of range.
+        PlanError, FrontierError: the plan or frontier file cannot be used.
+        ServeError: the address or the dump directory cannot be used.
+    """
+    check_serve_args(args)
     from merak.energy.zeus_server import serve
 
-    serve(args.plan, host=args.host, port=args.port, dump_dir=args.dump_dir, log_level=args.log_level,
-          deadline=args.deadline)
+    serve(args.plan, host=args.host, port=args.port, dump_dir=args.dump_dir, log_level=args.log_level.upper(),
+          deadline=args.deadline, max_request_bytes=args.max_request_bytes, max_jobs=args.max_jobs,
+          max_ranks=args.max_ranks)
     return 0
 
 
@@ -235,15 +284,30 @@ def _parser(prog: str = "merak-energy") -> tuple[argparse.ArgumentParser, dict[s
                            "PROFILE.overheads.json, else 0)")
     plan.add_argument("--step-overhead", type=float, default=None,
                       help="seconds from the last instruction to the end of a step (default: as above)")
-    serve = commands.add_parser("serve", help="a zeus pipeline-frequency server that serves a plan file")
+    serve = commands.add_parser(
+        "serve", help="a zeus pipeline-frequency server that serves a plan file",
+        description="A zeus pipeline-frequency server that serves a plan file. Its memory is bounded: a request "
+                    "body over --max-request-bytes is refused with HTTP 413, and registering a job beyond "
+                    "--max-jobs or --max-ranks drops the jobs idle longest (their later requests get HTTP 404).")
     serve.add_argument("plan", help="plan file (merak-energy plan's plan.py), or frontier.json to serve its "
                                     "fastest point (or --deadline's)")
     serve.add_argument("--deadline", type=float, default=None,
-                       help="with frontier.json: serve the least-energy point within this step time (seconds)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=7787)
+                       help="with frontier.json: serve the least-energy point within this step time (seconds, > 0)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=7787,
+                       help="TCP port, 0..65535 (0: a free port, named in the log; default: 7787)")
     serve.add_argument("--dump-dir", default="./zeus-dump", help="where zeus writes reported profiling results")
-    serve.add_argument("--log-level", default="INFO")
+    serve.add_argument("--log-level", default="INFO", help=f"one of {', '.join(LOG_LEVELS)} (default: INFO)")
+    serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help=f"refuse a larger request body with HTTP 413 (>= {MIN_REQUEST_BYTES}; default: "
+                            f"{DEFAULT_MAX_REQUEST_BYTES} = {DEFAULT_MAX_REQUEST_BYTES // 2**20} MiB, where a rank's "
+                            "profiling result of 4 steps of 1024 microbatches takes under 1 MiB)")
+    serve.add_argument("--max-jobs", type=int, default=DEFAULT_MAX_JOBS,
+                       help=f"jobs kept at once (>= 1; default: {DEFAULT_MAX_JOBS}): registering one more drops "
+                            "the job idle longest")
+    serve.add_argument("--max-ranks", type=int, default=DEFAULT_MAX_RANKS,
+                       help=f"ranks kept over all jobs (>= 1; default: {DEFAULT_MAX_RANKS}): a larger job is refused "
+                            "with HTTP 400, and registering a job drops the jobs idle longest until it fits")
     return parser, {"plan": plan, "serve": serve}
 
 

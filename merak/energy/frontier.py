@@ -11,6 +11,7 @@ plan uses ``energy + S * p2p_power * (T - iteration_time)``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -80,9 +81,28 @@ def write_frontier(path: str, graph: StepGraph, points, *, schedule: str, num_ch
 
 
 def _number(value, what: str, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    # JSON has NaN and Infinity: a NaN compares false with everything and would pass "< 0".
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise FrontierError(f"frontier file {path!r}: {what} is {value!r}, not a number >= 0")
     return float(value)
+
+
+def _header(data: dict, path: str) -> tuple[str, int, int, int]:
+    """schedule, num_stages, num_microbatches and num_chunks, each of its JSON type (``int(x)`` would
+    round 2.5 and overflow on Infinity)."""
+    missing = [key for key in ("schedule", "num_stages", "num_microbatches", "num_chunks", "p2p_power", "points")
+               if key not in data]
+    if missing:
+        raise FrontierError(f"frontier file {path!r} lacks {', '.join(missing)}")
+    if not isinstance(data["schedule"], str):
+        raise FrontierError(f"frontier file {path!r}: schedule is {data['schedule']!r}, not a name")
+    counts = []
+    for key in ("num_stages", "num_microbatches", "num_chunks"):
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FrontierError(f"frontier file {path!r}: {key} is {value!r}, not an integer >= 1")
+        counts.append(value)
+    return (data["schedule"], *counts)
 
 
 def _plans(value, what: str, path: str) -> StagePlans:
@@ -102,25 +122,27 @@ def _plans(value, what: str, path: str) -> StagePlans:
 def read_frontier(path: str) -> Frontier:
     """Parse and check a frontier file.
 
+    Every problem, whatever the file holds (binary data, another JSON document, nesting deeper
+    than the parser goes), is a one-line FrontierError naming the file.
+
     Raises:
-        FrontierError: missing, not JSON, another format, or points out of order.
+        FrontierError: missing, not UTF-8 JSON, another format, or points out of order.
     """
     if not os.path.isfile(path):
-        raise FrontierError(f"frontier file {path!r} does not exist (merak-energy plan writes DIR/frontier.json)")
+        why = "is not a file" if os.path.exists(path) else "does not exist"
+        raise FrontierError(f"frontier file {path!r} {why} (merak-energy plan writes DIR/frontier.json)")
     try:
         with open(path, encoding="utf-8") as handle:
             data = json.load(handle)
-    except (OSError, json.JSONDecodeError) as error:
+    except UnicodeDecodeError as error:
+        raise FrontierError(f"frontier file {path!r} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
+                            f"offset {error.start}): not a frontier.json that merak-energy plan wrote") from None
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: JSONDecodeError, numbers too long
         raise FrontierError(f"frontier file {path!r} is not readable JSON: {error}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise FrontierError(f"frontier file {path!r} is not a merak frontier of format {FORMAT}")
-    try:
-        header = (str(data["schedule"]), int(data["num_stages"]), int(data["num_microbatches"]),
-                  int(data["num_chunks"]))
-        p2p_power, raw = data["p2p_power"], data["points"]
-    except (KeyError, TypeError, ValueError) as error:
-        raise FrontierError(f"frontier file {path!r} lacks or mangles {error}") from None
-    p2p_power = _number(p2p_power, "p2p_power", path)
+    header = _header(data, path)
+    p2p_power, raw = _number(data["p2p_power"], "p2p_power", path), data["points"]
     if not isinstance(raw, list) or not raw:
         raise FrontierError(f"frontier file {path!r} has no points")
     points = []

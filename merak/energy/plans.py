@@ -34,17 +34,29 @@ def write_plan(path: str, plans: StagePlans) -> None:
 def read_plan(path: str) -> StagePlans:
     """Parse a plan file with ``ast.literal_eval``.
 
+    Every problem, whatever the file holds (binary data, nesting deeper than the parser goes), is
+    a one-line PlanError naming the file.
+
     Raises:
-        PlanError: missing file, not a literal, or not a list of lists of ``(str, int)``.
+        PlanError: missing file, not UTF-8, not a literal, or not a list of lists of ``(str, int)``.
     """
     if not os.path.isfile(path):
-        raise PlanError(f"plan file {path!r} does not exist")
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
+        why = "is not a file" if os.path.exists(path) else "does not exist"
+        raise PlanError(f"plan file {path!r} {why}")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as error:
+        raise PlanError(f"plan file {path!r} is not UTF-8 text (byte {error.object[error.start]:#04x} at offset "
+                        f"{error.start}): not a plan.py that merak-energy plan wrote") from None
+    except OSError as error:
+        raise PlanError(f"plan file {path!r} cannot be read: {error.strerror or error}") from None
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError) as error:
-        raise PlanError(f"plan file {path!r} is not a Python literal list of stage plans: {error}") from None
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as error:
+        # literal_eval's message may quote a line of the file: keep the error to one line.
+        why = " ".join(str(error).split())[:200]
+        raise PlanError(f"plan file {path!r} is not a Python literal list of stage plans: {why}") from None
     if not isinstance(value, (list, tuple)) or not value:
         raise PlanError(f"plan file {path!r} must hold a non-empty list with one list per stage")
     plans: StagePlans = []

@@ -69,15 +69,52 @@ class EnergySettings:
         return energy_problems(self, schedule, pp, num_microbatches, num_chunks, dp)
 
 
-def _server_problem(url: str) -> str | None:
-    import httpx
+def _answer(response) -> str:
+    """What a response was, in one line: status, server, content type and the start of its body."""
+    kind = response.headers.get("content-type", "no content type").split(";")[0]
+    who = ", ".join(filter(None, (response.headers.get("server"), kind)))
+    start = " ".join(response.text[:400].split())[:80]
+    return f"{response.status_code} {response.reason_phrase} ({who}: {start!r})"
 
+
+def _server_problem(url: str) -> str | None:
+    """Why ``url`` is not a zeus pipeline-frequency server, or None.
+
+    Answering is not enough: any web server answers. zeus's server is a FastAPI app, whose
+    OpenAPI description lists the endpoints that merak's and zeus's clients call; another web
+    server answers 404, HTML, or an API without them.
+    """
+    import httpx
+    from zeus.optimizer.pipeline_frequency.common import (
+        GET_FREQUENCY_SCHEDULE_URL,
+        REGISTER_JOB_URL,
+        REGISTER_RANK_URL,
+        REPORT_PROFILING_RESULT_URL,
+    )
+
+    where = f"trainer.pfo_server_url={url!r}"
+    asked = url.rstrip("/") + "/openapi.json"
     try:
-        httpx.get(url.rstrip("/") + "/docs", timeout=5.0)
-    except httpx.HTTPError as error:
-        return (f"trainer.pfo_server_url={url!r}: cannot reach the zeus server ({type(error).__name__}: {error}); "
+        response = httpx.get(asked, timeout=5.0)
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
+        return (f"{where}: cannot reach the zeus server ({type(error).__name__}: {error}); "
                 "start it first (merak-energy serve PLAN.py)")
-    return None
+    needed = (REGISTER_JOB_URL, REGISTER_RANK_URL, GET_FREQUENCY_SCHEDULE_URL, REPORT_PROFILING_RESULT_URL)
+    paths = None
+    if response.status_code == 200:
+        try:
+            paths = response.json().get("paths")
+        except (ValueError, AttributeError):  # not JSON, or JSON but not an object
+            paths = None
+    if isinstance(paths, dict) and all(path in paths for path in needed):
+        return None
+    if isinstance(paths, dict):
+        missing = [path for path in needed if path not in paths]
+        answer = f"an API without {', '.join(missing)}"
+    else:
+        answer = _answer(response)
+    return (f"{where} is not a zeus pipeline-frequency server: GET {asked} answered {answer}; "
+            "point it at merak-energy serve (or zeus's server)")
 
 
 def energy_problems(energy, schedule: str, pp: int, num_microbatches: int, num_chunks: int,
