@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 
 import torch
+from omegaconf import OmegaConf
 
 from merak.autoplan.auto import plan_layout, wants_auto
 from merak.checkpoint import CheckpointError, find_checkpoint, list_checkpoints
@@ -149,7 +150,9 @@ def _run_locked(spec, cfg, settings: RunSettings, outside_world: int | None) -> 
     prepared = spec.prepare_data(settings.data_cfg, settings.model_cfg)
     os.makedirs(settings.output_dir, exist_ok=True)
     if cfg.get("dry_run"):  # it plans, it does not train: the data need not hold a global batch
-        return dry_run(spec, settings, prepared)
+        priced = (cfg.get("parallel") or {}).get("priced")
+        return dry_run(spec, settings, prepared,
+                       priced=OmegaConf.to_container(priced) if priced is not None else None)
     num_samples = len(spec.load_dataset(prepared, settings.model_cfg))
     try:
         steps = total_steps(settings, _steps_per_epoch(settings, num_samples))
@@ -233,8 +236,10 @@ def plan_before_launch(spec, settings: RunSettings, prepared: str, *, tp_rank: i
         raise ConfigError(f"invalid configuration:\n  - {error}") from error
 
 
-def dry_run(spec, settings: RunSettings, prepared: str) -> dict:
-    """Build, capture, shard and partition in this process; report and write partition.json; no training."""
+def dry_run(spec, settings: RunSettings, prepared: str, *, priced: dict | None = None) -> dict:
+    """Build, capture, shard and partition in this process; report and write partition.json; no training.
+    ``priced``: the planner's pricing of this layout on its cluster (``parallel=auto``), shown instead of
+    this machine's."""
     started = time.perf_counter()
     built = plan_before_launch(spec, settings, prepared, only_plans=True)
     if built.plan is None:
@@ -243,6 +248,8 @@ def dry_run(spec, settings: RunSettings, prepared: str) -> dict:
               "layout": {"dp": settings.grid.dp, "tp": settings.grid.tp, "pp": settings.grid.pp},
               "built_on_meta": built.on_meta, **built.plan.to_json(),
               "seconds": round(time.perf_counter() - started, 3), "peak_rss_bytes": peak_rss_bytes()}
+    if priced is not None:
+        report["priced_on_cluster"] = priced
     if built.tp_plan is not None:
         report["tensor_parallel"] = {"tp": built.tp_plan.tp, "changes": [str(c) for c in built.tp_plan.changes]}
         # One line per changed module (hundreds for a large model): a file, not the console.

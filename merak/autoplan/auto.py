@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from merak.autoplan.cluster import THIS, Cluster, load_cluster, usable_cores
+from merak.autoplan.commands import format_commands, launch_commands
 from merak.autoplan.planner import PlanError, plan_for_settings, requested_global_batch, single_process_settings
 from merak.autoplan.table import format_table
 from merak.autoplan.trials import TRIAL_SECONDS, TRIAL_STEPS, TRIALS, Train, layout_config, run_trials
@@ -83,7 +85,41 @@ def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None, train: Trai
         tried = f"\n{outcome.describe()}" if outcome is not None and outcome.trials else ""
         table = format_table(report, chosen=outcome.chosen if outcome is not None else None)
         logger.info("parallel=auto chose %s\n%s%s\nwrote %s", best.key(), table, tried, path)
-    return layout_config(cfg, best)
+        if cfg.get("dry_run") and cluster.device_type == "cuda":
+            commands = launch_commands(sys.argv[0], _task_overrides(), best, cluster)
+            logger.info("to run it on %s:\n%s", cluster.name, format_commands(commands))
+    chosen = layout_config(cfg, best)
+    if cfg.get("dry_run") and outcome is None:
+        with open_dict(chosen):  # the dry run's stage table is priced as the table above, not on this machine
+            chosen.parallel.priced = priced_stages(report, report.best)
+    return chosen
+
+
+def priced_stages(report, candidate) -> dict:
+    """The planner's pricing of ``candidate`` per pipeline stage on the report's cluster: forward + backward
+    (+ recomputation) seconds per microbatch and memory per device, with the step and what it assumed."""
+    layout = candidate.layout
+    pieces = report.cost_model.pieces(layout)
+    stages = []
+    for stage in range(layout.pp):
+        mine = [pieces[chunk * layout.pp + stage] for chunk in range(layout.chunks)]
+        seconds = sum(p.forward + p.backward + (p.recompute if layout.recompute else 0.0) for p in mine)
+        stages.append({"fwd_bwd_s": seconds, "memory_bytes": int(candidate.prediction.stage_memory[stage])})
+    cluster = report.cluster
+    return {"cluster": cluster.name, "devices": f"{report.world_size} x {cluster.accelerator.name}",
+            "schedule": layout.schedule if layout.chunks == 1 else f"{layout.schedule} x{layout.chunks}",
+            "num_microbatches": layout.num_microbatches, "zero_stage": layout.zero_stage,
+            "recompute": layout.recompute, "step_s": candidate.prediction.step_s, "stages": stages}
+
+
+def _task_overrides() -> list[str]:
+    """The command line's overrides of this Hydra job (none outside Hydra)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return [str(o) for o in HydraConfig.get().overrides.task]
+    except (ImportError, ValueError):
+        return []
 
 
 def _trial_settings(cfg: DictConfig) -> tuple[int, int, float]:

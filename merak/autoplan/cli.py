@@ -4,8 +4,10 @@
     merak-plan gpt model=gpt3-175b model.seq_length=2048 trainer.bf16=true trainer.global_batch_size=2048 \\
         --cluster h100-80 --nodes 64 --compare megatron:tp=4,pp=8,mb=2,schedule=interleaved_1f1b,chunks=6,sp=1
 
-Prints the ranked table (predicted step time, MFU, memory per device, why each runner-up lost) and
-writes ``plan.json``. ``--compare NAME:KEY=VALUE,...`` prices a layout of your own beside them
+Prints the ranked table (predicted step time, MFU, memory per device, why each runner-up lost), for a
+GPU cluster the commands that run the first layout there (torchrun, srun, SLURM), and writes the plan
+as JSON (``--out``; default ``outputs/merak-plan/RECIPE-CLUSTER-Nn.json``). ``--compare NAME:KEY=VALUE,...``
+prices a layout of your own beside them
 (keys: dp, tp, pp, mb, schedule, chunks, recompute, zero, sp; dp defaults to what the world leaves).
 """
 
@@ -14,9 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from merak.autoplan.cluster import load_cluster, usable_cores
+from merak.autoplan.commands import format_commands, launch_commands
 from merak.autoplan.layout import Layout
 from merak.autoplan.planner import (
     PlanError,
@@ -71,7 +75,8 @@ def _parser(prog: str = "merak-plan") -> argparse.ArgumentParser:
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default: 10)")
     parser.add_argument("--compare", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="price this layout beside the ranked ones (repeatable)")
-    parser.add_argument("--out", default="plan.json", help="where to write the plan (default: plan.json)")
+    parser.add_argument("--out", default=None,
+                        help="where to write the plan (default: outputs/merak-plan/RECIPE-CLUSTER-Nn.json)")
     return parser
 
 
@@ -94,11 +99,16 @@ def main(argv: list[str] | None = None, *, prog: str = "merak-plan") -> int:
         logger.error("%s", error)
         return 2
     print(format_table(report, top=args.top, extra=extra))
+    if cluster.device_type == "cuda":
+        commands = launch_commands(f"recipes/{args.recipe}/train.py", args.overrides, report.best.layout, cluster)
+        print(f"to run the first layout on {cluster.name}:\n{format_commands(commands)}")
     payload = report.to_json(top=max(args.top, 50))
     payload["compared"] = [{"name": name, **c.to_json(), "mfu": report.mfu(c)} for name, c in extra]
-    with open(args.out, "w", encoding="utf-8") as handle:
+    out = args.out or os.path.join("outputs", "merak-plan", f"{args.recipe}-{cluster.name}-{cluster.nodes}n.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w", encoding="utf-8") as handle:
         json.dump(payload, handle, indent=1)
-    logger.info("wrote %s", args.out)
+    logger.info("wrote %s", out)
     return 0
 
 

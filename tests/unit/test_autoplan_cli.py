@@ -92,3 +92,26 @@ def test_cli_compare_that_cannot_run_exits_2(cache_dir, tmp_path):
 
 
 # merak-plan for gpt2 on two GPU servers: tests/recipes/test_auto_parallel.py (it shares gpt2's profiles).
+
+
+def test_a_gpu_plan_ends_in_commands_that_run_it():
+    """Two nodes of 8 GPUs: srun and a SLURM job (no torchrun: it needs one node), with the user's model and
+    the chosen layout, without the planning-only overrides."""
+    from merak.autoplan.cluster import preset
+    from merak.autoplan.commands import launch_commands
+
+    asked = ["model=gpt3-xl", "parallel=auto", "cluster=h100-80", "cluster.nodes=2", "dry_run=true"]
+    layout = Layout(dp=2, tp=4, pp=2, micro_batch_size=1, num_microbatches=8, schedule="zb_h1", zero_stage=1)
+    commands = dict(launch_commands("recipes/gpt/train.py", asked, layout, preset("h100-80").with_size(nodes=2)))
+    assert list(commands) == ["2 node(s), srun (inside an allocation)", "2 node(s), SLURM job"]
+    slurm = commands["2 node(s), SLURM job"]
+    assert slurm.startswith("python recipes/gpt/train.py -m hydra/launcher=merak_slurm hydra.launcher.nodes=2 "
+                            "hydra.launcher.gpus_per_node=8 ")
+    assert commands["2 node(s), srun (inside an allocation)"].startswith(
+        "srun --nodes 2 --ntasks-per-node 8 --gpus-per-node 8 python recipes/gpt/train.py model=gpt3-xl ")
+    for command in commands.values():
+        assert "model=gpt3-xl" in command and all(o in command for o in layout.overrides())
+        assert not any(word in command for word in ("parallel=auto", "cluster", "dry_run"))
+    one_node = dict(launch_commands("recipes/gpt/train.py", [], Layout(dp=8, tp=1, pp=1, micro_batch_size=1,
+                                                                       num_microbatches=1), preset("h100-80")))
+    assert one_node["one node, torchrun"].startswith("torchrun --standalone --nproc_per_node 8 recipes/gpt/train.py ")
