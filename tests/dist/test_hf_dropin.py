@@ -242,3 +242,35 @@ def test_energy_profile_and_text_generation_from_the_trainer(tmp_path):
     prompts = [sample["input_ids"].tolist() for sample in samples(4, 2)]
     assert [g["prompt"] for g in generated] == prompts
     assert all(len(g["generated"]) == 3 for g in generated)
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(SEED)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+@pytest.mark.parametrize(("build", "ratio"), [(build_model, 1.0), (_tiny_gpt2, SEQ / (SEQ - 1))],
+                         ids=["llama-counted-shifted", "gpt2-counted-unshifted"])
+def test_logged_loss_relates_to_hugging_faces_by_the_labels_it_counts(tmp_path, build, ratio):
+    """docs/trainer_api.md, "Differences from Hugging Face Trainer": its Trainer divides the summed token losses
+    by the labels it counts (num_items_in_batch). For a model it knows as a causal LM (loss_type ForCausalLM:
+    LlamaForCausalLM) it counts the SEQ - 1 predicted ones, as merak averages; for others (GPT2LMHeadModel) all
+    SEQ, so merak's loss is its loss x SEQ / (SEQ - 1). One global batch (the same samples in any order)."""
+    from transformers import Trainer, TrainingArguments
+
+    data = samples(MICRO * MICROBATCHES, 5)
+    common = {"per_device_train_batch_size": MICRO, "gradient_accumulation_steps": MICROBATCHES, "max_steps": 1,
+              "learning_rate": LR, "seed": SEED, "logging_steps": 1, "report_to": [], "disable_tqdm": True,
+              "save_strategy": "no"}
+    hugging_face = Trainer(model=build(), args=TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True,
+                                                                 **common), train_dataset=data)
+    hugging_face.train()
+    theirs = next(entry["loss"] for entry in hugging_face.state.log_history if "loss" in entry)
+    ours = merak.MerakTrainer(model=build(), args=merak.MerakArguments(output_dir=str(tmp_path / "merak"), **common),
+                              train_dataset=data)
+    ours.train()
+    mine = next(entry["loss"] for entry in ours.state.log_history if "loss" in entry)
+    assert mine == pytest.approx(theirs * ratio, rel=1e-5)
