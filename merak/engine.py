@@ -321,9 +321,11 @@ class PipelineEngine:
         if self._eval_instructions is None:
             self._eval_instructions = build_forward_only_schedule(
                 stage_id=self.stage_id, num_stages=self.num_stages, num_microbatches=self.num_microbatches)
-        step_index, listeners = self.executor.step_index, self.executor.hooks
+        step_index, listeners, timeline = self.executor.step_index, self.executor.hooks, self.executor.timeline
         # The listeners (timers, energy meters, frequency plans) follow training steps: a forward-only
-        # evaluation step is none of theirs (a frequency plan would not find its instructions in it).
+        # evaluation step is none of theirs (a frequency plan would not find its instructions in it). Nor is
+        # the recorded timeline (wall_clock_breakdown) theirs: it keeps the last training step, whose
+        # backwards the end-of-run pictures price the training schedule with.
         self.executor.hooks = HookList()
         for chunk in self.chunks.values():
             chunk.eval()
@@ -331,7 +333,7 @@ class PipelineEngine:
             with torch.no_grad():
                 local_loss = self.executor.run(self._eval_instructions, microbatches, keep_outputs=keep_outputs)
         finally:
-            self.executor.step_index, self.executor.hooks = step_index, listeners
+            self.executor.step_index, self.executor.hooks, self.executor.timeline = step_index, listeners, timeline
             for chunk in self.chunks.values():
                 chunk.train()
         return self._global_loss(local_loss), self.executor.outputs

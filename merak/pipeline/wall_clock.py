@@ -1,6 +1,7 @@
 """``wall_clock_breakdown``: the measured timeline of a step, and the simulator's prediction beside it.
 
-Every rank records the start and end of each instruction of the last step;
+Every rank records the start and end of each instruction of the last training step (the session
+keeps that record across the evaluation steps that follow it);
 rank 0 gathers one rank per stage (data- and tensor-parallel rank 0), writes
 a Chrome trace (``timeline.json``), a picture (``timeline.png``), and a
 picture of the same schedule simulated with the measured per-instruction
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 def measured_events(executor, *, stage: int, rank: int) -> list[TimedInstruction]:
-    """The executor's recorded last step as timeline events."""
+    """The executor's recorded last training step as timeline events."""
     return [TimedInstruction(stage=stage, rank=rank, kind=kind_of(instr), label=label_of(instr), start=start, end=end)
             for instr, start, end in executor.timeline]
 

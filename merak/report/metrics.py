@@ -1,4 +1,4 @@
-"""What a run shows and writes: progress bar, metrics.jsonl, summary.json and the summary table."""
+"""What a run shows and writes: progress bar, metrics.jsonl (and its loss.png), summary.json and the summary table."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import resource
 import statistics
 import sys
 from dataclasses import asdict, dataclass
+
+from merak.report.curves import write_run_curves
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ class StepRecord:
 
 
 class MetricsWriter:
-    """Rank 0's progress bar and per-step metrics file.
+    """Rank 0's progress bar, per-step metrics file and its loss curves (``loss.png``).
 
     Args:
         output_dir: run directory (metrics.jsonl goes there).
@@ -63,6 +65,7 @@ class MetricsWriter:
         self.records: list[StepRecord] = []
         self._file = None
         self._bar = None
+        self._closed = False
         if enabled:
             os.makedirs(output_dir, exist_ok=True)
             path = self._path = os.path.join(output_dir, "metrics.jsonl")
@@ -104,17 +107,27 @@ class MetricsWriter:
         elif self.enabled:
             with open(self._path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(entry) + "\n")
+            if self._closed:  # an evaluation after training (MerakTrainer.evaluate): loss.png gains its point
+                write_run_curves(os.path.dirname(self._path))
         if self.trackers is not None and "step" in entry:
             self.trackers.log({f"eval/{key.removeprefix('eval_')}": value for key, value in entry.items()
                                if key.startswith("eval_")}, entry["step"])
 
     def close(self) -> None:
+        """End the run's reporting: close the progress bar, metrics.jsonl and the trackers, and draw
+        ``loss.png`` beside metrics.jsonl (:mod:`merak.report.curves`). Called when training stops,
+        finished or not; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
             self._file.close()
         if self.trackers is not None:
             self.trackers.close()
+        if self.enabled:
+            write_run_curves(os.path.dirname(self._path))
 
     def throughput(self) -> dict[str, float]:
         """Median step time (first step excluded as warm-up when there are more) and rates."""

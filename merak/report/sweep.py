@@ -10,8 +10,9 @@ Every recipe's train.yaml registers :class:`SweepSummary` as a Hydra callback::
 Each job, in its own process (a subprocess or SLURM task with hydra-submitit-launcher), writes
 ``sweep_job.json`` next to its ``summary.json``: number, overrides, status (ok / failed) and the
 error of a failed job. After the sweep the launching process reads those files and the
-``summary.json`` of each job, prints the table and writes ``sweep_summary.json`` and
-``sweep_summary.md`` in the sweep directory.
+``summary.json`` of each job, prints the table and writes ``sweep_summary.json``,
+``sweep_summary.md`` and ``loss.png`` (every job's training and evaluation loss, from its
+``metrics.jsonl``: :mod:`merak.report.curves`) in the sweep directory.
 
 Hydra's basic sweeper runs every job of the sweep and only then raises the first failed job's
 exception, so Hydra never calls ``on_multirun_end`` when a job failed; the summary is then written
@@ -38,11 +39,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from merak.report.curves import write_sweep_curves
+
 logger = logging.getLogger(__name__)
 
 JOB_FILE = "sweep_job.json"
-COLUMNS = ("job", "overrides", "dp/tp/pp", "schedule", "final loss", "step time (ms)", "samples/s", "tokens/s",
-           "status")
+COLUMNS = ("job", "overrides", "dp/tp/pp", "schedule", "final loss", "eval loss", "final lr", "step time (ms)",
+           "samples/s", "tokens/s", "status")
+NUMERIC = frozenset(range(4, 10))  # right-aligned columns
+# Figures of a job's summary.json the table shows (the evaluation loss and learning rate are read apart).
+SUMMARY_FIGURES = ("final_loss", "median_step_time_s", "samples_per_s", "tokens_per_s")
 
 
 def _rank() -> int:
@@ -137,19 +143,23 @@ def collect(sweep_dir: Path, records: list[dict], before: dict[Path, int] | None
                 by_dir[job_dir] = record
     for record in records:  # jobs that ran in this process (their job file may be missing)
         by_dir[str(Path(record["output_dir"]).resolve())] = record
-    rows = []
-    for record in by_dir.values():
-        row = {**record, "final_loss": None, "median_step_time_s": None, "samples_per_s": None,
-               "tokens_per_s": None}
-        summary = _read_json(Path(record["output_dir"]) / "summary.json") if record.get("output_dir") else None
-        if summary is not None and record["status"] == "ok":
-            row.update({key: summary.get(key) for key in ("final_loss", "median_step_time_s", "samples_per_s",
-                                                           "tokens_per_s")})
-            row["layout"] = summary.get("layout", row["layout"])
-            row["schedule"] = summary.get("schedule", row["schedule"])
-        rows.append(row)
+    rows = [_row(record) for record in by_dir.values()]
     return sorted(rows, key=lambda r: (r["job"] is None, r["job"] if isinstance(r["job"], int) else 0,
                                        str(r["output_dir"])))
+
+
+def _row(record: dict) -> dict:
+    """A job's record with the figures of its summary.json (None where the job failed or wrote none)."""
+    row = {**record, **dict.fromkeys(SUMMARY_FIGURES), "eval_loss": None, "final_learning_rate": None}
+    summary = _read_json(Path(record["output_dir"]) / "summary.json") if record.get("output_dir") else None
+    if summary is None or record["status"] != "ok":
+        return row
+    row.update({key: summary.get(key) for key in SUMMARY_FIGURES})
+    row["eval_loss"] = (summary.get("eval") or {}).get("eval_loss")  # the last evaluation: at the run's end
+    row["final_learning_rate"] = summary.get("final_learning_rate")
+    row["layout"] = summary.get("layout", row["layout"])
+    row["schedule"] = summary.get("schedule", row["schedule"])
+    return row
 
 
 def _number(value, spec: str) -> str:
@@ -159,24 +169,25 @@ def _number(value, spec: str) -> str:
 def format_table(rows: list[dict]) -> str:
     """The sweep as a Markdown table (padded, so it reads in a terminal too), the overrides that
     every job shares above it and the errors of failed jobs below it."""
-    shared = set(rows[0]["overrides"]).intersection(*(r["overrides"] for r in rows[1:])) if rows else set()
+    shared = _shared_overrides(rows)
     cells = []
     for row in rows:
         layout = row.get("layout")
+        step_time = row.get("median_step_time_s")
         cells.append((
-            str(row["job"]), " ".join(o for o in row["overrides"] if o not in shared).replace("|", "\\|") or "(none)",
+            str(row["job"]), _own_overrides(row, shared).replace("|", "\\|") or "(none)",
             f"{layout['dp']}/{layout['tp']}/{layout['pp']}" if layout else "", row.get("schedule") or "",
-            _number(row["final_loss"], ".4f"),
-            _number(None if row["median_step_time_s"] is None else row["median_step_time_s"] * 1000, ",.1f"),
-            _number(row["samples_per_s"], ",.1f"), _number(row["tokens_per_s"], ",.0f"), row["status"]))
+            _number(row.get("final_loss"), ".4f"), _number(row.get("eval_loss"), ".4f"),
+            _number(row.get("final_learning_rate"), ".2e"),
+            _number(None if step_time is None else step_time * 1000, ",.1f"),
+            _number(row.get("samples_per_s"), ",.1f"), _number(row.get("tokens_per_s"), ",.0f"), row["status"]))
     widths = [max(len(c[i]) for c in [COLUMNS, *cells]) for i in range(len(COLUMNS))]
-    numeric = {4, 5, 6, 7}
 
     def line(values) -> str:
-        return "| " + " | ".join(v.rjust(w) if i in numeric else v.ljust(w)
+        return "| " + " | ".join(v.rjust(w) if i in NUMERIC else v.ljust(w)
                                  for i, (v, w) in enumerate(zip(values, widths))) + " |"
 
-    rule = "|" + "|".join("-" * (w + 1) + ":" if i in numeric else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
+    rule = "|" + "|".join("-" * (w + 1) + ":" if i in NUMERIC else "-" * (w + 2) for i, w in enumerate(widths)) + "|"
     ok = sum(r["status"] == "ok" for r in rows)
     out = [f"sweep summary: {len(rows)} jobs, {ok} ok, {len(rows) - ok} failed"]
     if shared:
@@ -188,14 +199,39 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _shared_overrides(rows: list[dict]) -> set[str]:
+    """The overrides every job of the sweep has (shown once, above the table)."""
+    return set(rows[0]["overrides"]).intersection(*(r["overrides"] for r in rows[1:])) if rows else set()
+
+
+def _own_overrides(row: dict, shared: set[str]) -> str:
+    return " ".join(o for o in row["overrides"] if o not in shared)
+
+
+def _curve_label(row: dict, shared: set[str]) -> str:
+    """A job's name in the loss picture's legend: its number and what sets it apart."""
+    own = _own_overrides(row, shared)
+    label = f"job {row['job']}" + (f" {own}" if own else "")
+    label = label if len(label) <= 48 else label[:45] + "..."  # the legend must leave room for the curves
+    return label + (" (failed)" if row["status"] != "ok" else "")
+
+
+def write_curves(sweep_dir: Path, rows: list[dict]) -> dict | None:
+    """Write the sweep's ``loss.png``: the jobs that logged steps (a failed job's up to its failure)."""
+    shared = _shared_overrides(rows)
+    jobs = [(_curve_label(row, shared), row["output_dir"]) for row in rows if row.get("output_dir")]
+    return write_sweep_curves(sweep_dir, jobs, title="loss per step, by job")
+
+
 def write_summary(sweep_dir: Path, rows: list[dict]) -> str:
-    """Write sweep_summary.json and sweep_summary.md in ``sweep_dir``; return the table."""
+    """Write sweep_summary.json, sweep_summary.md and loss.png in ``sweep_dir``; return the table."""
     table = format_table(rows)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     _write_json(sweep_dir / "sweep_summary.json", {
         "sweep_dir": str(sweep_dir), "num_jobs": len(rows), "num_ok": sum(r["status"] == "ok" for r in rows),
         "num_failed": sum(r["status"] != "ok" for r in rows), "jobs": rows})
     (sweep_dir / "sweep_summary.md").write_text(table + "\n", encoding="utf-8")
+    write_curves(sweep_dir, rows)
     return table
 
 

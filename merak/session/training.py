@@ -258,26 +258,29 @@ class TrainingSession:
                                      start_step=self.first_step, progress_bar=not report.disable_tqdm,
                                      trackers=trackers)
         stop = False
-        while self.step < self.steps and not stop:
-            if before_step is not None:
-                before_step(self.step)
-            step_start = time.perf_counter()
-            microbatches = self.loader.load_step(self.step) if self.loader else None
-            result = self.engine.train_step(microbatches)
-            self.step += 1
-            record = self.metrics.log_step(step=self.step, loss=result.loss, lr=result.learning_rate,
-                                           grad_norm=result.grad_norm,
-                                           step_time_s=time.perf_counter() - step_start,
-                                           skipped=result.skipped, loss_scale=result.loss_scale)
-            self._check_finite(result)
-            if on_step is not None:
-                stop = bool(on_step(self.step, result, record))
-            last = self.step == self.steps or stop
-            if report.eval_steps and (self.step % report.eval_steps == 0 or last):
-                self.evaluate_held_out()
-            if checkpoint.save and (self.step % checkpoint.save_steps == 0 or last):
-                self.save()
-        self.metrics.close()
+        try:
+            while self.step < self.steps and not stop:
+                if before_step is not None:
+                    before_step(self.step)
+                step_start = time.perf_counter()
+                microbatches = self.loader.load_step(self.step) if self.loader else None
+                result = self.engine.train_step(microbatches)
+                self.step += 1
+                record = self.metrics.log_step(step=self.step, loss=result.loss, lr=result.learning_rate,
+                                               grad_norm=result.grad_norm,
+                                               step_time_s=time.perf_counter() - step_start,
+                                               skipped=result.skipped, loss_scale=result.loss_scale)
+                self._check_finite(result)
+                if on_step is not None:
+                    stop = bool(on_step(self.step, result, record))
+                last = self.step == self.steps or stop
+                if report.eval_steps and (self.step % report.eval_steps == 0 or last):
+                    self.evaluate_held_out()
+                if checkpoint.save and (self.step % checkpoint.save_steps == 0 or last):
+                    self.save()
+        finally:
+            # Also when a step fails or the run is interrupted: the steps done so far get their loss.png.
+            self.metrics.close()
         if self.loader is not None:
             self.loader.close()
         timeline = write_timelines(self.engine, schedule=schedule.train_schedule, output_dir=settings.output_dir,
@@ -403,6 +406,7 @@ class TrainingSession:
             "global_batch_size": settings.global_batch_size, "num_microbatches": settings.num_microbatches,
             "first_loss": records[0].loss if records else None,
             "final_loss": records[-1].loss if records else None,
+            "final_learning_rate": records[-1].learning_rate if records else None,
             **throughput, "wall_time_s": time.perf_counter() - self.started, "stages": stages,
             "flops": _flops_report(flops_per_step, throughput.get("median_step_time_s"), grid.world_size,
                                    settings.trainer.report.peak_tflops, engine.optimizer.precision.dtype),

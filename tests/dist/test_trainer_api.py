@@ -12,6 +12,7 @@ import torch
 import merak
 from merak.data.batching import BatchPlan, stack_samples
 from merak.distributed.launch import spawn_workers
+from merak.report.curves import drawn_steps
 
 pytestmark = pytest.mark.dist
 
@@ -131,6 +132,9 @@ def test_trainer_dp2_pp2_matches_one_process(tmp_path):
     with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as handle:
         lines = [json.loads(line) for line in handle]
     assert [line["step"] for line in lines if "loss" in line] == [1, 2, 3]
+    # Drawn when training stopped, and again for the evaluation trainer.evaluate() logged afterwards.
+    drawn = drawn_steps(os.path.join(output_dir, "loss.png"))
+    assert drawn["train loss"] == [1, 2, 3] and drawn["eval loss"][-1] == 3
 
 
 def _lora_worker(output_dir: str, config_path: str) -> None:

@@ -14,6 +14,7 @@ import pytest
 from train_py import run_in_process
 
 from merak.distributed.launch import free_port
+from merak.report.curves import drawn_steps
 
 pytestmark = pytest.mark.recipe
 
@@ -171,3 +172,6 @@ def test_sweep_with_a_failing_job_still_writes_its_summary(tmp_path, cache_dir):
     table = (sweep / "sweep_summary.md").read_text()
     rows = [line.split("|") for line in table.splitlines() if line.startswith("| 1 ")]
     assert [(cells[2].strip(), cells[-2].strip()) for cells in rows] == [("trainer.train_schedule=1f1b", "ok")]
+    # Each job that trained drew its loss.png, and the sweep one picture of them all.
+    assert drawn_steps(sweep / "1" / "loss.png")["train loss"] == [1, 2]
+    assert drawn_steps(sweep / "loss.png") == {"job 1 trainer.train_schedule=1f1b: train": [1, 2]}

@@ -13,6 +13,7 @@ import pytest
 from train_py import read_metrics, run_in_process
 
 from merak.config import ConfigError
+from merak.report.curves import drawn_steps
 
 pytestmark = pytest.mark.recipe
 
@@ -46,6 +47,10 @@ def test_held_out_evaluation_and_tensorboard(tmp_path, cache_dir, capfd, caplog)
     assert all(math.isfinite(line["eval_loss"]) for line in evaluations)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval"]["step"] == 4 and summary["eval"]["eval_loss"] == evaluations[-1]["eval_loss"]
+    assert summary["final_learning_rate"] == steps[-1]["learning_rate"]
+    # Rank 0 drew loss.png beside metrics.jsonl from the same lines.
+    assert drawn_steps(run_dir / "loss.png") == {"train loss": [1, 2, 3, 4], "eval loss": [2, 4],
+                                                 "learning rate": [1, 2, 3, 4]}
     assert "eval_loss" in "".join(capfd.readouterr()) + caplog.text  # the workers' output and the launcher's log
     scalars = _scalars(run_dir)
     assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3, 4]
@@ -53,6 +58,19 @@ def test_held_out_evaluation_and_tensorboard(tmp_path, cache_dir, capfd, caplog)
     assert [step for step, _ in scalars["eval/loss"]] == [2, 4]
     assert [value for _, value in scalars["eval/loss"]] == pytest.approx(
         [line["eval_loss"] for line in evaluations], rel=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_wall_clock_breakdown_with_evaluation_writes_its_summary(tmp_path, cache_dir):
+    """The timeline drawn at the end is the last training step's, not the forward-only evaluation's that
+    ran after it (whose instructions cannot price the training schedule's backwards). One process shows it."""
+    summary = run_in_process("gpt", [*TOY, "parallel=single", "trainer.max_steps=2", "trainer.eval_steps=1",
+                                     "trainer.eval_iters=1", "trainer.wall_clock_breakdown=true",
+                                     "trainer.disable_tqdm=true"], tmp_path)
+    assert summary["eval"]["step"] == 2
+    assert summary["timeline"]["stages"][0]["busy"]["backward"] > 0, summary["timeline"]
+    assert {"timeline.json", "timeline.png", "timeline_vs_simulated.png", "summary.json"} <= \
+        {path.name for path in tmp_path.iterdir()}
 
 
 @pytest.mark.timeout(60)

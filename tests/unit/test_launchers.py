@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from merak.config import ConfigError
 from merak.distributed import groups, launch
+from merak.report.curves import drawn_steps
 from merak.report.sweep import SweepSummary, collect, format_table
 from merak.report.sweep import main as sweep_main
 
@@ -173,7 +174,11 @@ def test_sweep_summary_lists_ok_and_failed_jobs(tmp_path, clean_env, capsys):
         if status == JobStatus.COMPLETED:
             (sweep / str(num) / "summary.json").write_text(json.dumps({
                 "layout": {"dp": 1, "tp": 1, "pp": 2}, "schedule": "gpipe", "final_loss": 3.25,
+                "final_learning_rate": 5e-5, "eval": {"step": 2, "eval_loss": 3.5},
                 "median_step_time_s": 0.125, "samples_per_s": 128.0, "tokens_per_s": 4096.0}))
+            (sweep / str(num) / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in (
+                {"step": 1, "loss": 4.0, "learning_rate": 1e-4}, {"step": 2, "loss": 3.25, "learning_rate": 5e-5},
+                {"step": 2, "eval_loss": 3.5})) + "\n")
         callback.on_job_end(config=_job_config(sweep, num, overrides, layout=(2, 1, 1)),
                             job_return=JobReturn(overrides=overrides, status=status, _return_value=value))
     callback.on_multirun_end(config=_job_config(sweep, 0, []))
@@ -181,12 +186,17 @@ def test_sweep_summary_lists_ok_and_failed_jobs(tmp_path, clean_env, capsys):
     assert (summary["num_jobs"], summary["num_ok"], summary["num_failed"]) == (2, 1, 1)
     ok, failed = summary["jobs"]
     assert ok["status"] == "ok" and ok["final_loss"] == 3.25 and ok["schedule"] == "gpipe"
+    assert ok["eval_loss"] == 3.5 and ok["final_learning_rate"] == 5e-5
+    assert failed["eval_loss"] is None and failed["final_learning_rate"] is None
     assert failed["status"] == "failed" and failed["layout"] == {"dp": 2, "tp": 1, "pp": 1}
     assert failed["error"] == "ConfigError: invalid configuration: - bad dp"
     table = (sweep / "sweep_summary.md").read_text()
     assert "shared overrides: model=toy" in table
-    assert "| 0   | parallel=pp2 | 1/1/2    | gpipe    |     3.2500 |          125.0 |     128.0 |    4,096 | ok" \
-        in table, table
+    assert "| job | overrides    | dp/tp/pp | schedule | final loss | eval loss | final lr | step time (ms) |" in table
+    assert ("| 0   | parallel=pp2 | 1/1/2    | gpipe    |     3.2500 |    3.5000 | 5.00e-05 |          125.0 |"
+            "     128.0 |    4,096 | ok") in table, table
+    # loss.png compares the jobs that logged steps (the failed job wrote no metrics.jsonl).
+    assert drawn_steps(sweep / "loss.png") == {"job 0 parallel=pp2: train": [1, 2], "job 0 parallel=pp2: eval": [2]}
     assert "- job 1 failed: ConfigError: invalid configuration: - bad dp" in table
     # Jobs of an earlier sweep into the same directory are not listed again; a job whose process died
     # before reporting is listed as failed.
