@@ -18,7 +18,8 @@
 #   MODEL [toy], MICROBATCH_SIZE [2], NUM_MICROBATCHES [4]: when not given as arguments
 #   NUM_GPUS [the GPUs nvidia-smi lists, or 1]: processes on this node
 #   NNODES [1], NODE_RANK [0], MASTER_ADDR [127.0.0.1], MASTER_PORT [29500]: several nodes (torchrun)
-#   RUN_DIR [outputs/run-sh/MODEL+dpD+ppP+tpT+mbsM+nmbN]: results; the same shared folder on every node
+#   RUN_DIR [./outputs/run-sh/MODEL+dpD+ppP+tpT+mbsM+nmbN, under the current directory]: results; the same
+#     shared folder on every node
 #   PYTHON [.venv/bin/python of this checkout, else python3]
 #   P2P_POWER [80]: workflow: watts a GPU draws while blocked (80 simulated A100, 130 H100)
 #   PLAN_POINTS [60]: workflow: points of the time-energy frontier
@@ -86,7 +87,8 @@ fi
 TRAIN_PY="$ROOT/recipes/$RECIPE/train.py"
 [[ -f "$TRAIN_PY" ]] || die "no recipe '$RECIPE' ($TRAIN_PY)"
 [[ -f "$ROOT/recipes/$RECIPE/conf/model/$MODEL.yaml" ]] || die "recipe '$RECIPE' has no model '$MODEL'"
-RUN_DIR="${RUN_DIR:-$ROOT/outputs/run-sh/$MODEL+dp$DP+pp$PP+tp$TP+mbs$MBS+nmb$NMB}"
+# Under the current directory, as Hydra's outputs/ are: not inside the checkout from anywhere.
+RUN_DIR="${RUN_DIR:-$PWD/outputs/run-sh/$MODEL+dp$DP+pp$PP+tp$TP+mbs$MBS+nmb$NMB}"
 
 # run_one DIR NUM_MICROBATCHES [KEY=VALUE ...]: one run of the recipe, results in DIR.
 run_one() {

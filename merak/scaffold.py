@@ -57,7 +57,7 @@ def find_source(source: str) -> Path:
     if not (path / "spec.py").is_file() and re.fullmatch(r"\w+", source):
         path = RECIPES / source
     if not (path / "spec.py").is_file():
-        known = sorted(p.name for p in RECIPES.iterdir() if (p / "spec.py").is_file()) if RECIPES.is_dir() else []
+        known = known_recipes()
         raise ScaffoldError(f"--from {source}: not a recipe directory (no spec.py); name one of merak's recipes "
                             f"({', '.join(known)}) or the path of a recipe directory")
     return path.resolve()
@@ -147,13 +147,18 @@ def next_steps(made: NewRecipe) -> str:
     return "\n".join(lines)
 
 
+def known_recipes() -> list[str]:
+    """The names of merak's own recipes (directories under recipes/ with a spec.py)."""
+    return sorted(p.name for p in RECIPES.iterdir() if (p / "spec.py").is_file()) if RECIPES.is_dir() else []
+
+
 def main(argv: list[str] | None = None, *, prog: str = "merak new-recipe") -> int:
     """``merak new-recipe NAME [--from gpt] [--dest DIR]``; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog=prog, description="Copy a recipe directory as the recipe NAME; the copy trains as it is.")
     parser.add_argument("name", metavar="NAME", help="the new recipe's name (a Python identifier)")
     parser.add_argument("--from", dest="source", default="gpt",
-                        help="the recipe to copy: a name under recipes/ (gpt, bert, t5, vit, swin, wide_resnet) "
+                        help=f"the recipe to copy: a name under recipes/ ({', '.join(known_recipes())}) "
                              "or a recipe directory (default: gpt)")
     parser.add_argument("--dest", default=None, help="the new recipe's directory (default: recipes/NAME)")
     args = parser.parse_args(argv)
