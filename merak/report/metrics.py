@@ -254,29 +254,45 @@ def _duration(seconds: float | None) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
 def format_partition(report: dict) -> str:
-    """The dry-run table: per stage its modules, parameters, FLOPs, predicted forward + backward time per
-    microbatch, the bytes it sends per microbatch, estimated memory, and what it sends."""
+    """The dry-run table: per stage its modules, parameters, FLOPs, forward + backward time per microbatch,
+    the bytes it sends per microbatch, memory per device, and what it sends. Time and memory are the
+    planner's for its cluster when the report carries them (``priced_on_cluster``: ``parallel=auto`` on a
+    named cluster, with its schedule, ZeRO and recomputation), else this machine's estimate."""
     layout = report["layout"]
+    priced = report.get("priced_on_cluster")
     lines = [f"pipeline plan ({report['recipe']} / {report['model']}, pp={layout['pp']}): captured with "
              f"{report['trace_method']}, {report['num_shards']} shards by {report['split_method']}, "
              f"stages by {report['partition_method']}, boundaries {report['boundaries']}"]
     lines += [f"  note: {note}" for note in report.get("notes", [])]
     lines.append(f"{'stage':>5} {'shards':>9} {'params':>9} {'fwd FLOPs':>10} {'fwd+bwd':>10} {'sends':>9} "
-                 f"{'est. mem':>9}  modules / sends")
-    for stage in report["stages"]:
+                 f"{'memory':>10}  modules / sends")
+    for index, stage in enumerate(report["stages"]):
         first, last = stage["shards"]
         modules = stage["modules"]
         shown = ", ".join(modules[:3]) + (f", ... ({len(modules)} modules)" if len(modules) > 3 else "")
-        predicted = (stage["predicted_forward_s"] + stage["predicted_backward_s"]
-                     if "predicted_forward_s" in stage else None)
+        if priced is not None:
+            seconds, memory = priced["stages"][index]["fwd_bwd_s"], priced["stages"][index]["memory_bytes"]
+        else:
+            seconds = (stage["predicted_forward_s"] + stage["predicted_backward_s"]
+                       if "predicted_forward_s" in stage else None)
+            memory = stage["estimated_memory_bytes"]
         lines.append(f"{stage['stage']:>5} {f'{first}-{last - 1}':>9} {_human(stage['num_parameters']):>9} "
-                     f"{_human(stage['forward_flops']):>10} {_duration(predicted):>10} "
-                     f"{_human(stage.get('send_bytes', 0), 'B'):>9} {_human(stage['estimated_memory_bytes'], 'B'):>9}  "
-                     f"{shown}")
+                     f"{_human(stage['forward_flops']):>10} {_duration(seconds):>10} "
+                     f"{_human(stage.get('send_bytes', 0), 'B'):>9} {_gib(memory):>10}  {shown}")
         if stage["sends"]:
-            lines.append(f"{'':>69}sends {', '.join(f'{k}: {v}' for k, v in stage['sends'].items())}")
-    if report.get("predicted_step_s") is not None:
-        lines.append(f"predicted 1F1B step ({report.get('num_microbatches', '?')} microbatches, sends not "
-                     f"counted): {_duration(report['predicted_step_s'])}; fwd+bwd and sends are per microbatch")
+            lines.append(f"{'':>70}sends {', '.join(f'{k}: {v}' for k, v in stage['sends'].items())}")
+    if priced is not None:
+        lines.append(f"predicted {priced['schedule']} step on {priced['devices']} ({priced['cluster']}): "
+                     f"{_duration(priced['step_s'])} ({priced['num_microbatches']} microbatches, ZeRO "
+                     f"{priced['zero_stage']}, recomputation {'on' if priced['recompute'] else 'off'}); fwd+bwd "
+                     f"and sends per microbatch, memory per device: the plan's first row")
+    elif report.get("predicted_step_s") is not None:
+        lines.append(f"predicted 1F1B step on this machine ({report.get('num_microbatches', '?')} microbatches, "
+                     f"sends not counted): {_duration(report['predicted_step_s'])}; fwd+bwd and sends are per "
+                     f"microbatch, memory counts no ZeRO")
     return "\n".join(lines)

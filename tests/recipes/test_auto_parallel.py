@@ -103,6 +103,12 @@ def test_auto_dry_run_plans_for_a_gpu_cluster(tmp_path, cache_dir, gpt2_plan):
     partition = json.loads((run_dir / "partition.json").read_text())
     assert partition["layout"] == {"dp": best["dp"], "tp": best["tp"], "pp": best["pp"]}
     assert not (run_dir / "summary.json").exists()
+    # One plan, one set of numbers: the stage table is priced as the plan's first row, on the cluster.
+    priced = partition["priced_on_cluster"]
+    assert priced["step_s"] == pytest.approx(plan["best"]["predicted_step_s"])
+    assert [s["memory_bytes"] for s in priced["stages"]] == plan["best"]["predicted_stage_memory_bytes"]
+    assert priced["schedule"].split()[0] == best["schedule"] and priced["zero_stage"] == best["zero_stage"]
+    assert len(priced["stages"]) == best["pp"]
 
 
 @pytest.mark.timeout(300)
