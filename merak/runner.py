@@ -181,9 +181,9 @@ def _plan_and_train(spec, settings: RunSettings, prepared, steps: int, resume: s
                     plan_before_launch(spec, settings, prepared, tp_rank=tp_rank)
     warn_about_idle_stages(settings)
     grid = settings.grid
-    logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d processes), %d steps, schedule %s",
+    logger.info("training %s/%s with dp=%d tp=%d pp=%d (%d process%s), %d steps, schedule %s",
                 spec.name, settings.model_cfg.get("name", "?"), grid.dp, grid.tp, grid.pp, grid.world_size,
-                steps, settings.trainer.schedule.train_schedule)
+                "" if grid.world_size == 1 else "es", steps, settings.trainer.schedule.train_schedule)
     args = (spec, settings, prepared, steps, resume)
     if outside_world is not None or grid.world_size == 1:
         summary = train_worker(*args)  # this process is a worker; only rank 0 gets the summary
@@ -241,7 +241,10 @@ def dry_run(spec, settings: RunSettings, prepared: str, *, priced: dict | None =
     ``priced``: the planner's pricing of this layout on its cluster (``parallel=auto``), shown instead of
     this machine's."""
     started = time.perf_counter()
-    built = plan_before_launch(spec, settings, prepared, only_plans=True)
+    # The table below says what was built, captured and cut: their own lines would repeat it.
+    with only_errors("merak.session"), only_errors("merak.trace"), only_errors("merak.tensor_parallel"), \
+            only_errors("merak.shard"):
+        built = plan_before_launch(spec, settings, prepared, only_plans=True)
     if built.plan is None:
         raise ConfigError("dry_run needs a captured graph: set trainer.trace_method to fx or dynamo")
     report = {"recipe": spec.name, "model": settings.model_cfg.get("name", "?"),

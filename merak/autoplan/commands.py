@@ -15,9 +15,11 @@ _PLANNING_ONLY = ("parallel=", "parallel.", "cluster=", "cluster.", "dry_run=", 
 
 
 def run_overrides(overrides: Sequence[str], layout: Layout) -> list[str]:
-    """The user's overrides without the planning ones, then the layout's own."""
-    kept = [o for o in overrides if not o.lstrip("+~").startswith(_PLANNING_ONLY)]
-    return [*kept, *layout.overrides()]
+    """The user's overrides without the planning ones and those the layout sets, then the layout's own."""
+    chosen = layout.overrides()
+    set_by_layout = tuple(o.split("=", 1)[0] + "=" for o in chosen)
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(_PLANNING_ONLY + set_by_layout)]
+    return [*kept, *chosen]
 
 
 def launch_commands(script: str, overrides: Sequence[str], layout: Layout, cluster: Cluster, *,

@@ -194,7 +194,10 @@ def format_summary(summary: dict) -> str:
         lines += [
             f"  loss               {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}",
             f"  time per step      {summary['median_step_time_s'] * 1000:,.1f} ms (median)",
-            f"  throughput         {summary['samples_per_s']:,.1f} samples/s, {summary['tokens_per_s']:,.0f} tokens/s",
+            f"  throughput         {summary['samples_per_s']:,.1f} samples/s"
+            # An image or a label is one "token" (tokens_per_sample 1): tokens/s would repeat samples/s.
+            + (f", {summary['tokens_per_s']:,.0f} tokens/s" if summary["tokens_per_s"] != summary["samples_per_s"]
+               else ""),
         ]
     flops = summary.get("flops")
     if flops:
@@ -271,6 +274,11 @@ def format_partition(report: dict) -> str:
     lines += [f"  note: {note}" for note in report.get("notes", [])]
     lines.append(f"{'stage':>5} {'shards':>9} {'params':>9} {'fwd FLOPs':>10} {'fwd+bwd':>10} {'sends':>9} "
                  f"{'memory':>10}  modules / sends")
+    # A transformer's stages usually send one tensor of one shape each: said once, not per stage.
+    sending = [stage for stage in report["stages"] if stage["sends"]]
+    kinds = {tuple(stage["sends"].values()) for stage in sending}
+    one_kind = next(iter(kinds))[0] if len(kinds) == 1 and len(next(iter(kinds))) == 1 and len(sending) > 1 \
+        and sending == report["stages"][:len(sending)] else None
     for index, stage in enumerate(report["stages"]):
         first, last = stage["shards"]
         modules = stage["modules"]
@@ -284,8 +292,10 @@ def format_partition(report: dict) -> str:
         lines.append(f"{stage['stage']:>5} {f'{first}-{last - 1}':>9} {_human(stage['num_parameters']):>9} "
                      f"{_human(stage['forward_flops']):>10} {_duration(seconds):>10} "
                      f"{_human(stage.get('send_bytes', 0), 'B'):>9} {_gib(memory):>10}  {shown}")
-        if stage["sends"]:
+        if stage["sends"] and not one_kind:
             lines.append(f"{'':>70}sends {', '.join(f'{k}: {v}' for k, v in stage['sends'].items())}")
+    if one_kind:
+        lines.append(f"{'':>70}stages 0-{len(sending) - 1} each send {one_kind}")
     if priced is not None:
         lines.append(f"predicted {priced['schedule']} step on {priced['devices']} ({priced['cluster']}): "
                      f"{_duration(priced['step_s'])} ({priced['num_microbatches']} microbatches, ZeRO "
