@@ -2,9 +2,12 @@
 
 The copy is a working recipe before it is edited: its ``train.py`` imports its own directory
 (:func:`merak.recipe.load_spec`), so it trains the copied model under the new name. What is renamed:
-the spec's name (``spec.py``) and the ``recipes/<source>/`` paths in usage lines and the README.
-What is left behind: the source's model-specific trainer defaults (``conf/trainer/<source>.yaml``,
-e.g. GPT-2's sequence parallelism); the copy uses merak's generic ``trainer: default``.
+the spec's name (``spec.py``), the schema classes (``GptModel`` -> ``<Name>Model``), the
+``recipes/<source>/`` paths in usage lines, and the README (a short one naming the source). What is
+left behind: the source's model-specific trainer defaults (``conf/trainer/<source>.yaml``, e.g.
+GPT-2's sequence parallelism; the copy uses merak's generic ``trainer: default``) and the option
+files of the source's models (``conf/model/gpt3-175b.yaml`` ...), except the default one and ``toy``,
+which the copy trains with until its own options replace them.
 """
 
 from __future__ import annotations
@@ -92,9 +95,45 @@ def new_recipe(name: str, source: str = "gpt", dest: str | Path | None = None) -
         (target / own_trainer).unlink()
         _remove_if_empty(target / own_trainer.parent)
         left_behind = (f"{own_trainer.as_posix()} ({origin.name}'s model-specific trainer defaults)",)
+    left_behind += _drop_other_model_options(target, origin.name)
     _rename(target, origin.name, name, reset_trainer=has_own_trainer)
+    _write_readme(target, origin.name, name)
     logger.info("copied %s to %s as recipe %s", origin, target, name)
     return NewRecipe(name=name, source=origin, dest=target, left_behind=left_behind)
+
+
+KEPT_MODEL_OPTIONS = ("toy",)  # the tests' size, beside the default model of conf/train.yaml
+
+
+def _drop_other_model_options(target: Path, old: str) -> tuple[str, ...]:
+    """Remove the copied ``conf/model/*.yaml`` of the source's own models but the default and toy."""
+    folder = target / "conf" / "model"
+    train = target / "conf" / "train.yaml"
+    if not folder.is_dir() or not train.is_file():
+        return ()
+    default = re.search(r"^\s*- model:\s*([\w.-]+)", train.read_text(encoding="utf-8"), flags=re.M)
+    kept = {*KEPT_MODEL_OPTIONS, default.group(1) if default else ""}
+    dropped = sorted(path.name for path in folder.glob("*.yaml") if path.stem not in kept)
+    for item in dropped:
+        (folder / item).unlink()
+    if not dropped:
+        return ()
+    return (f"conf/model/: {', '.join(dropped)} ({old}'s models; kept {', '.join(sorted(kept - {''}))})",)
+
+
+def _camel(name: str) -> str:
+    return "".join(part[:1].upper() + part[1:] for part in name.split("_"))
+
+
+def _write_readme(target: Path, old: str, new: str) -> None:
+    """A README for the copy: what it is, how it runs, what to change (the source's described its model)."""
+    (target / "README.md").write_text(
+        f"# {new}\n\nA recipe copied from merak's `{old}` recipe (`merak new-recipe {new} --from {old}`): it trains "
+        f"{old}'s model until `model.py` and `conf/model/` say otherwise.\n\n```bash\npython recipes/{new}/train.py "
+        f"model=toy parallel=single trainer.max_steps=2\n```\n\nNext: `model.py` and `conf/model/*.yaml` (your "
+        f"model and its sizes), `schema.py` (every key, with its type and range), `parallel.py` (split points, "
+        f"tensor-parallel plan), `data.py` and `conf/data/` (your data). Guide: docs/writing_a_recipe.md.\n",
+        encoding="utf-8")
 
 
 def _remove_if_empty(folder: Path) -> None:
@@ -110,6 +149,8 @@ def _rename(target: Path, old: str, new: str, *, reset_trainer: bool) -> None:
             continue
         text = path.read_text(encoding="utf-8")
         changed = text.replace(f"recipes/{old}/", f"recipes/{new}/")
+        if path.suffix == ".py":  # the schema classes named after the recipe: GptModel, GptData
+            changed = re.sub(rf"\b{re.escape(_camel(old))}(Model|Data)\b", rf"{_camel(new)}\1", changed)
         if path == target / "spec.py":
             # The spec's name and the docstring's "The <old> recipe"; nothing else (a recipe may be
             # named like one of its own modules).
@@ -117,9 +158,6 @@ def _rename(target: Path, old: str, new: str, *, reset_trainer: bool) -> None:
             changed = re.sub(rf"\bThe {re.escape(old)} recipe\b", f"The {new} recipe", changed)
         elif path == target / "conf" / "train.yaml" and reset_trainer:
             changed = re.sub(rf"^(\s*- trainer:) {re.escape(old)}\b.*$", r"\1 default", changed, flags=re.M)
-        elif path == target / "README.md":
-            changed = re.sub(rf"^# {re.escape(old)}\b.*$", f"# {new} (copied from the {old} recipe)", changed,
-                             count=1, flags=re.M)
         if changed != text:
             path.write_text(changed, encoding="utf-8")
     if not re.search(rf"""\bname=(["']){re.escape(new)}\1""", (target / "spec.py").read_text(encoding="utf-8")):

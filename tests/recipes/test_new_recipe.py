@@ -33,6 +33,13 @@ def test_copy_of_gpt_trains_its_own_files(tmp_path, cache_dir, monkeypatch, caps
     assert not (dest / "conf" / "trainer").exists()
     assert "  - trainer: default\n" in (dest / "conf" / "train.yaml").read_text()
     assert "recipes/mymodel/train.py" in (dest / "train.py").read_text()
+    # What names gpt is renamed or left behind: its schema classes, its models' option files, its README.
+    assert "class MymodelModel(" in (dest / "schema.py").read_text()
+    assert "GptModel" not in (dest / "spec.py").read_text()
+    assert sorted(p.name for p in (dest / "conf" / "model").glob("*.yaml")) == ["demo.yaml", "toy.yaml"]
+    assert "gpt3-175b.yaml" in printed  # named among what was left behind
+    readme = (dest / "README.md").read_text()
+    assert readme.startswith("# mymodel\n") and "GPT-2" not in readme
     # An edit to the copy's model.py shows in the run: the copy imports its own files, not recipes.gpt.
     model_py = dest / "model.py"
     marked = (f"    import logging\n\n    logging.getLogger(__name__).warning({MARKER!r})\n"
