@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -9,6 +10,7 @@ import os
 import resource
 import statistics
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from merak.report.curves import write_run_curves
@@ -98,6 +100,16 @@ class MetricsWriter:
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             self._bar.update(1)
         return record
+
+    @contextlib.contextmanager
+    def above_the_bar(self) -> Iterator[None]:
+        """Within the block, what is written to the terminal (a log line) goes above the progress bar,
+        not glued to the end of it; the bar is drawn again below."""
+        if self._bar is None:
+            yield
+            return
+        with self._bar.external_write_mode(file=sys.stderr):
+            yield
 
     def log_event(self, entry: dict) -> None:
         """Append a line that is not a training step (evaluation results) to metrics.jsonl."""

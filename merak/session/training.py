@@ -296,8 +296,9 @@ class TrainingSession:
         self.last_eval = {"step": self.step, **metrics}
         if self.is_reporting_rank:
             self.metrics.log_event(self.last_eval)
-            logger.info("step %d: eval_loss %.4f on %d held-out samples", self.step, metrics["eval_loss"],
-                        metrics["eval_samples"])
+            with self.metrics.above_the_bar():
+                logger.info("step %d: eval_loss %.4f on %d held-out samples", self.step, metrics["eval_loss"],
+                            metrics["eval_samples"])
         return metrics
 
     def _check_finite(self, result: StepResult) -> None:
