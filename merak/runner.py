@@ -186,7 +186,8 @@ def _plan_and_train(spec, settings: RunSettings, prepared, steps: int, resume: s
                 "" if grid.world_size == 1 else "es", steps, settings.trainer.schedule.train_schedule)
     args = (spec, settings, prepared, steps, resume)
     if outside_world is not None or grid.world_size == 1:
-        summary = train_worker(*args)  # this process is a worker; only rank 0 gets the summary
+        # This process is a worker; only rank 0 gets the summary.
+        summary = train_worker(*args, in_launcher=outside_world is None)
         if summary is None:
             return {}
     else:
@@ -326,8 +327,11 @@ def _agree_on_output_dir(settings: RunSettings, resume: str | None) -> tuple[Run
     return replace(settings, output_dir=everyone[0][0]), everyone[0][1]
 
 
-def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume: str | None = None) -> dict | None:
-    """The body of one worker: join the grid, build the stage, train, report.
+def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume: str | None = None, *,
+                 in_launcher: bool = False) -> dict | None:
+    """The body of one worker: join the grid, build the stage, train, report. ``in_launcher``: the one
+    worker of a single-process run, in the launching process, which keeps its logging (format and the
+    run's log file).
 
     Returns the run summary on rank 0, None on the other ranks.
     """
@@ -337,7 +341,8 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
     grid = settings.grid
     state = groups.init(grid.dp, grid.tp, grid.pp, backend=settings.launcher.backend,
                         timeout_s=settings.launcher.timeout_s)
-    configure_worker_logging(state.rank, quiet=settings.launcher.quiet_workers)
+    if not in_launcher or settings.launcher.quiet_workers:
+        configure_worker_logging(state.rank, quiet=settings.launcher.quiet_workers)
     energy = None
     finished = False
     try:
