@@ -225,6 +225,21 @@ class MerakTrainer(TrainerOutputs):
     def _steps(self) -> int:
         return total_steps(self.settings, self._train_plan().steps_per_epoch)
 
+    def _check_checkpoints_fit(self, resume: str | None) -> None:
+        """Resume only the model that was saved, and never save over another model's checkpoints (as
+        merak.run checks before its workers start)."""
+        from merak.checkpoint import CheckpointError, list_checkpoints
+        from merak.checkpoint.identity import ModelIdentity, checkpoints_that_conflict
+
+        checkpoint = self.settings.trainer.checkpoint
+        saves = checkpoint.save and bool(list_checkpoints(self.settings.output_dir))
+        if resume is None and not saves:
+            return
+        problems = checkpoints_that_conflict(ModelIdentity.of_model(self.model), resume=resume, saves=saves,
+                                             output_dir=self.settings.output_dir, partial_load=checkpoint.partial_load)
+        if problems:
+            raise CheckpointError("; ".join(problems))
+
     def _session(self) -> TrainingSession:
         if self.session is None:
             from merak.checkpoint import find_checkpoint
@@ -232,6 +247,7 @@ class MerakTrainer(TrainerOutputs):
             steps = self._steps()
             self.state.max_steps = steps
             resume = find_checkpoint(self.settings.trainer.checkpoint.resume_from_checkpoint, self.settings.output_dir)
+            self._check_checkpoints_fit(resume)
             self.energy = start_energy(self.settings.trainer.energy, self.state_grid)
             self.session = TrainingSession(self.spec, self.settings, None, steps=steps, state=self.state_grid,
                                            resume=resume, hooks=self.energy.hooks if self.energy else ())

@@ -274,3 +274,23 @@ def test_logged_loss_relates_to_hugging_faces_by_the_labels_it_counts(tmp_path, 
     ours.train()
     mine = next(entry["loss"] for entry in ours.state.log_history if "loss" in entry)
     assert mine == pytest.approx(theirs * ratio, rel=1e-5)
+
+
+def test_trainer_resumes_only_the_model_it_saved(tmp_path):
+    """MerakTrainer checks a checkpoint's model as merak.run does, before training."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from merak.checkpoint import CheckpointError
+
+    common = {"per_device_train_batch_size": MICRO, "gradient_accumulation_steps": MICROBATCHES, "learning_rate": LR,
+              "seed": SEED, "report_to": [], "disable_tqdm": True, "output_dir": str(tmp_path / "run")}
+    merak.MerakTrainer(model=build_model(), args=merak.MerakArguments(max_steps=1, save_strategy="steps",
+                                                                      save_steps=1, **common),
+                       train_dataset=samples(8, 1)).train()
+    smaller = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                           tie_word_embeddings=False))
+    trainer = merak.MerakTrainer(model=smaller, args=merak.MerakArguments(max_steps=2, **common),
+                                 train_dataset=samples(8, 1))
+    with pytest.raises(CheckpointError, match=r"holds another model .*num_hidden_layers 2 -> 1"):
+        trainer.train(resume_from_checkpoint=True)
