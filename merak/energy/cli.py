@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from merak.core.files import write_json_atomic, write_text_atomic
 from merak.energy.dag import StepGraph, step_graph
 from merak.energy.frontier import FrontierError, write_frontier
-from merak.energy.planner import FrequencyPlanner, PlanPoint
+from merak.energy.planner import DEFAULT_TIME_BUDGET_S, FrequencyPlanner, PlanPoint
 from merak.energy.plans import PlanError, write_plan
 from merak.energy.profile_csv import Overheads, ProfileError, check_coverage, read_overheads, read_profile
 from merak.energy.zeus_server import DEFAULT_MAX_JOBS, DEFAULT_MAX_RANKS, DEFAULT_MAX_REQUEST_BYTES, LOG_LEVELS
@@ -80,6 +80,7 @@ def check_plan_args(args) -> None:
     _check_count("--num-chunks", args.num_chunks, 1)
     _check_count("--points", args.points, 2)  # the frontier needs its two ends
     _check_number("--p2p-power", args.p2p_power, 0.0, inclusive=True)
+    _check_number("--time-budget", args.time_budget, 0.0, inclusive=False)
     if args.deadline is not None:
         _check_number("--deadline", args.deadline, 0.0, inclusive=False)
     for option, value in (("--instruction-overhead", args.instruction_overhead),
@@ -227,7 +228,8 @@ def plan_command(args) -> int:
     options = read_profile(args.profile)
     check_coverage(options, {(n.stage, n.name) for n in graph.nodes}, args.profile)
     overheads = profile_overheads(args)
-    planner = FrequencyPlanner(graph, options, args.p2p_power, instruction_overhead=overheads.instruction)
+    planner = FrequencyPlanner(graph, options, args.p2p_power, instruction_overhead=overheads.instruction,
+                               time_budget_s=args.time_budget)
     solution = solve(planner, graph, args, overheads.step)
     chosen, all_max = solution.chosen, solution.all_max
     report = {"profile": os.path.abspath(args.profile), "schedule": args.schedule, "num_stages": args.num_stages,
@@ -279,6 +281,9 @@ def _parser(prog: str = "merak-energy") -> tuple[argparse.ArgumentParser, dict[s
     plan.add_argument("--deadline", type=float, default=None,
                       help="step time in seconds to meet (> 0, e.g. a straggler's); default: the fastest step")
     plan.add_argument("--points", type=int, default=60, help="deadlines solved along the frontier (>= 2)")
+    plan.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S, metavar="SECONDS",
+                      help="seconds of planning after which the remaining deadlines keep the best plan found so "
+                           f"far, with a warning (> 0; default: {DEFAULT_TIME_BUDGET_S:g})")
     plan.add_argument("--instruction-overhead", type=float, default=None,
                       help="seconds the host adds around each instruction (default: measured with the profile, "
                            "PROFILE.overheads.json, else 0)")

@@ -17,13 +17,19 @@ subject to the step's critical path being at most ``T``. Its steps:
 3. Round every duration down to the slowest option that fits in it (never lengthening a path),
    then, greedily, give the instruction whose next slower option saves the most energy per
    second (a longer step counted) that option, while the step stays within ``T``. One pass of
-   the greedy takes, best first, every move that fits in its own float after the moves before
-   it, so one pass does the work of many single moves (their plans differ from one move per
-   pass by at most a few hundredths of a percent of energy).
+   the greedy ranks the moves (ties by node index) and takes, best first, the moves that keep
+   the step time together, up to the first that would lengthen it; a move that conflicts with
+   those taken is skipped when the moves behind it tie with it (identical stages, noise-free
+   curves), since one-move-per-pass would take those next. So a pass does the work of many
+   single moves, ties included (their plans differ from one move per pass by at most a few
+   hundredths of a percent of energy), and every pass moves at least one instruction.
+4. A time budget (``time_budget_s``) bounds the whole: once spent, the greedy keeps the valid
+   plan it has, and later deadlines get the best plan already found that meets them (else the
+   rounded relaxation), with a warning.
 
 Longest paths are computed a level of the graph at a time (:mod:`merak.energy.paths`) and the
-relaxation is re-solved warm from one deadline to the next (:mod:`merak.energy.relaxation`):
-8 stages x 32 microbatches, 60 deadlines, take about 2 s on one core.
+relaxation is re-solved warm from one deadline to the next (:mod:`merak.energy.relaxation`).
+``bench/energy_planner_family.py`` times the planner on tie-heavy profiles (BENCHMARKS.md).
 
 A constant host overhead per instruction (measured by the profile run) lengthens every option's
 time on the critical path but not the GPU's busy time.
@@ -46,6 +52,13 @@ from merak.energy.profile_csv import Option
 from merak.energy.relaxation import RelaxedProgram
 
 logger = logging.getLogger(__name__)
+
+# Relative to the step time: a float this close to a move's extra time fits it (rounding errors of
+# longest paths, which identical stages and noise-free curves hit exactly).
+_TOLERANCE = 1e-12
+# Conflicting moves one greedy pass skips to take the moves tied with them, at a bisection each.
+_MAX_SKIPS = 64
+DEFAULT_TIME_BUDGET_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -120,14 +133,24 @@ class FrequencyPlanner:
         p2p_power: watts a GPU draws while blocked on communication or its peers.
         instruction_overhead: seconds the host adds around every instruction (measured by the profile
             run): it lengthens every path, not the GPU's busy time.
+        time_budget_s: seconds of planning (spent in :meth:`solve`, the frontier's included) after
+            which the greedy stops:
+            the deadline being solved keeps the valid plan it has reached, later deadlines the best
+            plan already found that meets them (else the rounded relaxation), and a warning says
+            so. ``None``: no limit.
     """
 
     def __init__(self, graph: StepGraph, options: dict[tuple[int, str], list[Option]], p2p_power: float, *,
-                 instruction_overhead: float = 0.0) -> None:
+                 instruction_overhead: float = 0.0, time_budget_s: float | None = DEFAULT_TIME_BUDGET_S) -> None:
         if p2p_power < 0:
             raise ValueError(f"p2p_power must be >= 0 W, got {p2p_power}")
         if not instruction_overhead >= 0:
             raise ValueError(f"instruction_overhead must be >= 0 s, got {instruction_overhead}")
+        if time_budget_s is not None and not time_budget_s >= 0:
+            raise ValueError(f"time_budget_s must be >= 0 s, got {time_budget_s}")
+        self.time_budget_s = time_budget_s
+        self._planning_s = 0.0  # seconds spent in solve(), against the budget
+        self.over_budget = False  # set once the budget cut a greedy short
         self.graph, self.p2p_power = graph, float(p2p_power)
         self.instruction_overhead = float(instruction_overhead)
         self.paths = LevelledGraph(graph)
@@ -199,26 +222,66 @@ class FrequencyPlanner:
         fastest = self.fastest_time()
         if deadline < fastest * (1 - 1e-9):
             raise ValueError(f"deadline {deadline:.6f} s is shorter than the fastest possible step ({fastest:.6f} s)")
+        begun = time.monotonic()
+        try:
+            return self._solve(deadline, fastest, begun)
+        finally:
+            self._planning_s += time.monotonic() - begun
+
+    def _solve(self, deadline: float, fastest: float, begun: float) -> PlanPoint:
+        """:meth:`solve` for a new, feasible ``deadline``, begun at ``begun`` (``time.monotonic()``)."""
+        stop_at = None if self.time_budget_s is None else begun + self.time_budget_s - self._planning_s
+        if not self.over_budget and stop_at is not None and begun >= stop_at:
+            self._spent(deadline)
+        if self.over_budget:
+            known = self._best_known(deadline)
+            if known is not None:
+                self._solved[deadline] = known
+                return known
         relaxed, _ = self._relaxed(max(deadline, fastest))
         fits = self._times <= relaxed[:, None] * (1 + 1e-9) + 1e-12
         picks = np.maximum(fits.sum(axis=1) - 1, 0)  # options are fastest first: the slowest that fits
-        self._solved[deadline] = self.point(self._reclaim(picks, deadline), deadline)
+        if not self.over_budget:
+            picks, finished = self._reclaim(picks, deadline, stop_at)
+            if not finished:
+                self._spent(deadline)
+        self._solved[deadline] = self.point(picks, deadline)
         return self._solved[deadline]
 
-    def _reclaim(self, picks: np.ndarray, deadline: float) -> np.ndarray:
+    def _spent(self, deadline: float) -> None:
+        """Note, once, that the time budget ran out while solving ``deadline``."""
+        self.over_budget = True
+        logger.warning("frequency planner: the time budget of %.1f s is spent at deadline %.6f s; that deadline "
+                       "keeps the greedy's plan so far, later ones the best plan already found that meets them "
+                       "(else the rounded relaxation); a larger time_budget_s (merak-energy plan "
+                       "--time-budget) gives better plans", self.time_budget_s, deadline)
+
+    def _best_known(self, deadline: float) -> PlanPoint | None:
+        """Past the time budget: the least-energy plan already solved whose step meets ``deadline``
+        (None if there is none)."""
+        meets = [p for p in self._solved.values() if p.iteration_time <= deadline * (1 + 1e-12)]
+        if not meets:
+            return None
+        best = min(meets, key=lambda p: p.energy)
+        return PlanPoint(best.iteration_time, best.energy, best.frequencies, deadline)
+
+    def _reclaim(self, picks: np.ndarray, deadline: float, stop_at: float | None = None) -> tuple[np.ndarray, bool]:
         """Greedy improvement: give instructions their next slower option, the most energy saved per
         second of their own first, counting the longer step a move may cause (``S * p2p_power`` per
         second), while the step stays within ``deadline``.
 
-        Each pass computes every node's float against the current step time. A move that lengthens
-        the step is taken alone. Otherwise the pass takes the moves in order while each still fits in
-        its node's float less the extra time of the moves taken before it in the pass (a path gains
-        at most that much), and stops at the first that does not."""
+        Each pass computes every node's float against the current step time and ranks the moves,
+        ties by node index. A move that lengthens the step is taken alone. Otherwise the pass takes,
+        in rank order, the moves that keep the step (:meth:`_take_batch`). Returns the picks and
+        whether the greedy ran to its end (False: ``stop_at``, a ``time.monotonic()`` instant,
+        passed first; the picks are a valid plan all the same)."""
         picks = np.array(picks, dtype=np.int64)
         nodes = np.arange(len(picks))
         step_power = self.graph.num_stages * self.p2p_power
         limit = deadline * (1 + 1e-12)
         while True:
+            if stop_at is not None and time.monotonic() >= stop_at:
+                return picks, False
             durations = self._times[nodes, picks]
             finish = self.paths.finish_times(durations)
             step = float(finish.max())
@@ -226,23 +289,80 @@ class FrequencyPlanner:
             movable = picks + 1 < self._num_options
             slower = np.where(movable, picks + 1, picks)
             extra = self._times[nodes, slower] - durations
-            longer = np.maximum(0.0, extra - slack)
+            # A move exactly as long as its float (identical stages, noise-free curves) keeps the step:
+            # a rounding error of the float must not count as lengthening it.
+            longer = extra - slack
+            longer = np.where(longer > _TOLERANCE * step, longer, 0.0)
             movable &= step + longer <= limit
             saved = self._costs[nodes, picks] - self._costs[nodes, slower] - step_power * longer
             gain = np.where(movable, saved / np.where(extra > 0, extra, 1.0), -np.inf)
             candidates = np.nonzero(gain > 1e-12)[0]
             if not len(candidates):
-                return picks
+                return picks, True
             ranked = candidates[np.argsort(-gain[candidates], kind="stable")]
-            if longer[ranked[0]] > 0:
+            lengthens = longer[ranked] > 0
+            if lengthens[0]:
                 picks[ranked[0]] += 1
                 continue
-            taken = 0.0
-            for node in ranked:
-                if longer[node] > 0 or extra[node] + taken > slack[node] * (1 - 1e-12):
-                    break
-                picks[node] += 1
-                taken += extra[node]
+            # Only the moves ranked before the first that lengthens the step: that one's gain already
+            # counts its longer step, so it must keep its place in the order.
+            batch = ranked[:int(np.argmax(lengthens))] if lengthens.any() else ranked
+            self._take_batch(picks, batch, gain, extra, slack, step, max(step, min(step * (1 + _TOLERANCE), limit)))
+
+    def _take_batch(self, picks: np.ndarray, batch: np.ndarray, gain: np.ndarray, extra: np.ndarray,
+                    slack: np.ndarray, step: float, limit: float) -> None:
+        """Take, in order, the moves of ``batch`` (each fits in its own float) that together keep the
+        step within ``limit`` (``step``, or a rounding error more, within the deadline): what taking
+        them one pass each would do, in a few path evaluations.
+
+        Moves that keep the step leave every other move's gain as it is, so the longest prefix of
+        ``batch`` whose moves fit together is what single moves would take first. The floats vouch
+        for a first part of it without a path evaluation: a move that fits in its float less the
+        extra time of every move taken before it lengthens no path past the step (a path gains at
+        most that much). The rest of the prefix is found by doubling, then bisection, on the step
+        time, as a prefix that fits only has prefixes that fit. The move after the prefix would now
+        lengthen the step, which lowers its gain: the moves tied with it (identical stages) come next
+        in the one-move greedy, so the pass skips it and goes on through its ties; it ends at the
+        first conflict with no tie behind it, or after ``_MAX_SKIPS`` conflicts."""
+        nodes = np.arange(len(picks))
+        tolerance = limit - step  # what a float may fall short of a move it takes
+
+        def fits(moves: np.ndarray) -> bool:
+            trial = picks.copy()
+            trial[moves] += 1
+            return self.paths.step_time(self._times[nodes, trial]) <= limit
+
+        position, skips, taken = 0, 0, 0.0
+        while position < len(batch):
+            rest = batch[position:]
+            vouched = taken + np.cumsum(extra[rest]) <= slack[rest] + tolerance
+            sure = len(rest) if vouched.all() else int(np.argmin(vouched))
+            picks[rest[:sure]] += 1
+            taken += float(extra[rest[:sure]].sum())
+            rest = rest[sure:]
+            if not len(rest):
+                return
+            if fits(rest):
+                picks[rest] += 1
+                return
+            low, high, size = 0, len(rest) - 1, 1  # rest[:low] fits, rest[:high + 1] does not
+            while size <= high and fits(rest[:size]):
+                low, size = size, 2 * size
+            high = min(high, size - 1)
+            while low < high:
+                middle = (low + high + 1) // 2
+                if fits(rest[:middle]):
+                    low = middle
+                else:
+                    high = middle - 1
+            picks[rest[:low]] += 1
+            taken += float(extra[rest[:low]].sum())
+            conflict = rest[low]
+            position += sure + low + 1
+            skips += 1
+            if (skips > _MAX_SKIPS or position >= len(batch)
+                    or gain[batch[position]] < gain[conflict] * (1 - 1e-9)):
+                return
 
     def frontier(self, num_points: int = 60) -> list[PlanPoint]:
         """Pareto-optimal plans from the fastest step to the least-energy one, fastest first."""
