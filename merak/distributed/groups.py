@@ -221,6 +221,14 @@ def shutdown(*, synchronize: bool = False) -> None:
     dist.destroy_process_group()
 
 
+def forget_inherited_state() -> None:
+    """In a forked worker: drop the parallel state the parent process held (a single-process run, a
+    trainer in a notebook), so the worker joins its own world instead of reusing the parent's."""
+    global _STATE
+    _STATE = None
+    group_registry.unregister_groups()
+
+
 def _shutdown_at_exit() -> None:
     """A script that started the group with :func:`init` and ends without :func:`shutdown` (the seed API's
     usage) tears it down together with its peers: ranks that destroyed their group at different moments

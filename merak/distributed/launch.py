@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from merak.distributed import groups
+
 
 class WorkerFailed(RuntimeError):
     """A worker process raised or died; the message holds its traceback or exit status."""
@@ -151,6 +153,7 @@ def _entry(local_rank: int, fn: Callable, world_size: int, port: int, args: tupl
     # that had computed with several threads left children that hang in their first parallel region.
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     _forget_inherited_compile_threads()
+    groups.forget_inherited_state()
     fn(*args)
 
 

@@ -244,6 +244,16 @@ def test_energy_profile_and_text_generation_from_the_trainer(tmp_path):
     assert all(len(g["generated"]) == 3 for g in generated)
 
 
+@pytest.fixture
+def in_this_process():
+    """A trainer run in the test's own process (one rank) keeps its parallel state, as a notebook's
+    does; the next test starts without it."""
+    from merak.distributed import groups
+
+    yield
+    groups.shutdown()
+
+
 def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -254,7 +264,7 @@ def _tiny_gpt2():
 
 @pytest.mark.parametrize(("build", "ratio"), [(build_model, 1.0), (_tiny_gpt2, SEQ / (SEQ - 1))],
                          ids=["llama-counted-shifted", "gpt2-counted-unshifted"])
-def test_logged_loss_relates_to_hugging_faces_by_the_labels_it_counts(tmp_path, build, ratio):
+def test_logged_loss_relates_to_hugging_faces_by_the_labels_it_counts(tmp_path, build, ratio, in_this_process):
     """docs/trainer_api.md, "Differences from Hugging Face Trainer": its Trainer divides the summed token losses
     by the labels it counts (num_items_in_batch). For a model it knows as a causal LM (loss_type ForCausalLM:
     LlamaForCausalLM) it counts the SEQ - 1 predicted ones, as merak averages; for others (GPT2LMHeadModel) all
@@ -276,7 +286,7 @@ def test_logged_loss_relates_to_hugging_faces_by_the_labels_it_counts(tmp_path, 
     assert mine == pytest.approx(theirs * ratio, rel=1e-5)
 
 
-def test_trainer_resumes_only_the_model_it_saved(tmp_path):
+def test_trainer_resumes_only_the_model_it_saved(tmp_path, in_this_process):
     """MerakTrainer checks a checkpoint's model as merak.run does, before training."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

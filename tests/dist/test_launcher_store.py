@@ -104,3 +104,19 @@ def test_workers_end_with_their_launcher(tmp_path, how):
         for pid in [launcher.pid, *pids]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _report_inherited_state(out_dir: str) -> None:
+    Path(out_dir, f"rank{os.environ['RANK']}.state").write_text(str(groups.is_initialized()))
+
+
+@pytest.mark.timeout(120)
+def test_forked_workers_do_not_inherit_the_parallel_state(tmp_path):
+    """A one-rank run (or a trainer) in this process keeps its state; workers forked afterwards join their
+    own world rather than reusing it."""
+    groups.init(dp=1)
+    try:
+        spawn_workers(_report_inherited_state, world_size=2, args=(str(tmp_path),), start_method="fork")
+    finally:
+        groups.shutdown()
+    assert [(tmp_path / f"rank{r}.state").read_text() for r in range(2)] == ["False", "False"]
