@@ -207,10 +207,20 @@ def test_a_job_runs_through_the_limits(plan, tmp_path):
             result = {"rank": rank, "iter_time": [0.5], "iter_energy": [40.0]}
             assert http.post(f"/result/{job}", json=result).status_code == 200
         dumped = tmp_path / "dump" / job / "0.prof.json"
-        started = time.monotonic()
-        while not dumped.exists() and time.monotonic() - started < 10:
+        assert sorted(r["rank"] for r in _written_json(dumped, within_s=10)) == [0, 1]
+
+
+def _written_json(path, within_s: float):
+    """The JSON zeus writes at ``path``, once whole: it writes in place, so the file can exist empty or half
+    written for a moment."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            if time.monotonic() > deadline:
+                raise
             time.sleep(0.05)
-        assert sorted(r["rank"] for r in json.loads(dumped.read_text())) == [0, 1]
 
 
 def test_the_server_keeps_at_most_max_jobs(plan, tmp_path):
