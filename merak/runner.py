@@ -21,9 +21,9 @@ import torch
 from omegaconf import OmegaConf
 
 from merak.autoplan.auto import plan_layout, wants_auto
-from merak.checkpoint import CheckpointError, find_checkpoint, list_checkpoints
+from merak.checkpoint import CheckpointError, find_checkpoint
 from merak.checkpoint.files import read_manifest
-from merak.checkpoint.identity import ModelIdentity, checkpoints_that_conflict
+from merak.checkpoint.identity import checkpoints_that_conflict
 from merak.compat.allocator import keep_freed_memory
 from merak.config import ConfigError, RunSettings, resolve_settings, total_steps
 from merak.config.overrides import hydra_run_record
@@ -243,8 +243,7 @@ def dry_run(spec, settings: RunSettings, prepared: str, *, priced: dict | None =
     this machine's."""
     started = time.perf_counter()
     # The table below says what was built, captured and cut: their own lines would repeat it.
-    with only_errors("merak.session"), only_errors("merak.trace"), only_errors("merak.tensor_parallel"), \
-            only_errors("merak.shard"):
+    with only_errors("merak.session", "merak.trace", "merak.tensor_parallel", "merak.shard"):
         built = plan_before_launch(spec, settings, prepared, only_plans=True)
     if built.plan is None:
         raise ConfigError("dry_run needs a captured graph: set trainer.trace_method to fx or dynamo")
@@ -295,14 +294,12 @@ def _checkpoint_to_resume(settings: RunSettings) -> str | None:
 def _check_checkpoints_fit(spec, settings: RunSettings, resume: str | None) -> None:
     """Refuse, before any worker starts, to resume another model or to save over its checkpoints
     (the model is built on the meta device to compare: names and shapes, no memory)."""
-    checkpoint = settings.trainer.checkpoint
-    saves = checkpoint.save and bool(list_checkpoints(settings.output_dir))
-    if resume is None and not saves:
-        return
-    with parameters_on_meta():
-        model = spec.build_model(settings.model_cfg)
-    problems = checkpoints_that_conflict(ModelIdentity.of_model(model), resume=resume, output_dir=settings.output_dir,
-                                         saves=saves, partial_load=checkpoint.partial_load)
+    def on_meta():
+        with parameters_on_meta():
+            return spec.build_model(settings.model_cfg)
+
+    problems = checkpoints_that_conflict(on_meta, resume=resume, output_dir=settings.output_dir,
+                                         options=settings.trainer.checkpoint)
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {problem}" for problem in problems))
 

@@ -137,7 +137,7 @@ class ProfileCache:
                 logger.warning("ignoring the cached profile %s: %s", path, error)
         started = time.perf_counter()
         # Each profile builds and captures the model twice: their lines would repeat per tp degree.
-        with only_errors("merak.session"), only_errors("merak.trace"), only_errors("merak.tensor_parallel"):
+        with only_errors("merak.session", "merak.trace", "merak.tensor_parallel"):
             profile = profile_recipe(self.spec, self.settings, tp=tp, sequence_parallel=sequence_parallel,
                                      device_type=self.device_type)
         self.seconds += time.perf_counter() - started

@@ -38,15 +38,18 @@ def use_merak_format(who: str = "main") -> None:
 
 
 @contextlib.contextmanager
-def only_errors(name: str = "merak") -> Iterator[None]:
-    """Show only errors of logger ``name`` (and its children) for the duration.
+def only_errors(*names: str) -> Iterator[None]:
+    """Show only errors of the loggers ``names`` (default ``merak``; each with its children) for the duration.
 
-    For work that is done again later in the run, where it reports the same lines itself.
+    For work that is done again later in the run, where it reports the same lines itself, or whose
+    lines a summary says again.
     """
-    target = logging.getLogger(name)
-    previous = target.level
-    target.setLevel(logging.ERROR)
+    targets = [logging.getLogger(name) for name in names or ("merak",)]
+    previous = [target.level for target in targets]
+    for target in targets:
+        target.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        target.setLevel(previous)
+        for target, level in zip(targets, previous, strict=True):
+            target.setLevel(level)
