@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -109,9 +110,10 @@ def _listed(items: list[str]) -> str:
     return ", ".join(items[:_SHOWN]) + more
 
 
-def checkpoints_that_conflict(identity: ModelIdentity, *, resume: str | None, output_dir: str,
-                              saves: bool, partial_load: bool) -> list[str]:
-    """Why a run of the model ``identity`` may not start with these checkpoints (empty: it may).
+def checkpoints_that_conflict(model: Callable[[], nn.Module], *, resume: str | None, output_dir: str,
+                              options) -> list[str]:
+    """Why a run of ``model()`` may not start with these checkpoints (empty: it may). ``model`` is called
+    only when there is something to compare; ``options`` is the checkpoint section.
 
     - The checkpoint to resume must hold the same model, unless ``partial_load`` (with finetune)
       asks for the tensors both share.
@@ -120,10 +122,14 @@ def checkpoints_that_conflict(identity: ModelIdentity, *, resume: str | None, ou
     """
     from merak.checkpoint.files import CheckpointError, list_checkpoints, read_manifest
 
+    saves = options.save and bool(list_checkpoints(output_dir))
+    if resume is None and not saves:
+        return []
+    identity = ModelIdentity.of_model(model())
     problems = []
     if resume is not None:
         differences = ModelIdentity.of_manifest(read_manifest(resume)).differences(identity)
-        if differences and not partial_load:
+        if differences and not options.partial_load:
             problems.append(
                 f"trainer.resume_from_checkpoint: {resume} holds another model than this run builds "
                 f"({'; '.join(differences)}). Resume with the model it was saved with; or start this model "

@@ -228,15 +228,11 @@ class MerakTrainer(TrainerOutputs):
     def _check_checkpoints_fit(self, resume: str | None) -> None:
         """Resume only the model that was saved, and never save over another model's checkpoints (as
         merak.run checks before its workers start)."""
-        from merak.checkpoint import CheckpointError, list_checkpoints
-        from merak.checkpoint.identity import ModelIdentity, checkpoints_that_conflict
+        from merak.checkpoint import CheckpointError
+        from merak.checkpoint.identity import checkpoints_that_conflict
 
-        checkpoint = self.settings.trainer.checkpoint
-        saves = checkpoint.save and bool(list_checkpoints(self.settings.output_dir))
-        if resume is None and not saves:
-            return
-        problems = checkpoints_that_conflict(ModelIdentity.of_model(self.model), resume=resume, saves=saves,
-                                             output_dir=self.settings.output_dir, partial_load=checkpoint.partial_load)
+        problems = checkpoints_that_conflict(lambda: self.model, resume=resume, output_dir=self.settings.output_dir,
+                                             options=self.settings.trainer.checkpoint)
         if problems:
             raise CheckpointError("; ".join(problems))
 
