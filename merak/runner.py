@@ -346,13 +346,11 @@ def train_worker(spec, settings: RunSettings, prepared: str, steps: int, resume:
         settings, resume = _agree_on_output_dir(settings, resume)
         energy = start_energy(settings.trainer.energy, state)
         session = TrainingSession(spec, settings, prepared, steps=steps, state=state, resume=resume,
-                                  hooks=energy.hooks if energy else ())
-        if energy is None:
-            result = session.train()
-        elif settings.trainer.energy.profile:
+                                  hooks=energy.hooks)
+        if settings.trainer.energy.profile:
             result = run_profile(session, energy)
         else:
-            session.summary_sections.append(lambda: {"energy": energy.summary()})
+            energy.attach(session)  # each logged step's energy, and the run's (or why it is not measured)
             result = session.train()
         finished = True
         return result

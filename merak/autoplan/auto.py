@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from merak.autoplan.cluster import THIS, Cluster, load_cluster, usable_cores
 from merak.autoplan.commands import format_commands, launch_commands
+from merak.autoplan.energy import Objective, frontier_for_run
 from merak.autoplan.planner import PlanError, plan_for_settings, requested_global_batch, single_process_settings
 from merak.autoplan.table import format_table
 from merak.autoplan.trials import TRIAL_SECONDS, TRIAL_STEPS, TRIALS, Train, layout_config, run_trials
@@ -26,6 +27,7 @@ from merak.core.files import write_json_atomic
 logger = logging.getLogger(__name__)
 
 PLAN_FILE = "plan.json"
+FRONTIER_FILE = "frontier.json"  # with an energy objective: the chosen layout's clock plans
 
 
 def wants_auto(cfg: DictConfig) -> bool:
@@ -65,30 +67,43 @@ def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None, train: Trai
     if world is None:
         world = cluster.world_size
     settings = single_process_settings(spec, cfg)
+    objective = _objective(cfg)
     try:
         report = plan_for_settings(spec, settings, world_size=world, cluster=cluster,
-                                   global_batch_size=requested_global_batch(cfg))
+                                   global_batch_size=requested_global_batch(cfg), objective=str(objective))
     except PlanError as error:
         raise ConfigError(f"invalid configuration:\n  - parallel=auto: {error}") from None
     outcome = None
     if train is not None and not deterministic and not cfg.get("dry_run") and trials > 0 \
             and cluster.cores_per_node is not None and world <= cluster.devices_per_node:
-        outcome = run_trials(report.candidates, cfg, train, count=trials, steps=trial_steps, seconds=trial_seconds)
+        if objective.wants_energy:  # trials time the layouts; the energy prediction decides
+            logger.info("parallel.objective=%s: no trials, the least predicted energy is chosen", objective)
+        else:
+            outcome = run_trials(report.candidates, cfg, train, count=trials, steps=trial_steps,
+                                 seconds=trial_seconds)
     best = outcome.chosen.layout if outcome is not None else report.best.layout
+    # Every rank writes the same frontier (the planner is deterministic): under torchrun/srun each plans alone.
+    clock_plan = _clock_plan(report, objective, settings.output_dir) if objective.wants_energy else {}
     if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         os.makedirs(settings.output_dir, exist_ok=True)
         path = os.path.join(settings.output_dir, PLAN_FILE)
         plan = report.to_json(top=50)
         if outcome is not None:
             plan["trials"] = outcome.to_json()
+        plan["run_clock_plan"] = clock_plan or None
         write_json_atomic(path, plan)
         tried = f"\n{outcome.describe()}" if outcome is not None and outcome.trials else ""
         table = format_table(report, chosen=outcome.chosen if outcome is not None else None)
         logger.info("parallel=auto chose %s\n%s%s\nwrote %s", best.key(), table, tried, path)
         if cfg.get("dry_run") and cluster.device_type == "cuda":
-            commands = launch_commands(sys.argv[0], _task_overrides(), best, cluster)
+            overrides = [*_task_overrides(), *(f"trainer.{k}={v}" for k, v in clock_plan.items())]
+            commands = launch_commands(sys.argv[0], overrides, best, cluster)
             logger.info("to run it on %s:\n%s", cluster.name, format_commands(commands))
     chosen = layout_config(cfg, best)
+    if clock_plan:
+        with open_dict(chosen):
+            for key, value in clock_plan.items():
+                OmegaConf.update(chosen, f"trainer.{key}", value)
     if cfg.get("dry_run") and outcome is None:
         with open_dict(chosen):  # the dry run's stage table is priced as the table above, not on this machine
             chosen.parallel.priced = priced_stages(report, report.best)
@@ -110,6 +125,24 @@ def priced_stages(report, candidate) -> dict:
             "schedule": layout.schedule if layout.chunks == 1 else f"{layout.schedule} x{layout.chunks}",
             "num_microbatches": layout.num_microbatches, "zero_stage": layout.zero_stage,
             "recompute": layout.recompute, "step_s": candidate.prediction.step_s, "stages": stages}
+
+
+def _clock_plan(report, objective: Objective, output_dir: str) -> dict:
+    """The trainer settings that run the chosen layout's clock plan: its frontier, written into the run
+    directory, and the deadline selecting the objective's plan on it."""
+    os.makedirs(output_dir, exist_ok=True)
+    path = os.path.abspath(os.path.join(output_dir, FRONTIER_FILE))
+    deadline = frontier_for_run(report, report.best, objective, path)
+    return {"frequency_frontier": path, "frontier_deadline": deadline}
+
+
+def _objective(cfg: DictConfig) -> Objective:
+    """``parallel.objective``, checked."""
+    value = (cfg.get("parallel") or {}).get("objective", "time")
+    try:
+        return Objective.parse(value)
+    except ValueError as error:
+        raise ConfigError(f"invalid configuration:\n  - parallel.{error}") from None
 
 
 def _task_overrides() -> list[str]:

@@ -9,6 +9,9 @@ GPU cluster the commands that run the first layout there (torchrun, srun, SLURM)
 as JSON (``--out``; default ``outputs/merak-plan/RECIPE-CLUSTER-Nn.json``). ``--compare NAME:KEY=VALUE,...``
 prices a layout of your own beside them
 (keys: dp, tp, pp, mb, schedule, chunks, recompute, zero, sp; dp defaults to what the world leaves).
+``--objective energy`` (or ``energy@1.1x``, ``energy@250ms``) ranks by predicted energy per step, each
+layout with its own GPU clock plan, and writes the first layout's frontier beside the JSON
+(``...frontier.json``) with the settings that run it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import os
 import sys
 
 from merak.autoplan.cluster import load_cluster, usable_cores
-from merak.autoplan.commands import format_commands, launch_commands
+from merak.autoplan.commands import format_commands, launch_commands, run_overrides
+from merak.autoplan.energy import frontier_for_run
 from merak.autoplan.layout import Layout
 from merak.autoplan.planner import (
     PlanError,
@@ -75,6 +79,11 @@ def _parser(prog: str = "merak-plan") -> argparse.ArgumentParser:
     parser.add_argument("--top", type=int, default=10, help="rows of the table (default: 10)")
     parser.add_argument("--compare", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="price this layout beside the ranked ones (repeatable)")
+    parser.add_argument("--objective", default="time",
+                        help="time (the fastest step) | energy (the least energy per step, with each layout's own "
+                             "GPU clock plan) | energy@1.1x (within 10%% of the fastest step) | energy@250ms "
+                             "(within a step time); energy objectives write the first layout's frontier beside the "
+                             "JSON and print the settings that run its clock plan (default: time)")
     parser.add_argument("--out", default=None,
                         help="where to write the plan (default: outputs/merak-plan/RECIPE-CLUSTER-Nn.json)")
     return parser
@@ -93,19 +102,30 @@ def main(argv: list[str] | None = None, *, prog: str = "merak-plan") -> int:
         batch = requested_global_batch(cfg)
         compared = [parse_layout(text, world, batch) for text in args.compare]
         report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=world, cluster=cluster,
-                                   global_batch_size=batch)
+                                   global_batch_size=batch, objective=args.objective)
         extra = [(name, report.price(layout)) for name, layout in compared]
     except (PlanError, ValueError) as error:
         logger.error("%s", error)
         return 2
-    print(format_table(report, top=args.top, extra=extra))
-    if cluster.device_type == "cuda":
-        commands = launch_commands(f"recipes/{args.recipe}/train.py", args.overrides, report.best.layout, cluster)
-        print(f"to run the first layout on {cluster.name}:\n{format_commands(commands)}")
-    payload = report.to_json(top=max(args.top, 50))
-    payload["compared"] = [{"name": name, **c.to_json(), "mfu": report.mfu(c)} for name, c in extra]
     out = args.out or os.path.join("outputs", "merak-plan", f"{args.recipe}-{cluster.name}-{cluster.nodes}n.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    clock_plan = {}
+    if str(report.objective) != "time":
+        frontier = os.path.abspath(os.path.splitext(out)[0] + ".frontier.json")
+        deadline = frontier_for_run(report, report.best, report.objective, frontier)
+        clock_plan = {"trainer.frequency_frontier": frontier, "trainer.frontier_deadline": f"{deadline:.9g}"}
+    print(format_table(report, top=args.top, extra=extra))
+    settings = [f"{key}={value}" for key, value in clock_plan.items()]
+    if cluster.device_type == "cuda":
+        commands = launch_commands(f"recipes/{args.recipe}/train.py", [*args.overrides, *settings],
+                                   report.best.layout, cluster)
+        print(f"to run the first layout on {cluster.name}:\n{format_commands(commands)}")
+    elif clock_plan:
+        print("to run the first layout with its clock plan:\n  " + " ".join(
+            [f"python recipes/{args.recipe}/train.py", *run_overrides(args.overrides, report.best.layout), *settings]))
+    payload = report.to_json(top=max(args.top, 50))
+    payload["compared"] = [{"name": name, **c.to_json(), "mfu": report.mfu(c)} for name, c in extra]
+    payload["run_clock_plan"] = clock_plan or None
     with open(out, "w", encoding="utf-8") as handle:
         json.dump(payload, handle, indent=1)
     logger.info("wrote %s", out)

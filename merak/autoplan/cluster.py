@@ -162,6 +162,9 @@ class Cluster:
     intra_node: Link
     inter_node: Link
     cores_per_node: int | None = None  # CPU clusters: the processes of one node share these cores
+    # CPU processes timing their compute as this simulated GPU (merak.energy.simulated.SPECS) does:
+    # trainer.energy_device=simulated. Their compute is sleeping out the GPU's time, not sharing the cores.
+    simulated_gpu: str | None = None
 
     def __post_init__(self) -> None:
         owner = f"cluster {self.name!r}"
@@ -207,19 +210,21 @@ class Cluster:
 
     def to_json(self) -> dict:
         """A JSON-ready dict (:meth:`from_json` and :func:`load_cluster` read it back)."""
-        return {"name": self.name, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
+        data = {"name": self.name, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
                 "accelerator": self.accelerator.to_json(), "intra_node": self.intra_node.to_json(),
                 "inter_node": self.inter_node.to_json(), "cores_per_node": self.cores_per_node}
+        return data | ({"simulated_gpu": self.simulated_gpu} if self.simulated_gpu else {})
 
     @classmethod
     def from_json(cls, data: Mapping) -> Cluster:
-        """The cluster of a :meth:`to_json` dict (``name`` and ``cores_per_node`` may be left out)."""
+        """The cluster of a :meth:`to_json` dict (``name``, ``cores_per_node`` and ``simulated_gpu`` may be left
+        out)."""
         _check_keys("cluster", data, {"nodes", "devices_per_node", "accelerator", "intra_node", "inter_node"},
-                    {"name", "cores_per_node"})
+                    {"name", "cores_per_node", "simulated_gpu"})
         return cls(name=data.get("name", "custom"), nodes=data["nodes"], devices_per_node=data["devices_per_node"],
                    accelerator=Accelerator.from_json(data["accelerator"]),
                    intra_node=Link.from_json(data["intra_node"]), inter_node=Link.from_json(data["inter_node"]),
-                   cores_per_node=data.get("cores_per_node"))
+                   cores_per_node=data.get("cores_per_node"), simulated_gpu=data.get("simulated_gpu"))
 
 
 # Nominal dense figures of SXM parts (no sparsity). float32 is the plain rate: tfloat32 needs torch's
@@ -290,6 +295,22 @@ def this_machine(processes: int) -> Cluster:
     # One node: inter_node is never crossed, but a planner asked about more nodes gets the same link.
     return Cluster(name=THIS, nodes=1, devices_per_node=processes, accelerator=accelerator, intra_node=link,
                    inter_node=link, cores_per_node=usable_cores())
+
+
+def with_simulated_gpus(cluster: Cluster, gpu: str, tflops: float) -> Cluster:
+    """``cluster`` (this machine's CPU processes) with every process timing its compute as a simulated ``gpu``
+    (``A100``, ``H100``) of ``tflops`` at its highest clock does: ``trainer.energy_device=simulated``. Its
+    instructions cost their FLOPs only (merak.autoplan.cost.device_rates); the memory bandwidth stays the CPU's,
+    which runs the optimizer step."""
+    from merak.energy.simulated import gpu_spec
+
+    spec = gpu_spec(gpu)
+    accelerator = Accelerator(name=f"simulated {spec.name}",
+                              peak_tflops={"float32": tflops, "bfloat16": tflops, "float16": tflops},
+                              memory_gib=cluster.accelerator.memory_gib,
+                              memory_bandwidth_gbs=cluster.accelerator.memory_bandwidth_gbs,
+                              seconds_per_op=0.0, matmul_efficiency=1.0)
+    return dataclasses.replace(cluster, accelerator=accelerator, simulated_gpu=spec.name)
 
 
 _OVERRIDES = {"name", "nodes", "devices_per_node", "cores_per_node", "accelerator", "intra_node", "inter_node"}

@@ -20,6 +20,7 @@ import bisect
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -110,8 +111,12 @@ class Prediction:
 
 
 def device_rates(cluster: Cluster, dtype: str) -> MachineRates:
-    """One device's rates when it has its compute to itself."""
+    """One device's rates when it has its compute to itself. A simulated GPU's instruction takes its FLOPs at
+    the simulated rate and nothing else (merak.energy.hooks.SimulatedCompute); its memory bandwidth is the
+    CPU's, which runs the optimizer step."""
     accelerator = cluster.accelerator
+    if cluster.simulated_gpu is not None:
+        return MachineRates(flops_per_s=accelerator.flops_per_s(dtype), bytes_per_s=math.inf, seconds_per_op=0.0)
     return MachineRates(flops_per_s=accelerator.flops_per_s(dtype),
                         bytes_per_s=accelerator.memory_bandwidth_gbs * 1e9,
                         seconds_per_op=accelerator.seconds_per_op)
@@ -154,7 +159,7 @@ def gather_seconds(nbytes: float, size: int, link: Link) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def _group_links(cluster: Cluster, dp: int, tp: int, pp: int) -> tuple[Link, Link, Link]:
+def group_links(cluster: Cluster, dp: int, tp: int, pp: int) -> tuple[Link, Link, Link]:
     """The links of rank 0's tensor, data and pipeline groups (the slowest hop decides a ring)."""
     grid = RankGrid(dp=dp, tp=tp, pp=pp)
     return tuple(cluster.link_for(grid.axis_groups(axis)[0]) for axis in ("tp", "dp", "pp"))
@@ -221,23 +226,23 @@ class StageCostModel:
     def __init__(self, pieces: Sequence[VirtualStage], num_stages: int, p2p_link: Link, recompute: bool) -> None:
         self.pieces, self.num_stages, self.link, self.recompute = pieces, num_stages, p2p_link, recompute
 
-    def _piece(self, stage_id: int, instruction) -> VirtualStage:
+    def piece(self, stage_id: int, instruction) -> VirtualStage:
         return self.pieces[getattr(instruction, "chunk", 0) * self.num_stages + stage_id]
 
     def of(self, stage_id: int, instruction) -> float:
         if isinstance(instruction, (Forward, PreCheckpointForward)):
-            return self._piece(stage_id, instruction).forward
+            return self.piece(stage_id, instruction).forward
         if isinstance(instruction, RecomputeForward):
-            return self._piece(stage_id, instruction).recompute
+            return self.piece(stage_id, instruction).recompute
         if isinstance(instruction, (Backward, BackwardInput, BackwardWeight)):
-            piece = self._piece(stage_id, instruction)
+            piece = self.piece(stage_id, instruction)
             extra = piece.recompute if self.recompute else 0.0
             if isinstance(instruction, Backward):
                 return piece.backward + extra
             half = piece.backward / 2
             return half + extra if isinstance(instruction, BackwardInput) else half
         if isinstance(instruction, (Exchange, *P2P_TYPES)):
-            return p2p_seconds(self._piece(stage_id, instruction).send_bytes, self.link)
+            return p2p_seconds(self.piece(stage_id, instruction).send_bytes, self.link)
         return 0.0
 
 
@@ -344,7 +349,7 @@ class CostModel:
             return self._tables[key]
         profile = self.profiles(layout.tp, layout.sequence_parallel).scaled(layout.micro_batch_size)
         rates = device_rates(self.cluster, self.dtype)
-        tp_link, _, _ = _group_links(self.cluster, 1, layout.tp, 1)
+        tp_link, _, _ = group_links(self.cluster, 1, layout.tp, 1)
         tp_hop = tp_link.latency_us * 1e-6
         forward = [rates.seconds(f, b, o) for f, b, o in zip(profile.flops, profile.bytes_moved, profile.ops)]
         # The latency is priced per collective (hops), the rest here.
@@ -424,13 +429,14 @@ class CostModel:
         table = self._table(layout)
         bounds = self._piece_bounds(layout, table, exact)
         slowdown = 1.0
-        if self.cluster.cores_per_node is not None:
+        # Simulated GPUs sleep out their compute: only real CPU work shares the cores.
+        if self.cluster.cores_per_node is not None and self.cluster.simulated_gpu is None:
             work = [0.0] * layout.pp
             for index, (first, last) in enumerate(itertools.pairwise(bounds)):
                 work[index % layout.pp] += (table.forward[last] - table.forward[first]) * (1 + BACKWARD_FLOPS_FACTOR)
             work[(len(bounds) - 2) % layout.pp] += table.loss_forward + table.loss_backward
             slowdown = max(1.0, self._busy(layout, work, self.cluster.devices_per_node) / self.cluster.cores_per_node)
-        tp_latency = _group_links(self.cluster, 1, layout.tp, 1)[0].latency_us * 1e-6
+        tp_latency = group_links(self.cluster, 1, layout.tp, 1)[0].latency_us * 1e-6
         spans = list(itertools.pairwise(bounds))
         pieces = []
         for index, (first, last) in enumerate(spans):
@@ -516,7 +522,7 @@ class CostModel:
         ``simulate_schedule`` from the real instruction lists, else closed forms (ranking many quickly)."""
         pieces, slowdown = self._pieces(layout, exact=simulate_schedule)
         precision = Precision.of(self._table(layout).dtype_bytes)
-        _, dp_link, pp_link = _group_links(self.cluster, layout.dp, layout.tp, layout.pp)
+        _, dp_link, pp_link = group_links(self.cluster, layout.dp, layout.tp, layout.pp)
         # Processes sharing the cores share gloo's copies and sums too.
         dp_link, pp_link = _slowed(dp_link, slowdown), _slowed(pp_link, slowdown)
         pp, chunks = layout.pp, layout.chunks
@@ -577,7 +583,7 @@ def _short_length(pp: int, chunks: int) -> int:
     return max(pp * (2 if chunks > 1 else 1), SIMULATED_MICROBATCHES) // pp * pp
 
 
-def _along_the_step(layout: Layout, measure: Callable[[int], list[float]]) -> list[float]:
+def along_the_step(layout: Layout, measure: Callable[[int], list[float]]) -> list[float]:
     """``measure(num_microbatches)`` of the layout's schedule: past the warm-up every schedule here repeats
     per group of ``pp`` microbatches, so a long step is measured at two short lengths and extended linearly."""
     pp, microbatches = layout.pp, layout.num_microbatches
@@ -589,10 +595,10 @@ def _along_the_step(layout: Layout, measure: Callable[[int], list[float]]) -> li
 
 
 def simulated_pipeline(layout: Layout, model: StageCostModel) -> tuple[list[float], tuple | None]:
-    """When each stage finishes its last instruction (:func:`_along_the_step`), and instruction lists holding
+    """When each stage finishes its last instruction (:func:`along_the_step`), and instruction lists holding
     as many microbatches in flight as the layout's (None for a long GPipe step, which holds them all)."""
     pp, chunks, microbatches = layout.pp, layout.chunks, layout.num_microbatches
-    ends = _along_the_step(layout, lambda length: _stage_ends(_lists(layout.schedule, pp, chunks, length), model))
+    ends = along_the_step(layout, lambda length: _stage_ends(_lists(layout.schedule, pp, chunks, length), model))
     short = _short_length(pp, chunks)
     if microbatches <= short + pp:
         return ends, _lists(layout.schedule, pp, chunks, microbatches)

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from merak.autoplan.cluster import Cluster, load_cluster
+from merak.autoplan.cluster import Cluster, load_cluster, with_simulated_gpus
 from merak.autoplan.cost import BACKWARD_FLOPS_FACTOR, CostModel, LayoutError
+from merak.autoplan.energy import Objective, rank_for_energy
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile, profile_recipe
 from merak.autoplan.search import MEMORY_HEADROOM, Candidate, SearchSpace, explain, search
@@ -51,6 +52,7 @@ class PlanReport:
     peak_flops: float | None = None  # per device, of the run's dtype
     cost_model: CostModel | None = None
     capacity_bytes: float = 0.0
+    objective: str = "time"  # merak.autoplan.energy.Objective once ranked for energy
 
     def price(self, layout: Layout) -> Candidate:
         """Any layout of this request priced by the same cost model (e.g. a published one, to compare)."""
@@ -64,11 +66,12 @@ class PlanReport:
             f"does not fit: {prediction.max_memory / 2**30:.3g} GiB, {usable / 2**30:.3g} GiB usable")
         return candidate
 
-    def mfu(self, candidate: Candidate) -> float | None:
-        """Model FLOPs utilization the prediction means: model FLOPs per step over peak FLOPs of the step."""
+    def mfu(self, candidate: Candidate, step_s: float | None = None) -> float | None:
+        """Model FLOPs utilization the prediction means: model FLOPs per step over peak FLOPs of the step
+        (of ``step_s`` when given: the step with a clock plan)."""
         if not self.peak_flops or not self.flops_per_sample:
             return None
-        achieved = self.flops_per_sample * self.global_batch_size / candidate.predicted_step_s
+        achieved = self.flops_per_sample * self.global_batch_size / (step_s or candidate.predicted_step_s)
         return achieved / (self.peak_flops * self.world_size)
 
     @property
@@ -87,6 +90,7 @@ class PlanReport:
         shown = self.candidates if top is None else self.candidates[:top]
         return {"recipe": self.recipe, "model": self.model, "cluster": self.cluster.to_json(),
                 "world_size": self.world_size, "global_batch_size": self.global_batch_size,
+                "objective": str(self.objective),
                 "flops_per_sample": self.flops_per_sample, "peak_flops_per_device": self.peak_flops,
                 "best": {**self.best.to_json(), "mfu": self.mfu(self.best)},
                 "candidates": [{**c.to_json(), "mfu": self.mfu(c)} for c in shown],
@@ -161,13 +165,23 @@ def _supports_sequence_parallel(profiles: ProfileCache, tp: int) -> bool:
 
 
 def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, global_batch_size: int,
-                      space_overrides: dict | None = None) -> PlanReport:
+                      space_overrides: dict | None = None, objective: str = "time") -> PlanReport:
     """Rank every layout of ``world_size`` devices of ``cluster`` for the recipe's model, from ``settings``
     (a single-process run's) at the fixed ``global_batch_size``; ``space_overrides`` narrow :class:`SearchSpace`.
+    ``objective``: ``time``, ``energy`` or ``energy@BOUND`` (:mod:`merak.autoplan.energy`). On this machine with
+    ``trainer.energy_device=simulated`` the processes are priced as the simulated GPUs they time themselves as.
 
     Raises:
-        PlanError: no layout fits or the global batch does not divide; the message says what would.
+        PlanError: no layout fits, the global batch does not divide, or the objective cannot be priced; the
+            message says what would.
     """
+    try:
+        goal = Objective.parse(objective)
+    except ValueError as error:
+        raise PlanError(str(error)) from None
+    energy = settings.trainer.energy
+    if cluster.cores_per_node is not None and cluster.simulated_gpu is None and energy.energy_device == "simulated":
+        cluster = with_simulated_gpus(cluster, energy.simulated_gpu, energy.simulated_tflops)
     if world_size > cluster.world_size:
         raise PlanError(f"{world_size} devices asked for, but the cluster {cluster.name!r} has "
                         f"{cluster.nodes} node(s) x {cluster.devices_per_node} = {cluster.world_size}: give it more "
@@ -198,6 +212,12 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
         raise PlanError(_no_layout_message(space, world_size))
     if not candidates[0].fits:
         raise PlanError(_too_big_message(report, capacity))
+    if goal.wants_energy:
+        try:
+            rank_for_energy(report, goal)
+        except ValueError as error:
+            raise PlanError(str(error)) from None
+        report.search_seconds = time.perf_counter() - started - profiles.seconds
     return report
 
 
@@ -268,13 +288,14 @@ def requested_global_batch(cfg) -> int:
 
 
 def plan_recipe(recipe: str, overrides: list[str], *, world_size: int, cluster: str | dict | Cluster = "this",
-                space_overrides: dict | None = None) -> PlanReport:
+                space_overrides: dict | None = None, objective: str = "time") -> PlanReport:
     """Plan ``recipe`` (a directory name under recipes/) with Hydra ``overrides`` on ``world_size`` devices."""
     spec, cfg = compose_recipe(recipe, overrides)
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, processes=world_size)
     return plan_for_settings(spec, single_process_settings(spec, cfg), world_size=world_size, cluster=cluster,
-                             global_batch_size=requested_global_batch(cfg), space_overrides=space_overrides)
+                             global_batch_size=requested_global_batch(cfg), space_overrides=space_overrides,
+                             objective=objective)
 
 
 __all__ = ["Layout", "PlanError", "PlanReport", "compose_recipe", "plan_for_settings", "plan_recipe"]

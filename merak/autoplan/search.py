@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from merak.autoplan.cluster import Cluster
 from merak.autoplan.cost import CostModel, LayoutError, Prediction
@@ -40,6 +41,8 @@ class Candidate:
     prediction: Prediction
     fits: bool
     why_not: str = ""
+    # With an energy objective, its clock plan and predicted energy (merak.autoplan.energy.EnergyPrice).
+    energy: Any = None
 
     @property
     def predicted_step_s(self) -> float:
@@ -54,7 +57,7 @@ class Candidate:
                 "predicted_step_s": self.prediction.step_s,
                 "predicted_stage_memory_bytes": list(self.prediction.stage_memory),
                 "breakdown": self.prediction.breakdown, "simulated": self.prediction.simulated,
-                "fits": self.fits, "why_not": self.why_not}
+                "fits": self.fits, "why_not": self.why_not} | ({"energy": self.energy.to_json()} if self.energy else {})
 
 
 @dataclass

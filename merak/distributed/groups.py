@@ -297,6 +297,20 @@ def gather_to_first(value) -> list | None:
     return everyone
 
 
+def sum_over_all(values: list[float]) -> list[float]:
+    """The element-wise sum of every rank's ``values`` (floats, the same count on every rank), on every
+    rank; ``values`` without a process group. One small all-reduce (collective: every rank calls it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [float(v) for v in values]
+    # A group started outside merak may be NCCL alone, which carries only device tensors; with merak's
+    # own "cpu:gloo,cuda:nccl" a device tensor goes through NCCL just as well.
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() \
+        else torch.device("cpu")
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
 def barrier() -> None:
     """Wait for every rank (nothing without a process group)."""
     if dist.is_initialized():

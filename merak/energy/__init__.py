@@ -7,4 +7,6 @@
   schedule's step, and per-instruction clock plans; :mod:`merak.energy.frontier` its file.
 - :mod:`merak.energy.straggler`: data-parallel pipelines moving along the frontier to a
   straggler's time.
+- :mod:`merak.energy.runtime`: a worker's device, listeners and reports (every run measures
+  where it can); :mod:`merak.energy.figures` the figures it reports.
 """

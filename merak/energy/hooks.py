@@ -73,13 +73,20 @@ class StepMeasurement:
 
 
 class InstructionMeter(PipelineHook):
-    """Measures every step and compute instruction with ``device`` (synchronizing around each).
+    """Measures every step, and with ``per_instruction`` every compute instruction, with ``device``.
+
+    Each reading synchronizes the device first, so that the work queued before it is counted where it
+    ran. Reading around every instruction stalls the host at each one: only the features that need the
+    instructions' own times and energies (profiles, plans, frontiers, zeus) pay for it. Without
+    ``per_instruction`` a step costs two readings, at its start and its end; its ``instructions`` stay
+    empty and its ``compute_span`` is the whole step.
 
     ``steps`` keeps every finished step's :class:`StepMeasurement`.
     """
 
-    def __init__(self, device: GPUDevice, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.device, self.clock = device, clock
+    def __init__(self, device: GPUDevice, clock: Callable[[], float] = time.perf_counter, *,
+                 per_instruction: bool = True) -> None:
+        self.device, self.clock, self.per_instruction = device, clock, per_instruction
         self.steps: list[StepMeasurement] = []
         self._step: tuple[float, float] | None = None
         self._instruction: tuple[float, float] | None = None
@@ -96,9 +103,12 @@ class InstructionMeter(PipelineHook):
         self._last_compute_end = self._step[0]
 
     def on_instruction_begin(self, event: InstructionEvent) -> None:
-        self._instruction = self._read()
+        if self.per_instruction:
+            self._instruction = self._read()
 
     def on_instruction_end(self, event: InstructionEvent) -> None:
+        if not self.per_instruction:
+            return
         now, joules = self._read()
         start, start_joules = self._instruction
         self._current.append((event.plan_name, now - start, joules - start_joules))
@@ -107,8 +117,8 @@ class InstructionMeter(PipelineHook):
     def on_step_end(self) -> None:
         now, joules = self._read()
         start, start_joules = self._step
-        self.steps.append(StepMeasurement(now - start, joules - start_joules, self._current,
-                                          self._last_compute_end - start))
+        span_end = self._last_compute_end if self.per_instruction else now
+        self.steps.append(StepMeasurement(now - start, joules - start_joules, self._current, span_end - start))
 
 
 class FrequencyPlanHook(PipelineHook):

@@ -364,12 +364,24 @@ class FrequencyPlanner:
                     or gain[batch[position]] < gain[conflict] * (1 - 1e-9)):
                 return
 
+    def _useful_end(self) -> float:
+        """The longest step worth planning: past the relaxed optimum's own step time a longer step only adds
+        blocked energy."""
+        fastest, slowest = self.fastest_time(), self.slowest_useful_time()
+        return min(slowest, self._relaxed(slowest)[1] * 1.02) if slowest > fastest else fastest
+
+    def least_energy(self) -> PlanPoint:
+        """The plan of least energy whatever its step time (about the frontier's last point, for two solves
+        instead of a frontier's): the cheaper of the plans solved at the relaxed optimum's step time and a
+        little past it."""
+        fastest, end = self.fastest_time(), self._useful_end()
+        deadlines = sorted({max(fastest, end / 1.02), end})
+        return min((self.solve(t) for t in deadlines), key=lambda p: (p.energy, p.iteration_time))
+
     def frontier(self, num_points: int = 60) -> list[PlanPoint]:
         """Pareto-optimal plans from the fastest step to the least-energy one, fastest first."""
         started = time.perf_counter()
-        fastest, slowest = self.fastest_time(), self.slowest_useful_time()
-        # Past the relaxed optimum's own step time a longer step only adds blocked energy.
-        end = min(slowest, self._relaxed(slowest)[1] * 1.02) if slowest > fastest else fastest
+        fastest, end = self.fastest_time(), self._useful_end()
         deadlines = np.linspace(fastest, end, max(2, num_points)) if end > fastest else [fastest]
         points = [self.solve(float(t)) for t in deadlines]
         points.sort(key=lambda p: (p.iteration_time, p.energy))

@@ -31,7 +31,8 @@ class EnergySettings:
                                              check=positive, requirement="must be a positive integer")
     pfo_server_url: str | None = setting(None, "a zeus pipeline-frequency server (merak-energy serve) to take "
                                                "the clock plan from")
-    energy_device: str = setting("auto", "auto (NVML on CUDA, else simulated) | nvml | simulated | none")
+    energy_device: str = setting("auto", "auto (NVML on CUDA when it answers, else: energy features on a "
+                                         "simulated GPU, plain runs unmeasured) | nvml | simulated | none")
     simulated_gpu: str = setting("A100", "A100 | H100: the simulated GPU's clock range and power model")
     simulated_tflops: float = setting(0.004, "simulated GPU speed at its highest clock (small: the CPU work of "
                                              "an instruction must fit inside it)",
@@ -59,10 +60,16 @@ class EnergySettings:
                                                     check=positive, requirement="must be a positive integer")
 
     @property
+    def features(self) -> bool:
+        """Whether an energy feature is on (profiling, a plan, a frontier, zeus): they need a GPU device
+        and every compute instruction's time and energy."""
+        return bool(self.profile or self.frequency_plan or self.frequency_frontier or self.pfo_server_url)
+
+    @property
     def enabled(self) -> bool:
-        """Whether the run uses a GPU device for energy: profiling, a plan, zeus, or an explicit device."""
-        return bool(self.profile or self.frequency_plan or self.frequency_frontier or self.pfo_server_url
-                    or self.energy_device in ("nvml", "simulated"))
+        """Whether the run must measure with a GPU device: an energy feature, or an explicit device.
+        (With ``auto`` and no feature a run still measures where NVML answers: merak.energy.runtime.)"""
+        return self.features or self.energy_device in ("nvml", "simulated")
 
     def problems(self, *, schedule: str, pp: int, num_microbatches: int, num_chunks: int, dp: int = 1) -> list[str]:
         """Everything wrong with these values for the run's schedule and layout."""

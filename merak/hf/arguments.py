@@ -223,7 +223,8 @@ class MerakArguments(TrainingArguments):
     pfo_server_url: str | None = _merak(
         "pfo_server_url", "A Perseus/zeus server that chooses each instruction's clock while training."
     )
-    energy_device: str = _merak("energy_device", "auto (NVML on CUDA machines, else simulated), nvml or simulated.")
+    energy_device: str = _merak("energy_device", "auto (NVML on CUDA machines where it answers; else energy "
+                                "features on a simulated GPU, plain training unmeasured), nvml, simulated or none.")
     simulated_gpu: str = _merak("simulated_gpu", "The simulated GPU's model (energy features without a GPU).")
     simulated_tflops: float = _merak("simulated_tflops", "The simulated GPU's speed, TFLOP/s.")
     frequency_plan: str | None = _merak(

@@ -152,7 +152,8 @@ class MerakTrainer(TrainerOutputs):
         self.session: TrainingSession | None = None
         self.summary: dict | None = None
         self._evaluated_at: int | None = None
-        self.energy = None  # merak.energy.runtime.EnergyRuntime with profile, frequency_plan or pfo_server_url
+        # merak.energy.runtime.EnergyRuntime where the run measures energy, else an EnergyOff saying why
+        self.energy = None
 
     def _init_from_environment(self):
         """Without ``merak.init``: one process, or data parallelism over a launcher's processes
@@ -246,9 +247,9 @@ class MerakTrainer(TrainerOutputs):
             self._check_checkpoints_fit(resume)
             self.energy = start_energy(self.settings.trainer.energy, self.state_grid)
             self.session = TrainingSession(self.spec, self.settings, None, steps=steps, state=self.state_grid,
-                                           resume=resume, hooks=self.energy.hooks if self.energy else ())
-            if self.energy is not None and not self.args.profile:
-                self.session.summary_sections.append(lambda: {"energy": self.energy.summary()})
+                                           resume=resume, hooks=self.energy.hooks)
+            if not self.args.profile:
+                self.energy.attach(self.session)  # each logged step's energy, and the run's (or why not)
             self.model = self.session.model
             grid = self.state_grid.grid
             if (grid.pp > 1 or grid.tp > 1) and not self.args.lora_config:  # save_adapter gathers adapters
@@ -309,7 +310,8 @@ class MerakTrainer(TrainerOutputs):
             losses.append(result.loss)
             self.control = self.callback_handler.on_step_end(self.args, self.state, self.control)
             if cadence.logs_at(step):
-                self.log({"loss": result.loss, "grad_norm": result.grad_norm, "learning_rate": result.learning_rate})
+                self.log({"loss": result.loss, "grad_norm": result.grad_norm, "learning_rate": result.learning_rate,
+                          **record.measured()})
             if cadence.evaluates_at(step):
                 self._evaluate_and_keep_best(session)
             # Callbacks may decide differently on different ranks: rank 0's decision holds.

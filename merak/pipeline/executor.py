@@ -31,7 +31,7 @@ from merak.pipeline import instructions as ins
 from merak.pipeline.compiled import eager_execution
 from merak.pipeline.hooks import HookList, InstructionEvent, PipelineHook
 from merak.pipeline.memory import ActivationMeter, NoMeter, active_meter
-from merak.pipeline.recompute import checkpointing, has_random_operations, microbatch_seed
+from merak.pipeline.recompute import checkpointing, counting_recomputation, has_random_operations, microbatch_seed
 
 LossFn = Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor]
 Key = tuple[int, int]  # (chunk, microbatch)
@@ -140,6 +140,7 @@ class PipelineExecutor:
         # Forward FLOPs of one microbatch in each local chunk, counted on the chunk's first forward
         # (for the run summary's model FLOPs and MFU, and the listeners' instruction events).
         self.chunk_flops: dict[int, int] = {}
+        self.chunk_recomputed_flops: dict[int, int] = {}  # of the checkpointed parts its backward runs again
         self.outputs: dict[int, object] = {}
 
     @property
@@ -232,7 +233,8 @@ class PipelineExecutor:
     def _event(self, instruction: ins.Instruction) -> InstructionEvent:
         """What listeners learn about compute ``instruction``."""
         return InstructionEvent.of(instruction, stage=self.stage_id, step=self.step_index,
-                                   chunk_forward_flops=self.chunk_flops.get(instruction.chunk))
+                                   chunk_forward_flops=self.chunk_flops.get(instruction.chunk),
+                                   chunk_recomputed_flops=self.chunk_recomputed_flops.get(instruction.chunk, 0))
 
     @contextlib.contextmanager
     def _counting_flops(self, chunk: int) -> Iterator[None]:
@@ -241,9 +243,10 @@ class PipelineExecutor:
             yield
             return
         counter = flop_counter()
-        with counter, eager_execution():  # dynamo does not trace under a counting mode
-            yield
+        with counter, counting_recomputation() as recomputed, eager_execution():  # dynamo does not trace
+            yield                                                                 # under a counting mode
         self.chunk_flops[chunk] = counter.get_total_flops()
+        self.chunk_recomputed_flops[chunk] = recomputed.flops
 
     def _load(self, instruction: ins.LoadMicrobatch) -> None:
         if self._microbatches is None:

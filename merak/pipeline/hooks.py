@@ -23,6 +23,8 @@ from merak.pipeline import instructions as ins
 # The work of each compute instruction in forwards of the same chunk: a backward computes the
 # gradients of the inputs and of the weights, each about one forward's work.
 FORWARDS_PER_INSTRUCTION = {"forward": 1, "recompute": 1, "backward": 2, "backward_input": 1, "backward_weight": 1}
+# The instructions whose autograd pass meets checkpointed parts first and runs their forward again.
+RECOMPUTING_INSTRUCTIONS = ("backward", "backward_input")
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,9 @@ class InstructionEvent:
         microbatch: the microbatch it runs on.
         step: the index of the step being run (the optimizer step it belongs to).
         flops: its floating-point operations: the chunk's forward FLOPs for one microbatch times
-            ``FORWARDS_PER_INSTRUCTION[name]``. The chunk's first forward counts them, so they
+            ``FORWARDS_PER_INSTRUCTION[name]``, and for the backward (or its input half) of a chunk
+            checkpointing parts of its forward (``activation_checkpointing``), the forward FLOPs of
+            those parts, which it runs again. The chunk's first forward counts them, so they
             are None when that forward begins (and on a chunk no plain forward has run yet).
         instruction: the schedule's instruction object (tells a pre-checkpoint forward from a plain one).
     """
@@ -56,10 +60,12 @@ class InstructionEvent:
 
     @classmethod
     def of(cls, instruction: ins.Instruction, *, stage: int, step: int,
-           chunk_forward_flops: int | None) -> InstructionEvent:
-        """The event of compute ``instruction``, given the forward FLOPs of its chunk (None: not counted yet)."""
+           chunk_forward_flops: int | None, chunk_recomputed_flops: int = 0) -> InstructionEvent:
+        """The event of compute ``instruction``, given the forward FLOPs of its chunk (None: not counted yet)
+        and those of its checkpointed parts."""
         name = ins.INSTRUCTION_NAMES[type(instruction)]
-        flops = None if chunk_forward_flops is None else FORWARDS_PER_INSTRUCTION[name] * chunk_forward_flops
+        flops = None if chunk_forward_flops is None else FORWARDS_PER_INSTRUCTION[name] * chunk_forward_flops \
+            + (chunk_recomputed_flops if name in RECOMPUTING_INSTRUCTIONS else 0)
         return cls(name=name, stage=stage, chunk=instruction.chunk, microbatch=instruction.microbatch, step=step,
                    flops=flops, instruction=instruction)
 

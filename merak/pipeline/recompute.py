@@ -31,8 +31,9 @@ from torch import fx, nn
 from merak.trace.capture import RebuildOutput
 from merak.trace.simplify import DROPOUT_CALLS, is_inactive_dropout
 
-# What the stage forward currently runs: "configured" (the stage's checkpointing) or "none".
-_state = {"checkpointing": "configured", "seed": None}
+# What the stage forward currently runs: "configured" (the stage's checkpointing) or "none"; and, while a
+# chunk's forward is counted, the FLOPs of its checkpointed parts (what its backward runs again).
+_state = {"checkpointing": "configured", "seed": None, "recomputed": None}
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,40 @@ def checkpointing(mode: str) -> Iterator[None]:
 def checkpointing_mode() -> str:
     """The mode set by :func:`checkpointing`."""
     return _state["checkpointing"]
+
+
+class RecomputedWork:
+    """The FLOPs of the checkpointed parts a forward ran: its backward runs them again."""
+
+    def __init__(self) -> None:
+        self.flops = 0
+
+
+@contextlib.contextmanager
+def counting_recomputation() -> Iterator[RecomputedWork]:
+    """Within the block, the forwards of checkpointed parts add their FLOPs to the yielded
+    :class:`RecomputedWork` (a simulated GPU charges the backward for them, as a real one takes the time)."""
+    previous, work = _state["recomputed"], RecomputedWork()
+    _state["recomputed"] = work
+    try:
+        yield work
+    finally:
+        _state["recomputed"] = previous
+
+
+@contextlib.contextmanager
+def checkpointed_part() -> Iterator[None]:
+    """Around a checkpointed run of parts: counted into the active :func:`counting_recomputation`, if any."""
+    work = _state["recomputed"]
+    if work is None:
+        yield
+        return
+    from merak.compat.flops import flop_counter
+
+    counter = flop_counter()  # entering a counter clears it: one per checkpointed run
+    with counter:
+        yield
+    work.flops += counter.get_total_flops()
 
 
 def part_seed(base: int, *keys: int) -> int:

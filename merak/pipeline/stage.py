@@ -63,7 +63,8 @@ class StageModule(nn.Module):
         for start in range(0, checkpointed, options.num_layers):
             stop = min(start + options.num_layers, checkpointed)
             memory.note_kept(payload)  # the checkpoint keeps its inputs for the recomputation
-            payload = checkpoint(self._run, start, stop, payload, seed, compiled, use_reentrant=False)
+            with recompute.checkpointed_part():
+                payload = checkpoint(self._run, start, stop, payload, seed, compiled, use_reentrant=False)
         return self._run(checkpointed, len(self.parts), payload, seed, compiled)
 
     def _run(self, start: int, stop: int, payload, seed: int | None, compiled: CompiledParts | None):

@@ -27,9 +27,18 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.1f}"
 
 
+# A step's figures that exist only where the run measures them (its energy): left out of its line otherwise.
+MEASURED_KEYS = ("energy_j", "joules_per_token", "joules_per_sample", "power_w")
+
+
 @dataclass
 class StepRecord:
-    """One line of metrics.jsonl."""
+    """One line of metrics.jsonl.
+
+    The energy figures are those of a logged step of a run that measures energy (docs/energy.md):
+    ``energy_j`` over all devices, ``joules_per_token`` (text) or ``joules_per_sample``, and
+    ``power_w``, the mean power of one device; None (and left out of the line) otherwise.
+    """
 
     step: int
     loss: float
@@ -40,6 +49,27 @@ class StepRecord:
     tokens_per_s: float
     skipped: bool = False
     loss_scale: float = 1.0
+    energy_j: float | None = None
+    joules_per_token: float | None = None
+    joules_per_sample: float | None = None
+    power_w: float | None = None
+
+    def to_json(self) -> dict:
+        """The metrics.jsonl line's fields: non-finite numbers as null, unmeasured figures left out."""
+        values = {key: value for key, value in asdict(self).items()
+                  if not (key in MEASURED_KEYS and value is None)}
+        return _strict_json(values)
+
+    def measured(self) -> dict:
+        """The step's measured figures (its energy), where it has them."""
+        return {key: getattr(self, key) for key in MEASURED_KEYS if getattr(self, key) is not None}
+
+    def tracked(self) -> dict:
+        """What the experiment trackers get for this step (``train/...``)."""
+        metrics = {"train/loss": self.loss, "train/learning_rate": self.learning_rate,
+                   "train/grad_norm": self.grad_norm, "train/samples_per_s": self.samples_per_s}
+        metrics.update({f"train/{key}": value for key, value in self.measured().items()})
+        return metrics
 
 
 class MetricsWriter:
@@ -80,22 +110,26 @@ class MetricsWriter:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
                              dynamic_ncols=True, mininterval=0.5)
 
+    def logs(self, step: int) -> bool:
+        """Whether step ``step`` gets a metrics.jsonl line (every ``logging_steps``-th step)."""
+        return step % self.logging_steps == 0
+
     def log_step(self, *, step: int, loss: float, lr: float, grad_norm: float, step_time_s: float,
-                 skipped: bool = False, loss_scale: float = 1.0) -> StepRecord:
-        """Record one optimizer step (``step`` counts from 1) and return its record."""
+                 skipped: bool = False, loss_scale: float = 1.0, measured: dict | None = None) -> StepRecord:
+        """Record one optimizer step (``step`` counts from 1) and return its record. ``measured``: the
+        step's figures named in ``MEASURED_KEYS`` (its energy), where they were measured."""
         record = StepRecord(step=step, loss=loss, learning_rate=lr, grad_norm=grad_norm, step_time_s=step_time_s,
                             samples_per_s=self.samples_per_step / step_time_s,
                             tokens_per_s=self.samples_per_step * self.tokens_per_sample / step_time_s,
-                            skipped=skipped, loss_scale=loss_scale)
+                            skipped=skipped, loss_scale=loss_scale, **(measured or {}))
         self.records.append(record)
         if not self.enabled:
             return record
-        if step % self.logging_steps == 0:
-            self._file.write(json.dumps(_strict_json(asdict(record))) + "\n")
+        if self.logs(step):
+            self._file.write(json.dumps(record.to_json()) + "\n")
             self._file.flush()
             if self.trackers is not None:
-                self.trackers.log({"train/loss": loss, "train/learning_rate": lr, "train/grad_norm": grad_norm,
-                                   "train/samples_per_s": record.samples_per_s}, step)
+                self.trackers.log(record.tracked(), step)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             self._bar.update(1)
@@ -218,12 +252,9 @@ def format_summary(summary: dict) -> str:
         lines.append(f"  model FLOPs        {_human(flops['model_flops_per_step'])}/step, "
                      f"{_human(flops['tflops_per_s_per_device'] * 1e12)}FLOP/s per device, {mfu}")
         lines.append(f"                     ({flops['formula']})")
-    energy = summary.get("energy")
-    if energy and energy.get("iteration_energy_j") is not None:
-        source = f", plan {energy['plan']}" if energy.get("plan") else \
-            (f", zeus job {energy['zeus_job_id']}" if energy.get("zeus_job_id") else "")
-        lines.append(f"  energy             {energy['iteration_energy_j']:,.1f} J/step over all GPUs, step "
-                     f"{energy['iteration_time_s'] * 1000:,.1f} ms ({energy['device']}{source})")
+    energy_line = format_energy(summary.get("energy"))
+    if energy_line:
+        lines.append(f"  energy             {energy_line}")
     precision = summary.get("precision")
     if precision:
         lines.append(f"  precision          {precision['dtype']}, ZeRO stage {precision['zero_stage']}"
@@ -250,6 +281,42 @@ def format_summary(summary: dict) -> str:
             f"  {_mib_or_dash(stage.get('peak_activation_bytes')):>11}  {_mib(stage['peak_rss_bytes']):>8}"
             f"  {_mib_or_dash(stage.get('peak_allocated_bytes')):>8}")
     return "\n".join(lines)
+
+
+def format_energy(energy: dict | None) -> str | None:
+    """The summary table's energy line after its label: ``812.3 J/step on 4 simulated A100, 0.4 J/token,
+    203 W per device, 1.05 GFLOP/J`` (and the plan or zeus job a run followed), or why nothing was
+    measured; None without an energy section or a measured step."""
+    if not energy:
+        return None
+    if energy.get("measured") is False:
+        return f"not measured: {energy['why']}"
+    joules = energy.get("joules_per_step", energy.get("iteration_energy_j"))
+    if joules is None:
+        return None
+    devices = energy.get("devices") or len(energy.get("ranks") or ()) or 1
+    parts = [f"{joules:,.1f} J/step on {devices} {energy['device']}"]
+    if energy.get("joules_per_token") is not None:
+        parts.append(f"{energy['joules_per_token']:.3g} J/token")
+    elif energy.get("joules_per_sample") is not None:
+        parts.append(f"{energy['joules_per_sample']:.3g} J/sample")
+    if energy.get("power_w_per_device") is not None:
+        parts.append(f"{energy['power_w_per_device']:,.0f} W per device")
+    if energy.get("flop_per_joule"):
+        parts.append(f"{_si(energy['flop_per_joule'])}FLOP/J")
+    if energy.get("plan"):
+        parts.append(f"plan {energy['plan']}")
+    elif energy.get("zeus_job_id"):
+        parts.append(f"zeus job {energy['zeus_job_id']}")
+    return ", ".join(parts)
+
+
+def _si(count: float) -> str:
+    """``count`` with an SI prefix and a space before the unit that follows: ``1.05 G``."""
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(count) >= scale:
+            return f"{count / scale:.3g} {prefix}"
+    return f"{count:.3g} "
 
 
 def _mib_or_dash(value: int | None) -> str:

@@ -172,6 +172,9 @@ class TrainingSession:
         self.skipped_in_a_row = 0
         # Collective callables whose dicts (rank 0's) join the run summary, e.g. the energy report.
         self.summary_sections: list[Callable[[], dict]] = []
+        # Collective callables every rank calls after each logged training step (trainer.logging_steps),
+        # in order; their dicts (rank 0's) join the step's record, e.g. the step's energy.
+        self.step_sections: list[Callable[[], dict]] = []
 
     def _hold_out(self, dataset):
         """``(training samples, held-out samples)``: with ``trainer.eval_steps``, the last
@@ -193,6 +196,11 @@ class TrainingSession:
         return MicrobatchLoader(dataset, plan, collate=self.spec.collate, device=self.state.device,
                                 num_workers=loader_workers(trainer.batch.dataloader_num_workers, self.state.device),
                                 pin_memory=trainer.batch.dataloader_pin_memory, channels_last=self.engine.channels_last)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens in one sample (1 for images and other non-text samples)."""
+        return self.spec.tokens_per_sample(self.settings.model_cfg)
 
     @property
     def feeds_data(self) -> bool:
@@ -253,7 +261,7 @@ class TrainingSession:
                             config=self._run_info()) if self.is_reporting_rank else None
         self.metrics = MetricsWriter(output_dir=settings.output_dir, total_steps=self.steps,
                                      samples_per_step=settings.global_batch_size,
-                                     tokens_per_sample=self.spec.tokens_per_sample(settings.model_cfg),
+                                     tokens_per_sample=self.tokens_per_sample,
                                      enabled=self.is_reporting_rank, logging_steps=report.logging_steps,
                                      start_step=self.first_step, progress_bar=not report.disable_tqdm,
                                      trackers=trackers)
@@ -265,11 +273,12 @@ class TrainingSession:
                 step_start = time.perf_counter()
                 microbatches = self.loader.load_step(self.step) if self.loader else None
                 result = self.engine.train_step(microbatches)
+                step_time_s = time.perf_counter() - step_start
                 self.step += 1
                 record = self.metrics.log_step(step=self.step, loss=result.loss, lr=result.learning_rate,
-                                               grad_norm=result.grad_norm,
-                                               step_time_s=time.perf_counter() - step_start,
-                                               skipped=result.skipped, loss_scale=result.loss_scale)
+                                               grad_norm=result.grad_norm, step_time_s=step_time_s,
+                                               skipped=result.skipped, loss_scale=result.loss_scale,
+                                               measured=self._step_sections(self.step))
                 self._check_finite(result)
                 if on_step is not None:
                     stop = bool(on_step(self.step, result, record))
@@ -286,6 +295,14 @@ class TrainingSession:
         timeline = write_timelines(self.engine, schedule=schedule.train_schedule, output_dir=settings.output_dir,
                                    rank=self.state.rank) if schedule.wall_clock_breakdown else None
         return self.write_summary(timeline, extra={"eval": self.last_eval} if self.last_eval else None)
+
+    def _step_sections(self, step: int) -> dict:
+        """The step sections' dicts merged, on a logged step (every rank alike: they are collectives)."""
+        measured: dict = {}
+        if self.metrics.logs(step):
+            for section in self.step_sections:
+                measured.update(section())
+        return measured
 
     def evaluate_held_out(self) -> dict:
         """Evaluate the held-out samples (``trainer.eval_steps``); rank 0 logs the metrics and writes them

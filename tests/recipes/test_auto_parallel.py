@@ -145,3 +145,30 @@ def test_a_stage_without_parameters_trains_with_zero(tmp_path, cache_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     losses = {name: _losses(tmp_path / name) for name in runs}
     assert losses["empty_stage"] == pytest.approx(losses["one_stage"], rel=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_auto_runs_the_least_energy_layout_with_its_clock_plan(tmp_path, cache_dir):
+    """``parallel.objective=energy@1.2x`` on simulated GPUs: no trials; the run applies the chosen layout's
+    frontier (written into the run directory) at the point the objective chose."""
+    from merak.energy.frontier import read_frontier
+
+    run_dir = tmp_path / "run"
+    summary = run_in_process("gpt", ["model=toy", "parallel=auto", "parallel.world_size=2",
+                                     "parallel.objective=energy@1.2x", "trainer.energy_device=simulated",
+                                     "trainer.global_batch_size=8", "trainer.max_steps=3",
+                                     "trainer.straggler_window=0"], run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["objective"] == "energy@1.2x" and "trials" not in plan
+    best = plan["best"]
+    assert best["energy"]["meets_bound"] and best["energy"]["step_s"] <= best["energy"]["bound_s"] * (1 + 1e-6)
+    clock_plan = plan["run_clock_plan"]
+    assert clock_plan["frequency_frontier"] == str(run_dir / "frontier.json")
+    frontier = read_frontier(clock_plan["frequency_frontier"])
+    layout = best["layout"]
+    assert summary["layout"] == {"dp": layout["dp"], "tp": layout["tp"], "pp": layout["pp"]}
+    energy = summary["energy"]
+    assert energy["frontier"] == clock_plan["frequency_frontier"]
+    assert energy["base_point"] == frontier.index_within(clock_plan["frontier_deadline"])
+    point = frontier.points[energy["base_point"]]
+    assert point.iteration_time == pytest.approx(best["energy"]["frontier_time_s"], rel=1e-6)

@@ -25,7 +25,7 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path, cache_dir):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert report["tests"]["exit_status"] == 0 and report["tests"]["collected"] == 30
+    assert report["tests"]["exit_status"] == 0 and report["tests"]["collected"] == 31
     rows = report["bench"]["results"]
     assert [r["model"] for r in rows] == ["gpt2", "vit-base"] and not report["bench"]["not_measured"]
     loops = ("plain", "merak", "plain_compiled", "merak_compiled")
@@ -37,4 +37,4 @@ def test_gpu_check_smoke_run_on_cpu(tmp_path, cache_dir):
         assert row["compiled_ratio"] > 0 and row["speedup_over_plain_eager"] > 0
     assert {g["goal"] for g in report["goals"]} >= {"gpt2: no crash", "vit-base: no crash"}
     markdown = (tmp_path / "gpu_check.md").read_text()
-    assert "30 cases collected" in markdown and "| gpt2" in markdown and "| vit-base" in markdown
+    assert "31 cases collected" in markdown and "| gpt2" in markdown and "| vit-base" in markdown

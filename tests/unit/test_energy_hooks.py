@@ -11,6 +11,7 @@ import pytest
 from merak.distributed.topology import RankGrid
 from merak.energy.hooks import FrequencyPlanHook, InstructionMeter, PlanMismatchError, SimulatedCompute
 from merak.energy.runtime import EnergyRuntime
+from merak.energy.settings import EnergySettings
 from merak.energy.simulated import SimulatedGPU
 from merak.pipeline import instructions as ins
 from merak.pipeline.hooks import HookList, InstructionEvent
@@ -95,8 +96,8 @@ def test_frequency_plan_hook_locks_each_planned_clock_and_names_a_mismatch():
 def test_energy_runtime_sizes_simulated_work_from_events_alone():
     time = FakeTime()
     gpu = _gpu(time)
-    trainer = SimpleNamespace(frequency_plan=None, frequency_frontier=None, pfo_server_url=None,
-                              simulated_tflops=1e-9)  # 1000 FLOP/s
+    # Profiling: a feature that measures every instruction. 1000 FLOP/s.
+    trainer = EnergySettings(profile=True, simulated_tflops=1e-9)
     state = SimpleNamespace(rank=0, coordinates=SimpleNamespace(pp=0))
     runtime = EnergyRuntime(trainer, state, device=gpu)
     hooks = HookList(runtime.hooks)

@@ -114,3 +114,28 @@ def test_resuming_replays_the_schedule_without_warnings(single_process, recwarn)
     assert engine.lr_scheduler.last_epoch == 3
     assert engine.optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * (1 - 1 / 4))
     assert [str(w.message) for w in recwarn] == []
+
+
+class FlopRecorder(PipelineHook):
+    def __init__(self) -> None:
+        self.flops: dict[str, int] = {}
+
+    def on_instruction_end(self, event: InstructionEvent) -> None:
+        self.flops[event.name] = event.flops
+
+
+@pytest.mark.parametrize("ratio, recomputed", [(None, 288 + 144), (0.5, 288), (0.0, 0)])
+def test_a_checkpointing_backward_carries_the_forward_it_runs_again(single_process, ratio, recomputed):
+    """A simulated GPU charges each instruction its FLOPs: the backward of a stage checkpointing parts of its
+    forward runs those parts again. Microbatch 2: the first part 2 x 2 x 6 x 12 FLOPs, the second 2 x 2 x 12 x 3."""
+    from merak.pipeline.settings import ScheduleSettings
+
+    net, recorder = Net(), FlopRecorder()
+    schedule = ScheduleSettings(activation_checkpointing=ratio != 0.0, activation_checkpoint_ratio=ratio)
+    engine = PipelineEngine(model=net, stages=[StageModule([Input(net), net.second])], loss_fn=loss_fn,
+                            state=single_process, schedule="1f1b", num_microbatches=2, total_steps=1,
+                            hooks=[recorder], recompute=schedule)
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    engine.train_step([{"x": x[:2], "y": y[:2]}, {"x": x[2:], "y": y[2:]}])
+    forward = 288 + 144
+    assert recorder.flops == {"forward": forward, "backward": 2 * forward + recomputed}
