@@ -59,6 +59,9 @@ _TOLERANCE = 1e-12
 # Conflicting moves one greedy pass skips to take the moves tied with them, at a bisection each.
 _MAX_SKIPS = 64
 DEFAULT_TIME_BUDGET_S = 300.0
+# Large graphs relax through every other hull vertex (FrequencyPlanner._relaxed).
+RELAXATION_HULL_STRIDE = 2
+COARSE_RELAXATION_NODES = 256
 
 
 @dataclass(frozen=True)
@@ -203,11 +206,19 @@ class FrequencyPlanner:
     # -- solving --------------------------------------------------------------------------
 
     def _relaxed(self, deadline: float) -> tuple[np.ndarray, float]:
-        """The LP optimum's node durations and step time (at most ``deadline``)."""
+        """The LP optimum's node durations and step time (at most ``deadline``).
+
+        On a graph of more than ``COARSE_RELAXATION_NODES`` instructions the relaxation runs through every
+        other vertex of each instruction's hull (and its last): it only seeds the rounding and the greedy,
+        and its warm solves, which dominate a long step's frontier, pivot about once per vertex crossed.
+        With every vertex of an 81-clock curve they take twice as long there, for plans no better
+        (benchmark section 19); on smaller graphs they are cheap and every vertex seeds a little better."""
         if self._program is None:
             c = self.node_choices
-            self._program = RelaxedProgram(self.graph, [x.times for x in c], [x.costs for x in c],
-                                           [x.hull for x in c], self.graph.num_stages * self.p2p_power)
+            stride = RELAXATION_HULL_STRIDE if len(self.graph.nodes) > COARSE_RELAXATION_NODES else 1
+            hulls = [sorted({*x.hull[::stride], x.hull[-1]}) for x in c]
+            self._program = RelaxedProgram(self.graph, [x.times for x in c], [x.costs for x in c], hulls,
+                                           self.graph.num_stages * self.p2p_power)
         return self._program.solve(deadline)
 
     def solve(self, deadline: float) -> PlanPoint:
