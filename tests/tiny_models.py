@@ -16,6 +16,17 @@ import merak  # noqa: F401  (before transformers / torchvision)
 BATCH = 2
 
 
+class TinyClassifier(nn.Module):
+    """One linear layer from 4 ``features`` to 3 classes: a model for MerakTrainer tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def forward(self, features):
+        return self.layer(features)
+
+
 def logits_of(output):
     if isinstance(output, torch.Tensor):
         return output

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import TinyClassifier
 from train_py import read_metrics, run_in_process
 
 from merak.distributed import groups
@@ -111,15 +112,6 @@ def test_two_ranks_sum_their_energy_every_logged_step(tmp_path, cache_dir):
     assert steps[-1]["energy_j"] == pytest.approx(energy["joules_per_step"], rel=1e-12)
 
 
-class _Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 3)
-
-    def forward(self, features):
-        return self.layer(features)
-
-
 def _trainer_run(output_dir: Path, **fields) -> dict:
     """MerakTrainer in this process: 2 steps of a tiny classifier; its summary."""
     import merak
@@ -129,7 +121,7 @@ def _trainer_run(output_dir: Path, **fields) -> dict:
     args = merak.MerakArguments(output_dir=str(output_dir), max_steps=2, per_device_train_batch_size=2,
                                 disable_tqdm=True, save=False, **fields)
     try:
-        trainer = merak.MerakTrainer(model=_Tiny(), args=args, train_data=data)
+        trainer = merak.MerakTrainer(model=TinyClassifier(), args=args, train_data=data)
         trainer.train()
         return trainer.summary
     finally:

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from tiny_models import TinyClassifier
 from transformers import TrainingArguments
 
 import merak
@@ -45,22 +46,13 @@ def test_every_unimplemented_field_set_is_named_with_its_counterpart(tmp_path):
     assert "neftune_noise_alpha" in unlisted and "lr_scheduler_kwargs" in unlisted
 
 
-class _Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 3)
-
-    def forward(self, features):
-        return self.layer(features)
-
-
 def _data(count: int) -> list[dict]:
     return [{"features": torch.randn(4), "labels": torch.tensor(i % 3)} for i in range(count)]
 
 
 def test_trainer_warns_once_naming_the_ignored_fields(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="merak.hf.trainer"):
-        merak.MerakTrainer(model=_Tiny(), args=_args(tmp_path, neftune_noise_alpha=5.0, max_steps=2,
+        merak.MerakTrainer(model=TinyClassifier(), args=_args(tmp_path, neftune_noise_alpha=5.0, max_steps=2,
                                                      per_device_train_batch_size=2),
                            train_data=_data(8))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -104,7 +96,7 @@ def test_best_model_metric_and_direction(tmp_path):
 def test_contradictory_strategies_are_named(tmp_path, fields, message):
     assert any(message in problem for problem in cadence_problems(_args(tmp_path, **fields)))
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("'", ".")):
-        merak.MerakTrainer(model=_Tiny(), args=_args(tmp_path, max_steps=1, **fields), train_data=_data(8))
+        merak.MerakTrainer(model=TinyClassifier(), args=_args(tmp_path, max_steps=1, **fields), train_data=_data(8))
 
 
 def test_seed_size_fields_are_checked_against_the_model_and_data(tmp_path):
