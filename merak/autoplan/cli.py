@@ -91,7 +91,7 @@ def _parser(prog: str = "merak-plan") -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, *, prog: str = "merak-plan") -> int:
     """Run ``merak-plan`` with ``argv``; returns the exit status (2: the request cannot be planned)."""
-    args = _parser(prog).parse_args(argv)
+    args = _parser(prog).parse_intermixed_args(argv)  # overrides may follow the options too
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         processes = args.world or (usable_cores() if args.cluster == "this" else None)

@@ -115,3 +115,33 @@ def test_a_gpu_plan_ends_in_commands_that_run_it():
     one_node = dict(launch_commands("recipes/gpt/train.py", [], Layout(dp=8, tp=1, pp=1, micro_batch_size=1,
                                                                        num_microbatches=1), preset("h100-80")))
     assert one_node["one node, torchrun"].startswith("torchrun --standalone --nproc_per_node 8 recipes/gpt/train.py ")
+
+
+def test_cli_energy_objective_writes_the_frontier_and_the_command_that_runs_it(cache_dir, tmp_path):
+    from merak.energy.frontier import read_frontier
+
+    out = tmp_path / "plan.json"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main([*TOY, "trainer.energy_device=simulated", "--objective", "energy@1.2x", "--top", "3",
+                       "--out", str(out)])
+    assert status == 0
+    payload = json.loads(out.read_text())
+    assert payload["objective"] == "energy@1.2x" and payload["best"]["energy"]["meets_bound"]
+    clock_plan = payload["run_clock_plan"]
+    assert clock_plan["trainer.frequency_frontier"] == str(tmp_path / "plan.frontier.json")
+    layout = payload["best"]["layout"]
+    read_frontier(clock_plan["trainer.frequency_frontier"]).check(
+        layout["schedule"], layout["pp"], layout["num_microbatches"], layout["chunks"])
+    table = printed.getvalue()
+    header = next(line for line in table.splitlines() if line.startswith("#"))
+    assert "energy (J/step)" in header and "clocks (MHz)" in header
+    command = table.split("to run the first layout with its clock plan:")[1]
+    assert f"trainer.frequency_frontier={tmp_path / 'plan.frontier.json'}" in command
+    assert "trainer.frontier_deadline=" in command and "trainer.energy_device=simulated" in command
+
+
+def test_cli_energy_objective_without_a_power_model_exits_2(cache_dir, tmp_path, caplog):
+    with caplog.at_level(logging.ERROR, logger="merak.plan"):
+        assert main([*TOY, "--objective", "energy", "--out", str(tmp_path / "plan.json")]) == 2
+    assert "CPU processes have none" in caplog.text
