@@ -22,7 +22,8 @@ from merak.core.slices import sequence_partial, sliced_parameter_ids, tensor_sli
 from merak.distributed.groups import ParallelState, stage_set_group
 from merak.distributed.p2p import PointToPoint
 from merak.optim.distributed import DistributedOptimizer
-from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors
+from merak.optim.grad_sync import all_reduce_tensors
+from merak.optim.overlap import last_weight_passes
 from merak.optim.schedule import build_lr_scheduler, make_optimizer
 from merak.optim.settings import OptimizerSettings, PrecisionSettings, ZeroSettings
 from merak.pipeline import instructions as ins
@@ -40,7 +41,7 @@ from merak.pipeline.schedules import (
     build_schedule,
     schedule_info,
 )
-from merak.pipeline.settings import CompileSettings, ScheduleSettings
+from merak.pipeline.settings import SELECTIVE_WITH_COMPILE, CompileSettings, ScheduleSettings
 from merak.pipeline.stage import (
     TiedParameter,
     find_tied_parameters,
@@ -82,8 +83,9 @@ class PipelineEngine:
         total_steps: steps of the run (for the learning-rate schedule).
         optimizer: the optimizer section (its warmup_ratio is resolved against ``total_steps``).
         hooks: pipeline listeners (timers, profiler, energy plans).
-        bucket_bytes: size of the all-reduce buckets (data-parallel without ZeRO, tied
-            weights, sequence-parallel replicas); ZeRO buckets follow ``zero``.
+        bucket_bytes: size of the all-reduce buckets (data-parallel without ZeRO, overlapped ones, tied
+            weights, sequence-parallel replicas; None: ``zero.grad_bucket_mb``); ZeRO-2's buckets follow
+            ``zero``.
         recompute: the schedule section whose activation-checkpointing fields apply (None: no
             recomputation).
         num_chunks: model chunks per rank (interleaved schedules); ``stages`` then holds
@@ -106,7 +108,7 @@ class PipelineEngine:
                  loss_fn: Callable[[object, Mapping[str, torch.Tensor]], torch.Tensor],
                  state: ParallelState, schedule: str, num_microbatches: int, total_steps: int,
                  optimizer: OptimizerSettings = OptimizerSettings(), hooks: Sequence[PipelineHook] = (),
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, recompute: ScheduleSettings | None = None,
+                 bucket_bytes: int | None = None, recompute: ScheduleSettings | None = None,
                  num_chunks: int = 1, dropout_seed: int | None = None, dealloc_pipeoutput: bool = False,
                  record_timeline: bool = False, zero: ZeroSettings = ZeroSettings(),
                  precision: PrecisionSettings = PrecisionSettings(), measure_activations: bool = False,
@@ -126,6 +128,7 @@ class PipelineEngine:
                 chunk.to(memory_format=torch.channels_last)
         self.stage = self.chunks[0]
         self.options = optimizer
+        bucket_bytes = bucket_bytes if bucket_bytes is not None else zero.bucket_bytes
         self.bucket_bytes = bucket_bytes
         names = parameter_names(model)
         local = {id(p): p for chunk in self.chunks.values() for p in chunk.parameters()}
@@ -168,6 +171,7 @@ class PipelineEngine:
             # the master weights were taken from their fp32 values.
             for chunk in self.chunks.values():
                 chunk.to(precision.dtype)
+        self._overlap_reduction()
         self._total_steps = total_steps
         self.lr_scheduler = self._build_lr_scheduler()
         self.instructions = build_schedule(name=schedule, stage_id=self.stage_id, num_stages=self.num_stages,
@@ -192,7 +196,8 @@ class PipelineEngine:
             step_handlers={ins.ReduceTiedGrads: self._reduce_tied_grads,
                            ins.ReduceGrads: self._reduce_grads,
                            ins.OptimizerStep: self._optimizer_step},
-            hooks=[*hooks, _GradientsReady(self.optimizer)], dropout_seed=seed_of,
+            hooks=[*hooks, _GradientsReady(self.optimizer, last_weight_passes(self.instructions, num_chunks))],
+            dropout_seed=seed_of,
             free_sent_outputs=dealloc_pipeoutput, record_timeline=record_timeline,
             compute_dtype=precision.dtype, loss_scale=lambda: self.optimizer.loss_scale,
             measure_activations=measure_activations)
@@ -216,6 +221,28 @@ class PipelineEngine:
             for _ in range(lr_scheduler_steps):
                 self.lr_scheduler.step()
 
+    def _overlap_reduction(self) -> None:
+        """Let the optimizer reduce each chunk's gradients during its last backward (merak.optim.overlap).
+        Tied copies and sequence-parallel replicas are summed over their groups at the step's end first, and
+        a parameter two chunks share is final only after both: those are reduced at the end as before."""
+        chunks_of: dict[int, set[int]] = {}
+        for c, chunk in self.chunks.items():
+            for param in chunk.parameters():
+                chunks_of.setdefault(id(param), set()).add(c)
+        summed_first = {id(p) for p in [*self.tied_params, *self.sequence_partial]}
+        excluded = {i for i, p in enumerate(self.trainable) if id(p) in summed_first or len(chunks_of[id(p)]) > 1}
+        self.optimizer.overlap_reduction([min(chunks_of[id(p)]) for p in self.trainable], excluded)
+
+    def reduction_timeline(self) -> list[dict]:
+        """The last step's overlapped data-parallel reductions: per bucket its stage, rank, chunk, bytes, and
+        the (``time.perf_counter``) times it started and was waited for (empty without overlap)."""
+        overlap = self.optimizer.overlap
+        if overlap is None:
+            return []
+        return [{"stage": self.stage_id, "rank": self.state.rank, "bucket": r.bucket.index, "chunk": r.bucket.chunk,
+                 "bytes": r.bucket.nbytes, "start": r.started, "end": r.finished or r.started}
+                for r in overlap.last_step]
+
     def _tied_across_ranks(self, tied: Sequence[TiedParameter]) -> list[TiedParameter]:
         """Ties between pieces, as ties between ranks (pieces on one rank share the object)."""
         ranks = [TiedParameter(name=t.name, stages=tuple(sorted({v % self.num_stages for v in t.stages})))
@@ -223,7 +250,9 @@ class PipelineEngine:
         return [t for t in ranks if len(t.stages) > 1]
 
     def _configure_checkpointing(self, options: ScheduleSettings | None, last_stage_checkpoints: bool) -> None:
-        """Give each local chunk its share of checkpointed parts (stage-aware ratios)."""
+        """Give each local chunk its share of checkpointed parts (stage-aware ratios) and, with selective
+        recomputation, what those parts save."""
+        self._selective_mode = options.selective_mode if options is not None else None
         if options is None or not options.activation_checkpointing:
             for module in self.chunks.values():
                 if hasattr(module, "configure_checkpointing"):
@@ -238,7 +267,8 @@ class PipelineEngine:
                                  f"stage {self.stage_id} is a {type(module).__name__}")
             ratio = ratios[chunk * self.num_stages + self.stage_id]
             module.configure_checkpointing(StageRecomputation(
-                parts=checkpointed_parts(ratio, len(module.parts)), num_layers=options.checkpoint_num_layers))
+                parts=checkpointed_parts(ratio, len(module.parts)), num_layers=options.checkpoint_num_layers,
+                saves=options.selective_mode))
 
     def _compile_stages(self, options: CompileSettings) -> None:
         """Hand each local chunk's parts to torch.compile (after the move and the cast: compiled graphs
@@ -246,6 +276,8 @@ class PipelineEngine:
         contradictions = options.contradictions()
         if contradictions:
             raise ValueError("; ".join(contradictions))
+        if options.enabled and self._selective_mode is not None:
+            raise ValueError(SELECTIVE_WITH_COMPILE)
         if options.uses_cuda_graphs and self.state.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this stage runs on {self.state.device}")
         splits_backward = any(isinstance(i, ins.BackwardInput) for i in self.instructions)
@@ -416,13 +448,24 @@ class PipelineEngine:
 
 
 class _GradientsReady(PipelineHook):
-    """ZeRO-2: reduce-scatter the gradients each backward instruction produced, right after it."""
+    """Data-parallel reductions during the backward: with overlap (merak.optim.overlap), arm each chunk for its
+    last weight-gradient pass and start what is left of it after; with ZeRO-2, reduce-scatter the gradients
+    each backward instruction produced, right after it."""
 
     _BACKWARDS = ("backward", "backward_input", "backward_weight")
 
-    def __init__(self, optimizer: DistributedOptimizer) -> None:
-        self.optimizer = optimizer
+    def __init__(self, optimizer: DistributedOptimizer, last_passes: dict[int, object]) -> None:
+        self.optimizer, self.last_passes = optimizer, last_passes
+
+    def _last_pass(self, event: InstructionEvent) -> bool:
+        return self.optimizer.overlap is not None and self.last_passes.get(event.chunk) == event.instruction
+
+    def on_instruction_begin(self, event: InstructionEvent) -> None:
+        if self._last_pass(event):
+            self.optimizer.overlap.arm(event.chunk)
 
     def on_instruction_end(self, event: InstructionEvent) -> None:
         if event.name in self._BACKWARDS:
             self.optimizer.reduce_ready_gradients()
+        if self._last_pass(event):
+            self.optimizer.overlap.flush(event.chunk)

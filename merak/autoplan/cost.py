@@ -58,6 +58,7 @@ ADAM_BYTES_PER_PARAMETER = 28  # read weight, gradient, two moments; write weigh
 STEP_SCALAR_REDUCTIONS = 2  # per step, over every process: the loss (for the log) and the gradient norm
 SCALAR_BYTES = 8
 SIMULATED_MICROBATCHES = 8  # a longer step is simulated at about this many and extended linearly
+OVERLAP_BUCKET_BYTES = 25 * 2**20  # trainer.grad_bucket_mb's default: the last bucket cannot overlap
 QUICK_RUNTIME_CUTS_MOST_UNITS = 256  # larger models are ranked on the planner's own cuts first (_piece_bounds)
 
 
@@ -332,11 +333,14 @@ class CostModel:
         cluster: the devices and links; dtype: the compute dtype's name.
         sharding: the run's sharding section, so that layouts are cut into stages as the run
             cuts them (:func:`merak.shard.plan.stage_unit_bounds`); None: the cuts balancing the costs best.
+        overlap_grad_reduce: the run's ``trainer.overlap_grad_reduce``: data-parallel buckets start during the
+            last backward (:meth:`_data_parallel_seconds`).
     """
 
     def __init__(self, profiles, cluster: Cluster, dtype: str = "float32", *,
-                 sharding: ShardingSettings | None = None) -> None:
+                 sharding: ShardingSettings | None = None, overlap_grad_reduce: bool = True) -> None:
         self.profiles, self.cluster, self.dtype, self.sharding = profiles, cluster, dtype, sharding
+        self.overlap_grad_reduce = overlap_grad_reduce
         # Whose nominal rates a run's partitioner weighs the units with (merak.shard.costs).
         self.device_type = cluster.device_type
         self._tables: dict[tuple[int, bool, int], _UnitTable] = {}
@@ -477,18 +481,32 @@ class CostModel:
         return [all_reduce_seconds(sum(pieces[c * layout.pp + s].tied for c in range(layout.chunks))
                                    * precision.gradient, 2, link) for s in range(layout.pp)]
 
-    def _data_parallel_seconds(self, layout: Layout, parameters: int, precision: Precision, link: Link) -> float:
-        """A stage's data-parallel traffic after its backward: its gradients' all-reduce, or with ZeRO their
-        reduce-scatter and the updated weights' all-gather (gradients in float32 when the optimizer keeps float32
-        copies; gloo reduce-scatters by a whole all-reduce)."""
+    def _data_parallel_seconds(self, layout: Layout, parameters: int, precision: Precision, link: Link,
+                               backward_s: float = 0.0, tied: int = 0) -> float:
+        """A stage's data-parallel traffic on the step's critical path after its backward: its gradients'
+        all-reduce, or with ZeRO their reduce-scatter and the updated weights' all-gather (gradients in float32
+        when the optimizer keeps float32 copies; gloo reduce-scatters by a whole all-reduce).
+
+        With ``overlap_grad_reduce`` (ZeRO 0 and 1) the buckets of all but the tied weights start during the
+        stage's last weight-gradient pass of ``backward_s`` seconds, as their gradients become final: what
+        that pass cannot hide stays, and at least the last bucket's share (about one bucket per
+        ``OVERLAP_BUCKET_BYTES``); the tied weights' part and ZeRO's all-gather stay whole."""
         dp = layout.dp
         if dp == 1:
             return 0.0
         gradient_bytes = parameters * (precision.master or precision.gradient)
         if layout.zero_stage == 0:
-            return all_reduce_seconds(gradient_bytes, dp, link)
-        scatter = all_reduce_seconds if self.device_type == "cpu" else gather_seconds
-        return scatter(gradient_bytes, dp, link) + gather_seconds(parameters * precision.weight, dp, link)
+            reduce, gather = all_reduce_seconds(gradient_bytes, dp, link), 0.0
+        else:
+            scatter = all_reduce_seconds if self.device_type == "cpu" else gather_seconds
+            reduce = scatter(gradient_bytes, dp, link)
+            gather = gather_seconds(parameters * precision.weight, dp, link)
+        if not self.overlap_grad_reduce or layout.zero_stage >= 2 or parameters == 0:
+            return reduce + gather
+        overlapped = reduce * (parameters - min(tied, parameters)) / parameters
+        buckets = max(1.0, (parameters - tied) * (precision.master or precision.gradient) / OVERLAP_BUCKET_BYTES)
+        exposed = max(overlapped - backward_s, overlapped / buckets)
+        return reduce - overlapped + exposed + gather
 
     def _optimizer_seconds(self, parameters: float, slowdown: float) -> float:
         """Adam's step over ``parameters``: its state streamed through memory, slowed as the compute is."""
@@ -527,7 +545,11 @@ class CostModel:
         dp_link, pp_link = _slowed(dp_link, slowdown), _slowed(pp_link, slowdown)
         pp, chunks = layout.pp, layout.chunks
         stage_params = [sum(pieces[c * pp + s].params for c in range(chunks)) for s in range(pp)]
-        dp_seconds = [self._data_parallel_seconds(layout, p, precision, dp_link) for p in stage_params]
+        # Each stage's last weight-gradient pass (of every chunk): what overlapped buckets hide behind.
+        last_backward = [sum(pieces[c * pp + s].backward for c in range(chunks)) for s in range(pp)]
+        stage_tied = [sum(pieces[c * pp + s].tied for c in range(chunks)) for s in range(pp)]
+        dp_seconds = [self._data_parallel_seconds(layout, p, precision, dp_link, backward, tied)
+                      for p, backward, tied in zip(stage_params, last_backward, stage_tied)]
         tied_seconds = self._tied_seconds(layout, pieces, precision, pp_link)
         sync = self._sync_seconds(layout)
         # With ZeRO each process updates its share of the stage's parameters.

@@ -198,7 +198,8 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
         if tp_values and not _supports_sequence_parallel(profiles, tp_values[0]):
             space = dataclasses.replace(space, sequence_parallel=(False,))
     sharding = spec.sharding(settings.trainer.sharding)
-    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), sharding=sharding)
+    model = CostModel(profiles, cluster, _dtype_name(settings.trainer), sharding=sharding,
+                      overlap_grad_reduce=settings.trainer.zero.overlap_grad_reduce)
     capacity = cluster.accelerator.memory_gib * 2**30
     candidates = search(model, space, capacity)
     elapsed = time.perf_counter() - started

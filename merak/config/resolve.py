@@ -24,7 +24,7 @@ from merak.distributed.settings import LauncherSettings
 from merak.distributed.topology import RankGrid
 from merak.energy.settings import EnergySettings
 from merak.optim.settings import OptimizerSettings, PrecisionSettings, ZeroSettings
-from merak.pipeline.settings import CompileSettings, ScheduleSettings
+from merak.pipeline.settings import SELECTIVE_WITH_COMPILE, CompileSettings, ScheduleSettings
 from merak.report.settings import ReportSettings
 from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel.settings import TensorParallelSettings
@@ -245,6 +245,8 @@ def _cross_section_problems(trainer: TrainerSettings, grid: RankGrid | None) -> 
         problems.append("trainer.cuda_graphs=true (or a torch_compile_mode with CUDA graphs) with recomputation "
                         "failed on a GPU: the recomputed parts' saved tensors were not on the device the first run "
                         "saved them on (docs/gpu.md); set trainer.activation_checkpointing=false")
+    if trainer.schedule.selective_mode is not None and trainer.compile.enabled:
+        problems.append(SELECTIVE_WITH_COMPILE)
     traced = trainer.sharding.trace_method is not None
     if grid and not traced and _chunks_or_one(trainer) > 1:
         problems.append("interleaved schedules cut the model into pp x pipeline_chunks pieces: they need a "

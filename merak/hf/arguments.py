@@ -108,10 +108,11 @@ class MerakArguments(TrainingArguments):
         "(one process's numbers); another value is named in the trainer's warning.",
         default=0.02,
     )
-    activation_checkpointing: bool = _merak(
+    activation_checkpointing: bool | str = _merak(
         "activation_checkpointing",
         "Recompute activations in the backward (merak's recomputation, per "
-        "pipeline part; gradient_checkpointing is its alias).",
+        "pipeline part; gradient_checkpointing is its alias); 'selective' keeps what "
+        "selective_recompute names inside the checkpointed parts.",
     )
     checkpoint_num_layers: int = _merak("checkpoint_num_layers", "Parts (layers) per checkpointed chunk.")
     input_names: list[str] | None = _merak(

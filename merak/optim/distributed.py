@@ -31,6 +31,7 @@ from torch import nn
 from merak.distributed import collectives
 from merak.optim.clip import global_grad_norm
 from merak.optim.grad_sync import DEFAULT_BUCKET_BYTES, all_reduce_tensors, ensure_grads
+from merak.optim.overlap import OverlappedReduction
 from merak.optim.precision import LossScaler
 from merak.optim.settings import ZERO_STAGES, PrecisionSettings, ZeroSettings
 
@@ -123,8 +124,19 @@ class DistributedOptimizer:
         self.owns_parameters = bool(owned)
         self.optimizer = make_optimizer(owned or [(nn.Parameter(torch.empty(0, device=device)), False)])
         self.peak_gradient_bytes = 0
+        self.overlap: OverlappedReduction | None = None
         if zero.stage >= 2 and self.sharded:
             self._watch_gradients()
+
+    def overlap_reduction(self, chunk_of: Sequence[int], excluded: set[int]) -> OverlappedReduction | None:
+        """Reduce over data parallelism during the backward (:mod:`merak.optim.overlap`), with ``chunk_of`` the
+        model chunk of each parameter and ``excluded`` the indices reduced at the step's end as before. None
+        (nothing overlapped) without data parallelism, with ZeRO-2 (which reduces during every backward) or
+        with ``overlap_grad_reduce`` off."""
+        if self.dp_size == 1 or self.zero.stage >= 2 or not self.zero.overlap_grad_reduce:
+            return None
+        self.overlap = OverlappedReduction(self.params, chunk_of, excluded, self.bucket_bytes, self._start_bucket)
+        return self.overlap
 
     def _master_of(self, param: nn.Parameter, piece: Piece) -> torch.Tensor:
         if not self.copies:
@@ -171,24 +183,61 @@ class DistributedOptimizer:
 
     def reduce_gradients(self) -> None:
         """Reduce every gradient over the data-parallel group into the optimizer's gradients
-        (the end of the step's backward work)."""
+        (the end of the step's backward work): wait for the overlapped reductions, then reduce the rest."""
         self._note_gradient_bytes()
+        rest = list(range(len(self.params)))
+        if self.overlap is not None:
+            self.overlap.finish()
+            rest = self.overlap.excluded
         if not self.copies:
-            grads = self.gradients(self.params)
+            grads = self.gradients([self.params[i] for i in rest])
             if self.dp_size > 1:
                 pre, post = self._scales()
                 all_reduce_tensors(grads, group=self.dp_group, scale=post, pre_scale=pre,
-                                   bucket_bytes=self.bucket_bytes)
+                                   bucket_bytes=self.bucket_bytes, reduce_dtype=self.zero.reduce_dtype)
         elif self.sharded:
             # ZeRO-2 reduced during the backward and only reduces what is still held (normally
             # nothing); a parameter without a gradient gets zeros, as in the other stages.
             every = self.zero.stage < 2
-            self._reduce_scatter([i for i, p in enumerate(self.params) if every or p.grad is not None])
+            self._reduce_scatter([i for i in rest if every or self.params[i].grad is not None])
             for i in range(len(self.params)):
                 self._master_grad(i)
         else:
-            self._all_reduce_into_master()
+            self._all_reduce_into_master(rest)
         self._note_gradient_bytes()
+
+    def _start_bucket(self, indices: list[int]) -> tuple[object, Callable[[], None]]:
+        """Start the data-parallel reduction of parameters ``indices`` (their gradients final) without waiting:
+        ``(handle, finish)``, ``finish`` writing the sums where :meth:`reduce_gradients` would."""
+        pre, post = self._scales()
+        if self.sharded:
+            flat_in, out = self._scatter_input(indices, pre)
+            handle = collectives.reduce_scatter_single(out, flat_in, group=self.dp_group, async_op=True)
+            return handle, lambda: self._add_owned(indices, out, post)
+        dtype = self.zero.reduce_dtype
+        grads = [self.params[i].grad if self.params[i].grad is not None else torch.zeros_like(self.params[i])
+                 for i in indices]
+        flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
+        if pre != 1.0:
+            flat.mul_(pre)
+        if self.copies:  # the fp32 master gradients hold the sums: the half-precision ones are freed
+            for i in indices:
+                self.params[i].grad = None
+        handle = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+
+        def finish() -> None:
+            if post != 1.0:
+                flat.mul_(post)
+            offset = 0
+            for i, grad in zip(indices, grads):
+                part = flat[offset:offset + grad.numel()]
+                if self.copies:
+                    self.master[i].grad = part.float()
+                else:
+                    self.params[i].grad = grad
+                    grad.copy_(part.view_as(grad))
+                offset += grad.numel()
+        return handle, finish
 
     def _watch_gradients(self) -> None:
         """ZeRO-2: reduce-scatter gradients in buckets while the backward still runs."""
@@ -224,15 +273,16 @@ class DistributedOptimizer:
         factor = self.zero.gradient_predivide_factor
         return 1.0 / factor, factor / self.dp_size
 
-    def _all_reduce_into_master(self) -> None:
+    def _all_reduce_into_master(self, indices: Sequence[int]) -> None:
         pre, post = self._scales()
-        for param, master in zip(self.params, self.master):
+        for i in indices:
+            param, master = self.params[i], self.master[i]
             grad = param.grad if param.grad is not None else torch.zeros_like(param)
             master.grad = grad.reshape(-1).float()
             param.grad = None  # freed as it is copied: the fp32 copies are the gradients from here
         if self.dp_size > 1:
-            all_reduce_tensors([m.grad for m in self.master], group=self.dp_group, scale=post, pre_scale=pre,
-                               bucket_bytes=self.bucket_bytes)
+            all_reduce_tensors([self.master[i].grad for i in indices], group=self.dp_group, scale=post,
+                               pre_scale=pre, bucket_bytes=self.bucket_bytes, reduce_dtype=self.zero.reduce_dtype)
 
     def _buckets(self, indices: Sequence[int], limit: int) -> Iterator[list[int]]:
         """Runs of parameter indices whose pieces add up to about ``limit`` elements."""
@@ -254,26 +304,35 @@ class DistributedOptimizer:
             self._reduce_scatter_bucket(bucket, pre, post)
 
     def _reduce_scatter_bucket(self, bucket: list[int], pre: float, post: float) -> None:
-        # Input layout: [rank 0's pieces of every bucket parameter][rank 1's pieces]...
+        flat_in, out = self._scatter_input(bucket, pre)
+        collectives.reduce_scatter_single(out, flat_in, group=self.dp_group)
+        self._add_owned(bucket, out, post)
+
+    def _scatter_input(self, bucket: Sequence[int], pre: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reduce-scatter's input for ``bucket`` (the full gradients freed) and its output buffer.
+        Input layout: [rank 0's pieces of every bucket parameter][rank 1's pieces]..., in the reduction dtype."""
+        dtype = self.zero.reduce_dtype
         columns = []
         for i in bucket:
             param, piece = self.params[i], self.pieces[i]
-            flat = param.grad.reshape(-1).float() if param.grad is not None \
-                else torch.zeros(piece.numel, device=param.device)
+            flat = param.grad.reshape(-1).to(dtype) if param.grad is not None \
+                else torch.zeros(piece.numel, device=param.device, dtype=dtype)
             padded = torch.nn.functional.pad(flat, (0, piece.size * self.dp_size - piece.numel))
             columns.append(padded.view(self.dp_size, piece.size))
             param.grad = None
         flat_in = torch.cat(columns, dim=1).reshape(-1)
         if pre != 1.0:
             flat_in.mul_(pre)
-        out = torch.empty(flat_in.numel() // self.dp_size, device=flat_in.device)
-        collectives.reduce_scatter_single(out, flat_in, group=self.dp_group)
+        return flat_in, torch.empty(flat_in.numel() // self.dp_size, device=flat_in.device, dtype=dtype)
+
+    def _add_owned(self, bucket: Sequence[int], out: torch.Tensor, post: float) -> None:
+        """Add the reduce-scattered pieces ``out`` of ``bucket`` to the owned master gradients."""
         if post != 1.0:
             out.mul_(post)
         offset = 0
         for i in bucket:
             piece = self.pieces[i]
-            self._master_grad(i).add_(out[offset:offset + piece.length])
+            self._master_grad(i).add_(out[offset:offset + piece.length].float())
             offset += piece.size
 
     def _note_gradient_bytes(self) -> None:

@@ -39,13 +39,14 @@ def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
 
 
 def all_reduce_tensors(tensors: Sequence[torch.Tensor], *, group, scale: float = 1.0, pre_scale: float = 1.0,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None) -> None:
     """Sum ``tensors`` in place over ``group`` in flat buckets: ``scale * sum(pre_scale * t)``.
 
-    ``pre_scale`` applies before the sum, which keeps fp16 sums in range.
+    ``pre_scale`` applies before the sum, which keeps fp16 sums in range; ``reduce_dtype`` (default: the
+    tensors') is the dtype the sum travels and adds in.
     """
     for bucket in _buckets(tensors, bucket_bytes):
-        flat = torch.cat([t.reshape(-1) for t in bucket])
+        flat = torch.cat([t.reshape(-1).to(reduce_dtype or t.dtype) for t in bucket])
         if pre_scale != 1.0:
             flat.mul_(pre_scale)
         dist.all_reduce(flat, group=group)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from merak.core.fields import finite, non_negative, non_negative_finite, positive, positive_finite, setting
 
 LR_SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -16,6 +18,7 @@ OPTIMIZERS = ("adamw_torch", "sgd", "adafactor")
 ZERO_TESTED_OPTIMIZERS = ("adamw_torch", "sgd")
 NOT_ELEMENTWISE_WARNING = "is not elementwise, so ZeRO's flat pieces change its updates"
 ZERO_STAGES = (0, 1, 2)  # off, optimizer state sharded, gradients too
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -131,11 +134,31 @@ class ZeroSettings:
         requirement="must be positive and finite")
     zero_allow_untested_optimizer: bool = setting(False, "allow ZeRO with a non-elementwise optimizer "
                                                          "(adafactor)")
+    overlap_grad_reduce: bool = setting(True, "start each bucket's data-parallel reduction during the stage's last "
+                                              "backward, as soon as its gradients are final (ZeRO 0 and 1; "
+                                              "ZeRO-2 reduces during every backward)")
+    grad_bucket_mb: float = setting(25.0, "MiB of gradients per data-parallel all-reduce bucket (ZeRO 0) and per "
+                                          "overlapped bucket (ZeRO 0 and 1); tied weights' sums too",
+                                    check=positive_finite, requirement="must be positive and finite")
+    grad_reduce_dtype: str = setting("float32", "float32 | bfloat16: the dtype gradients are summed over dp in "
+                                                "(bfloat16 halves the traffic; the sums round to 8 bits of "
+                                                "mantissa)", check=lambda value: value in GRAD_REDUCE_DTYPES,
+                                     requirement="must be float32 or bfloat16")
 
     @property
     def stage(self) -> int:
         """The ZeRO stage in effect: 0 when zero_optimization is off."""
         return self.zero_stage if self.zero_optimization else 0
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Bytes per gradient bucket (``grad_bucket_mb``)."""
+        return max(1, int(self.grad_bucket_mb * 2**20))
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        """The dtype of the data-parallel sums."""
+        return getattr(torch, self.grad_reduce_dtype)
 
     @property
     def reduce_bucket_elements(self) -> int:

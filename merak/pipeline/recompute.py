@@ -16,6 +16,10 @@ it runs, from (run seed, data-parallel rank, step, microbatch, part index).
 A part therefore draws the same masks however often and wherever it runs:
 recomputed early (RecomputeForward), inside the backward, or in another
 pipeline layout that cuts the same parts into different stages.
+
+Selective recomputation (merak.pipeline.selective) keeps the same chunks but saves some operators'
+outputs inside them (matrix products, or all but the attention core), so the backward recomputes
+only the rest.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from merak.trace.simplify import DROPOUT_CALLS, is_inactive_dropout
 
 # What the stage forward currently runs: "configured" (the stage's checkpointing) or "none"; and, while a
 # chunk's forward is counted, the FLOPs of its checkpointed parts (what its backward runs again).
-_state = {"checkpointing": "configured", "seed": None, "recomputed": None}
+_state = {"checkpointing": "configured", "seed": None, "recomputed": None, "saved": None}
 
 
 @dataclass(frozen=True)
@@ -43,10 +47,14 @@ class StageRecomputation:
     Attributes:
         parts: How many leading parts of the stage run under checkpoint.
         num_layers: Parts per checkpointed chunk (``checkpoint_num_layers``).
+        saves: None: a checkpointed chunk keeps only its inputs (full recomputation); else what
+            selective recomputation saves inside it, ``"matmuls"`` or ``"attention"``
+            (merak.pipeline.selective).
     """
 
     parts: int = 0
     num_layers: int = 1
+    saves: str | None = None
 
 
 def stage_checkpoint_ratios(ratio: float | Sequence[float] | None, num_stages: int, *,
@@ -125,9 +133,18 @@ def counting_recomputation() -> Iterator[RecomputedWork]:
         _state["recomputed"] = previous
 
 
+class _SavedWork:
+    """The FLOPs of the operators a selective checkpointed run saved (its backward skips them)."""
+
+    def __init__(self, counter) -> None:
+        self.counter = counter
+        self.flops = 0
+
+
 @contextlib.contextmanager
 def checkpointed_part() -> Iterator[None]:
-    """Around a checkpointed run of parts: counted into the active :func:`counting_recomputation`, if any."""
+    """Around a checkpointed run of parts: counted into the active :func:`counting_recomputation`, if any
+    (less the operators selective recomputation saved, :func:`note_saved_flops`)."""
     work = _state["recomputed"]
     if work is None:
         yield
@@ -135,9 +152,31 @@ def checkpointed_part() -> Iterator[None]:
     from merak.compat.flops import flop_counter
 
     counter = flop_counter()  # entering a counter clears it: one per checkpointed run
-    with counter:
-        yield
-    work.flops += counter.get_total_flops()
+    previous, saved = _state["saved"], _SavedWork(counter)
+    _state["saved"] = saved
+    try:
+        with counter:
+            yield
+    finally:
+        _state["saved"] = previous
+    work.flops += counter.get_total_flops() - saved.flops
+
+
+def saved_operator_flops(func, args, kwargs, output) -> int:
+    """The FLOPs of an operator whose output selective recomputation saves, by the counter's own formula,
+    while a checkpointed run's recomputation is counted (0 otherwise)."""
+    saved = _state["saved"]
+    if saved is None:
+        return 0
+    formula = saved.counter.flop_registry.get(getattr(func, "_overloadpacket", None))
+    return formula(*args, **kwargs, out_val=output) if formula is not None else 0
+
+
+def note_saved_flops(flops: int) -> None:
+    """FLOPs of the counted checkpointed run that its backward does not recompute (saved outputs)."""
+    saved = _state["saved"]
+    if saved is not None:
+        saved.flops += flops
 
 
 def part_seed(base: int, *keys: int) -> int:
@@ -198,16 +237,16 @@ def _dropout_is_active(node: fx.Node) -> bool:
     return not is_inactive_dropout(node) and training is not False
 
 
-def _operator_draws(op: torch._ops.OpOverload, node: fx.Node) -> bool:
-    """A seeded aten operator draws unless its dropout probability is 0 (dropout, attention) or it
-    runs in eval mode (``train=False``)."""
+def operator_draws(op: torch._ops.OpOverload, args: Sequence, kwargs: dict) -> bool:
+    """Whether a seeded aten operator called with ``args`` and ``kwargs`` draws: not when its dropout
+    probability is 0 (dropout, attention) or it runs in eval mode (``train=False``)."""
     for index, argument in enumerate(op._schema.arguments):
         if argument.name not in ("p", "dropout_p", "train"):
             continue
-        if argument.name in node.kwargs:
-            value = node.kwargs[argument.name]
-        elif index < len(node.args):
-            value = node.args[index]
+        if argument.name in kwargs:
+            value = kwargs[argument.name]
+        elif index < len(args):
+            value = args[index]
         else:
             value = argument.default_value
         if argument.name == "train" and value is False:
@@ -221,7 +260,7 @@ def _node_is_random(graph_module: fx.GraphModule, node: fx.Node) -> bool:
     target = node.target
     if node.op == "call_function":
         if isinstance(target, torch._ops.OpOverload):
-            return torch.Tag.nondeterministic_seeded in target.tags and _operator_draws(target, node)
+            return torch.Tag.nondeterministic_seeded in target.tags and operator_draws(target, node.args, node.kwargs)
         if target in DROPOUT_CALLS:
             return _dropout_is_active(node)
         return target in _RANDOM_FUNCTIONS

@@ -7,8 +7,23 @@ from dataclasses import dataclass
 
 from merak.core.fields import positive, setting
 
+SELECTIVE = "selective"
+# What selective recomputation saves inside checkpointed parts (merak.pipeline.selective).
+SELECTIVE_MODES = ("matmuls", "attention")
+# Selective recomputation decides per aten operator; a compiled part reaches it as one opaque graph.
+SELECTIVE_WITH_COMPILE = ("trainer.activation_checkpointing=selective saves outputs operator by operator, but "
+                          "trainer.torch_compile runs each part as one compiled graph, which would be recomputed "
+                          "whole: compile without it (activation_checkpointing=true) or run eagerly")
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def _checkpointing_choice(value) -> bool:
+    return value is True or value is False or value == SELECTIVE
+
+
+def _selective_mode(value) -> bool:
+    return value in SELECTIVE_MODES
 
 
 @dataclass(frozen=True)
@@ -19,8 +34,14 @@ class ScheduleSettings:
                                           "last_no_recompute_1f1b | shifted_critical_path | interleaved_1f1b | "
                                           "zb_h1 (docs/schedules.md)")
     pipeline_chunks: int | None = setting(None, "interleaved_1f1b: model chunks per pipeline rank (null: 2)")
-    activation_checkpointing: bool = setting(True, "checkpointed parts keep only their inputs; the backward "
-                                                   "recomputes them")
+    activation_checkpointing: bool | str = setting(
+        True, "true: checkpointed parts keep only their inputs and the backward recomputes them; selective: "
+              "they also keep what selective_recompute names; false: no recomputation",
+        check=_checkpointing_choice, requirement="must be true, false or selective")
+    selective_recompute: str = setting(
+        "matmuls", "with activation_checkpointing=selective, what checkpointed parts save: matmuls (outputs of "
+                   "matrix products and fused attention) | attention (all but the attention core)",
+        check=_selective_mode, requirement=f"must be {' or '.join(SELECTIVE_MODES)}")
     checkpoint_num_layers: int = setting(1, "parts (shards) per checkpointed chunk", check=positive,
                                          requirement="must be a positive integer")
     activation_checkpoint_ratio: float | list[float] | None = setting(
@@ -30,6 +51,11 @@ class ScheduleSettings:
                                                 "timeline_vs_simulated.png")
     measure_activation_memory: bool = setting(False, "count every tensor saved for backward (exact peak per "
                                                       "stage; costs host time)")
+
+    @property
+    def selective_mode(self) -> str | None:
+        """What checkpointed parts save with selective recomputation (None: full or no recomputation)."""
+        return self.selective_recompute if self.activation_checkpointing == SELECTIVE else None
 
     @property
     def chunks(self) -> int:

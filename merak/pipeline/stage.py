@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from merak.core.partition import uniform_boundaries
-from merak.pipeline import memory, recompute
+from merak.pipeline import memory, recompute, selective
 from merak.pipeline.compiled import CompiledParts, running_eagerly
 from merak.pipeline.settings import CompileSettings
 
@@ -37,6 +37,7 @@ class StageModule(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.first_part = first_part
         self.checkpoint_options = recompute.StageRecomputation()
+        self._selective = None  # selective recomputation's policy (merak.pipeline.selective), if any
         self.compiled: CompiledParts | None = None
 
     def compile_parts(self, options: CompileSettings, where: str = "stage", *, retains_graph: bool = False) -> None:
@@ -46,10 +47,12 @@ class StageModule(nn.Module):
             if options.enabled else None
 
     def configure_checkpointing(self, options: recompute.StageRecomputation) -> None:
-        """Checkpoint the first ``options.parts`` parts in chunks of ``options.num_layers``."""
+        """Checkpoint the first ``options.parts`` parts in chunks of ``options.num_layers``, keeping
+        what ``options.saves`` names inside them (None: only the chunk inputs)."""
         if not 0 <= options.parts <= len(self.parts) or options.num_layers < 1:
             raise ValueError(f"cannot checkpoint {options.parts} parts in chunks of {options.num_layers} "
                              f"of a stage with {len(self.parts)} parts")
+        self._selective = selective.SelectiveContexts(options.saves) if options.saves is not None else None
         self.checkpoint_options = options
 
     def forward(self, payload):
@@ -64,8 +67,15 @@ class StageModule(nn.Module):
             stop = min(start + options.num_layers, checkpointed)
             memory.note_kept(payload)  # the checkpoint keeps its inputs for the recomputation
             with recompute.checkpointed_part():
-                payload = checkpoint(self._run, start, stop, payload, seed, compiled, use_reentrant=False)
+                payload = checkpoint(self._run, start, stop, payload, seed, compiled, use_reentrant=False,
+                                     **self._selective_arguments())
+                if self._selective is not None:
+                    self._selective.finish()
         return self._run(checkpointed, len(self.parts), payload, seed, compiled)
+
+    def _selective_arguments(self) -> dict:
+        """``checkpoint``'s keyword for selective recomputation (none for full recomputation)."""
+        return {"context_fn": self._selective} if self._selective is not None else {}
 
     def _run(self, start: int, stop: int, payload, seed: int | None, compiled: CompiledParts | None):
         if compiled is not None and seed is None:

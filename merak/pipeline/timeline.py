@@ -216,7 +216,7 @@ def _chrome_events(events: Sequence[TimedInstruction], time_unit_s: float) -> li
 
 
 def write_chrome_trace(events: Sequence[TimedInstruction], path: PathLike, *, time_unit_s: float = 1.0,
-                       metadata: dict | None = None) -> None:
+                       metadata: dict | None = None, extra_events: Sequence[dict] = ()) -> None:
     """Write events as a Chrome trace-event JSON file (chrome://tracing, Perfetto).
 
     Each stage is a process (``pid`` = stage, named ``stage N``) and each rank a
@@ -230,8 +230,10 @@ def write_chrome_trace(events: Sequence[TimedInstruction], path: PathLike, *, ti
         time_unit_s: Seconds per unit of the events' times: 1.0 for measured
             events; for simulated ones, what one model unit should read as.
         metadata: Stored as ``otherData`` (e.g. schedule, stages, microbatches).
+        extra_events: Chrome trace events written as they are (e.g. data-parallel reductions, which
+            run beside the instructions).
     """
-    payload = {"traceEvents": _chrome_events(events, time_unit_s), "displayTimeUnit": "ms",
+    payload = {"traceEvents": [*_chrome_events(events, time_unit_s), *extra_events], "displayTimeUnit": "ms",
                "otherData": dict(metadata or {})}
     _write_atomic(path, lambda handle: handle.write(json.dumps(payload).encode("utf-8")))
     logger.debug("wrote %d trace events to %s", len(events), path)

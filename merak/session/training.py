@@ -429,6 +429,7 @@ class TrainingSession:
             "flops": _flops_report(flops_per_step, throughput.get("median_step_time_s"), grid.world_size,
                                    settings.trainer.report.peak_tflops, engine.optimizer.precision.dtype),
             "recompute": {"activation_checkpointing": settings.trainer.schedule.activation_checkpointing,
+                          "selective_recompute": settings.trainer.schedule.selective_mode,
                           "activation_checkpoint_ratio": settings.trainer.schedule.activation_checkpoint_ratio,
                           "pipeline_chunks": engine.num_chunks},
             "compile": _merged_compile_report(compile_reports),

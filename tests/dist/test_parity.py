@@ -21,6 +21,7 @@ from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.distributed.transports import RENDEZVOUS_ENV
 from merak.engine import PipelineEngine
+from merak.optim.settings import ZeroSettings
 from merak.session.assemble import assemble
 from merak.shard.settings import ShardingSettings
 from recipes.gpt import data, model, parallel
@@ -56,9 +57,11 @@ def _train_layout(out_dir: str, dp: int, pp: int, num_microbatches: int, model_c
                              sharding=SHARDING[(dp, pp)], num_stages=pp, num_microbatches=num_microbatches,
                              stage_id=state.coordinates.pp, device=state.device,
                              example_inputs=parallel.example_inputs(model_cfg, micro_batch))
+            # Buckets of about 2 KiB: the data-parallel reductions are many and start during the last
+            # backward (merak.optim.overlap).
             engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss,
                                     state=state, schedule=schedule, num_microbatches=num_microbatches,
-                                    total_steps=STEPS, optimizer=OPTIONS)
+                                    total_steps=STEPS, optimizer=OPTIONS, zero=ZeroSettings(grad_bucket_mb=0.002))
             loader = None
             if state.is_first_stage or state.is_last_stage:
                 dataset = data.load(tokens, model_cfg)

@@ -1,4 +1,5 @@
-"""Every schedule, with and without recomputation, trains to the single-process numbers, dropout on.
+"""Every schedule, with and without recomputation, trains to the single-process numbers, dropout on;
+so does selective recomputation (saving matrix products, or all but the attention core).
 
 Dropout masks come from per-part seeds (merak.pipeline.recompute), so a part
 draws the same masks in every layout and when it is recomputed; the
@@ -49,7 +50,15 @@ RECOMPUTE = {
     "full": ScheduleSettings(activation_checkpointing=True),
     "ratio": ScheduleSettings(activation_checkpointing=True, activation_checkpoint_ratio=0.5),
 }
-MEASURED = ("1f1b-full", "1f1b-none")  # the cases whose activation peaks are compared
+# Selective recomputation (merak.pipeline.selective): matmuls saved with 1F1B; all but the attention core
+# saved, composed with the stage-aware ratio, two parts per chunk and pre-checkpointed forwards.
+SELECTIVE = {
+    "1f1b-selective-matmuls": ("1f1b", ScheduleSettings(activation_checkpointing="selective")),
+    "pre_recompute_1f1b-selective-attention": ("pre_recompute_1f1b", ScheduleSettings(
+        activation_checkpointing="selective", selective_recompute="attention", activation_checkpoint_ratio=0.5,
+        checkpoint_num_layers=2)),
+}
+MEASURED = ("1f1b-full", "1f1b-none", "1f1b-selective-matmuls")  # the cases whose activation peaks are compared
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 2e-6
 
@@ -103,6 +112,9 @@ def _run_world(out_dir: str, pp: int, model_cfg, tokens: str) -> None:
             built[chunks].model.load_state_dict(initial[chunks])
             results[case] = _train(state, built[chunks], name, RECOMPUTE[mode], chunks, model_cfg, tokens,
                                    measure=case in MEASURED)
+        for case, (name, recompute) in SELECTIVE.items():
+            built[1].model.load_state_dict(initial[1])
+            results[case] = _train(state, built[1], name, recompute, 1, model_cfg, tokens, measure=case in MEASURED)
         built[1].model.load_state_dict(initial[1])
         results["1f1b-full-dealloc"] = _train(state, built[1], "1f1b", RECOMPUTE["ratio"], 1, model_cfg, tokens,
                                               dealloc=True)
@@ -141,13 +153,13 @@ def test_every_schedule_and_recompute_mode_matches_one_process(pp, tmp_path, ref
     model_cfg = _model_cfg(toy_model_cfg)
     spawn_workers(_run_world, world_size=pp, args=(str(tmp_path), pp, model_cfg, toy_tokens))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(pp)]
-    for case in [c for c, _, _ in _cases()] + ["1f1b-full-dealloc", "zb_h1-buffered"]:
+    for case in [c for c, _, _ in _cases()] + list(SELECTIVE) + ["1f1b-full-dealloc", "zb_h1-buffered"]:
         seen = set()
         for rank, results in enumerate(ranks):
             seen |= assert_steps_match(results[case], reference, f"{case} pp={pp} rank {rank}",
                                        loss_rtol=LOSS_RTOL, grad_rtol=GRAD_RTOL)
         assert seen == set(reference[0]["grads"]), case
-    # Checkpointing keeps fewer activations: on the first stage, full recompute holds less than none.
-    first = ranks[0]
-    assert first["1f1b-full"][-1]["memory"]["peak_activation_bytes"] < \
-        first["1f1b-none"][-1]["memory"]["peak_activation_bytes"]
+    # Checkpointing keeps fewer activations: on the first stage, full recompute holds less than selective
+    # recomputation (which keeps the matrix products' outputs), and that less than none.
+    peak = {case: ranks[0][case][-1]["memory"]["peak_activation_bytes"] for case in MEASURED}
+    assert peak["1f1b-full"] < peak["1f1b-selective-matmuls"] < peak["1f1b-none"], peak

@@ -18,6 +18,7 @@ from merak.data.batching import BatchPlan, MicrobatchLoader
 from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
+from merak.optim.settings import ZeroSettings
 from merak.session.assemble import assemble
 from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel.options import TensorParallelSplit
@@ -57,8 +58,10 @@ def _train(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
             example_inputs=parallel.example_inputs(model_cfg, micro_batch),
             tensor_parallel=TensorParallelSplit(plan=parallel.TP_PLAN, size=tp, rank=state.coordinates.tp, settings=TensorParallelSettings(parallel_vocab=vocab, sequence_parallel=sequence, tp_overlapping_level=overlap)))
         slices = parameter_slices(built.model)
+        # Small buckets: with dp, many overlapped reductions beside the sequence-parallel sums (merak.optim.overlap).
         engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
-                                schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS)
+                                schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS,
+                                zero=ZeroSettings(grad_bucket_mb=0.002))
         loader = None
         if state.is_first_stage or state.is_last_stage:
             dataset = data.load(tokens, model_cfg)

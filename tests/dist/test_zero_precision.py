@@ -37,14 +37,19 @@ MICROBATCHES = 4
 OPTIONS = PARITY_OPTIONS
 LOSS_RTOL = 1e-6
 GRAD_RTOL = 2e-6
-SMALL_BUCKETS = {"zero_reduce_bucket_size": 20_000, "zero_allgather_bucket_size": 30_000}
+# Small buckets: ZeRO-2's reduce-scatters during the backward, and ZeRO 0/1's overlapped reductions
+# (merak.optim.overlap), are many per stage and start while the backward still runs.
+SMALL_BUCKETS = {"zero_reduce_bucket_size": 20_000, "zero_allgather_bucket_size": 30_000, "grad_bucket_mb": 0.002}
 # name -> (dp, tp, pp, schedule, ZeroSettings); tp layouts use a vocabulary divisible by 2.
 LAYOUTS = {
     "dp2-zero1": (2, 1, 1, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=1, **SMALL_BUCKETS)),
     "dp2-zero2-prescale": (2, 1, 1, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=2, prescale_gradients=True,
                                                          **SMALL_BUCKETS)),
     "dp2-pp2-zero1-predivide": (2, 1, 2, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=1,
-                                                              gradient_predivide_factor=2.0)),
+                                                              gradient_predivide_factor=2.0, grad_bucket_mb=0.002)),
+    "dp2-pp2-zero1-zb_h1": (2, 1, 2, "zb_h1", ZeroSettings(zero_optimization=True, zero_stage=1, **SMALL_BUCKETS)),
+    "dp2-pp2-zero1-interleaved": (2, 1, 2, "interleaved_1f1b",
+                                  ZeroSettings(zero_optimization=True, zero_stage=1, **SMALL_BUCKETS)),
     "dp2-pp2-zero2-zb_h1": (2, 1, 2, "zb_h1", ZeroSettings(zero_optimization=True, zero_stage=2, **SMALL_BUCKETS)),
     "dp2-tp2-pp2-zero2": (2, 2, 2, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=2, **SMALL_BUCKETS)),
 }
@@ -53,17 +58,19 @@ LAYOUTS = {
 def _engine(state, model_cfg, *, tp: int, pp: int, schedule: str, zero=ZeroSettings(),
             precision=PrecisionSettings()):
     micro_batch = GLOBAL_BATCH // (state.grid.dp * MICROBATCHES)
+    chunks = 2 if schedule == "interleaved_1f1b" else 1
     built = assemble(
         build=functools.partial(model.build_model, model_cfg), seed=SEED, init_device="cpu",
         sharding=ShardingSettings(split_method="layer_split", custom_split_points=list(parallel.SPLIT_POINTS)),
-        num_stages=pp, num_microbatches=MICROBATCHES, stage_id=state.coordinates.pp, device=state.device,
+        num_stages=pp * chunks, num_microbatches=MICROBATCHES,
+        stage_id=tuple(state.coordinates.pp + c * pp for c in range(chunks)), device=state.device,
         example_inputs=parallel.example_inputs(model_cfg, micro_batch),
         tensor_parallel=TensorParallelSplit(plan=parallel.TP_PLAN, size=tp, rank=state.coordinates.tp, settings=TensorParallelSettings(sequence_parallel=tp > 1)),
         dtype=precision.dtype)
     slices = parameter_slices(built.model)
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                             schedule=schedule, num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS,
-                            zero=zero, precision=precision)
+                            zero=zero, precision=precision, num_chunks=chunks)
     return engine, slices, micro_batch
 
 
@@ -191,12 +198,21 @@ def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path, references, toy_mo
     assert rows[0][0]["loss"] == pytest.approx(references["plain"][0]["loss"], rel=5e-3)
 
 
-def _train_bf16(out_dir: str, model_cfg, tokens: str) -> None:
+BF16_ZERO = {
+    "zero2": ZeroSettings(zero_optimization=True, zero_stage=2),
+    # Overlapped reductions summed in bfloat16 (half the traffic), into fp32 master pieces.
+    "zero1-overlap-bf16-sums": ZeroSettings(zero_optimization=True, zero_stage=1, grad_bucket_mb=0.002,
+                                            grad_reduce_dtype="bfloat16"),
+    "zero0-overlap-bf16-sums": ZeroSettings(grad_bucket_mb=0.002, grad_reduce_dtype="bfloat16"),
+}
+
+
+def _train_bf16(out_dir: str, model_cfg, tokens: str, zero: str) -> None:
     torch.set_num_threads(1)
     state = groups.init(dp=2, pp=2, timeout_s=120)
     try:
         engine, _, micro_batch = _engine(state, model_cfg, tp=1, pp=2, schedule="1f1b",
-                                         zero=ZeroSettings(zero_optimization=True, zero_stage=2), precision=PrecisionSettings(bf16=True))
+                                         zero=BF16_ZERO[zero], precision=PrecisionSettings(bf16=True))
         loader = _loader(state, model_cfg, tokens, micro_batch)
         losses = [engine.train_step(loader.load_step(step) if loader else None).loss for step in range(STEPS)]
         master = engine.optimizer.master[0]
@@ -207,8 +223,9 @@ def _train_bf16(out_dir: str, model_cfg, tokens: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_bf16_tracks_fp32(tmp_path, references, toy_model_cfg, toy_tokens):
-    spawn_workers(_train_bf16, world_size=4, args=(str(tmp_path), toy_model_cfg, toy_tokens))
+@pytest.mark.parametrize("zero", list(BF16_ZERO))
+def test_bf16_tracks_fp32(zero, tmp_path, references, toy_model_cfg, toy_tokens):
+    spawn_workers(_train_bf16, world_size=4, args=(str(tmp_path), toy_model_cfg, toy_tokens, zero))
     saved = torch.load(tmp_path / "bf16-rank0.pt")
     assert saved["param_dtype"] == "torch.bfloat16" and saved["master_dtype"] == "torch.float32"
     want = [r["loss"] for r in references["plain"]]

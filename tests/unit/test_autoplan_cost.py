@@ -55,10 +55,11 @@ def synthetic_profile(*, layers: int = LAYERS, dtype_bytes: int = 4, forward_all
         crossing_bytes=tuple(crossing), layer_starts=tuple(range(1, count - 1, UNITS_PER_LAYER)), output_bytes=0)
 
 
-def gpu_model(profile: GraphProfile | None = None, nodes: int = 2) -> CostModel:
+def gpu_model(profile: GraphProfile | None = None, nodes: int = 2, overlap_grad_reduce: bool = True) -> CostModel:
     """A cost model of ``profile`` (default: the synthetic one) on ``nodes`` H100 servers."""
     profile = profile or synthetic_profile()
-    return CostModel(lambda tp, sequence_parallel: profile, preset("h100-80").with_size(nodes=nodes))
+    return CostModel(lambda tp, sequence_parallel: profile, preset("h100-80").with_size(nodes=nodes),
+                     overlap_grad_reduce=overlap_grad_reduce)
 
 
 def layout(**fields) -> Layout:
@@ -265,7 +266,7 @@ def test_recompute_costs_a_forward_per_microbatch():
 
 
 def test_data_parallel_reduction_uses_the_link_its_group_crosses():
-    model = gpu_model(nodes=2)
+    model = gpu_model(nodes=2, overlap_grad_reduce=False)
     gradient_bytes = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT * 4
     cluster = preset("h100-80")
     one_node = model.predict(layout(dp=8)).breakdown["dp_comm_s"]
@@ -274,6 +275,20 @@ def test_data_parallel_reduction_uses_the_link_its_group_crosses():
     assert one_node == pytest.approx(all_reduce_seconds(gradient_bytes, 8, cluster.intra_node))
     assert two_nodes == pytest.approx(all_reduce_seconds(gradient_bytes, 16, cluster.inter_node))
     assert two_nodes > one_node
+
+
+@pytest.mark.parametrize("dp", [8, 16])
+def test_an_overlapped_reduction_hides_behind_the_last_backward(dp):
+    """Buckets start during the stage's last backward: what it cannot hide stays, and at least the last bucket."""
+    cluster, gradient_bytes = preset("h100-80"), LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT * 4
+    plain = gpu_model(overlap_grad_reduce=False).predict(layout(dp=dp))
+    overlapped = gpu_model().predict(layout(dp=dp))
+    whole = all_reduce_seconds(gradient_bytes, dp, cluster.intra_node if dp == 8 else cluster.inter_node)
+    assert plain.breakdown["dp_comm_s"] == pytest.approx(whole)
+    backward = gpu_model().pieces(layout(dp=dp))[0].backward
+    buckets = gradient_bytes / (25 * 2**20)
+    assert overlapped.breakdown["dp_comm_s"] == pytest.approx(max(whole - backward, whole / buckets))
+    assert overlapped.step_s == pytest.approx(plain.step_s - whole + overlapped.breakdown["dp_comm_s"])
 
 
 def test_every_step_reduces_its_loss_and_gradient_norm_over_all_processes():
@@ -457,11 +472,11 @@ def test_tied_weights_on_two_stages_sum_their_gradients_after_the_backward():
 # --- CPU processes sharing the cores -----------------------------------------------------------------------
 
 
-def eight_on_two_cores(profile: GraphProfile | None = None) -> CostModel:
+def eight_on_two_cores(profile: GraphProfile | None = None, overlap_grad_reduce: bool = True) -> CostModel:
     """A cost model of ``profile`` (default: the synthetic one) on 8 CPU processes sharing 2 cores."""
     cluster = dataclasses.replace(this_machine(8), cores_per_node=2)
     profile = profile or synthetic_profile()
-    return CostModel(lambda tp, sequence_parallel: profile, cluster)
+    return CostModel(lambda tp, sequence_parallel: profile, cluster, overlap_grad_reduce=overlap_grad_reduce)
 
 
 def test_cpu_step_scalars_are_two_small_all_reduces_over_the_link():
@@ -473,19 +488,20 @@ def test_cpu_step_scalars_are_two_small_all_reduces_over_the_link():
 
 def test_zero_reduce_scatters_gradients_and_gathers_the_updated_weights():
     params = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT
-    gpu, link = gpu_model(), preset("h100-80").intra_node
+    # The traffic itself: nothing hidden behind the backward (test_an_overlapped_reduction_hides_behind_...).
+    gpu, link = gpu_model(overlap_grad_reduce=False), preset("h100-80").intra_node
     plain = gpu.predict(layout(dp=8)).breakdown["dp_comm_s"]
     assert plain == pytest.approx(all_reduce_seconds(params * 4, 8, link))
     # NCCL: a reduce-scatter and an all-gather move what one all-reduce does.
     assert gpu.predict(layout(dp=8, zero_stage=1)).breakdown["dp_comm_s"] == pytest.approx(
         2 * gather_seconds(params * 4, 8, link))
     # Mixed precision reduces the float32 copies' gradients, and gathers the half-precision weights.
-    half = gpu_model(synthetic_profile(dtype_bytes=2))
+    half = gpu_model(synthetic_profile(dtype_bytes=2), overlap_grad_reduce=False)
     assert half.predict(layout(dp=8)).breakdown["dp_comm_s"] == pytest.approx(plain)
     assert half.predict(layout(dp=8, zero_stage=1)).breakdown["dp_comm_s"] == pytest.approx(
         gather_seconds(params * 4, 8, link) + gather_seconds(params * 2, 8, link))
     # Gloo reduce-scatters by a whole all-reduce: ZeRO adds an all-gather, half an all-reduce.
-    cpu = eight_on_two_cores()
+    cpu = eight_on_two_cores(overlap_grad_reduce=False)
     assert cpu.predict(layout(dp=8, zero_stage=2)).breakdown["dp_comm_s"] == pytest.approx(
         1.5 * cpu.predict(layout(dp=8)).breakdown["dp_comm_s"])
 

@@ -275,10 +275,22 @@ def test_recompute_and_schedule_settings_resolve():
     (["trainer.activation_checkpoint_ratio=1.5"], "activation_checkpoint_ratio=1.5 must be in [0, 1]"),
     (["trainer.activation_checkpoint_ratio=[0.5,0.2,0.1]"], "must hold 2 values in [0, 1]"),
     (["trainer.checkpoint_num_layers=0"], "checkpoint_num_layers=0 must be a positive integer"),
+    (["trainer.activation_checkpointing=selective", "trainer.torch_compile=true"],
+     "trainer.activation_checkpointing=selective saves outputs operator by operator, but trainer.torch_compile"),
 ])
 def test_bad_schedule_and_recompute_settings(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         resolve_settings(SPEC, compose("model=toy", "parallel=pp2", *overrides))
+
+
+def test_selective_recomputation_composes_with_the_ratio_and_pre_checkpointing_schedules():
+    settings = resolve_settings(SPEC, compose(
+        "model=toy", "parallel=pp2", "trainer.train_schedule=shifted_critical_path",
+        "trainer.activation_checkpointing=selective", "trainer.selective_recompute=attention",
+        "trainer.activation_checkpoint_ratio=0.5", "trainer.gradient_accumulation_steps=4"))
+    assert settings.trainer.schedule.selective_mode == "attention"
+    plain = resolve_settings(SPEC, compose("model=toy", "parallel=pp2", "trainer.selective_recompute=attention"))
+    assert plain.trainer.schedule.selective_mode is None  # read only with activation_checkpointing=selective
 
 
 def test_overlap_level_two_refuses_recompute():
