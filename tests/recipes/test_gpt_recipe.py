@@ -177,3 +177,24 @@ def test_gpt3_175b_is_planned_on_one_cpu_process(tmp_path, cache_dir):
     for stage in report["stages"][:-1]:
         assert list(stage["sends"].values()) == ["float32[1, 1024, 12288]"], stage["sends"]
     assert any("repeated" in note for note in report["notes"])  # 3 of the 96 blocks exported
+
+
+@pytest.mark.timeout(240)
+def test_data_parallel_buckets_start_during_the_last_backward(tmp_path, cache_dir):
+    """dp2 x pp2 with small buckets: the timeline of the last step has every bucket of a stage with
+    overlapped parameters started before that stage's last backward ended (the wait for them comes at the
+    step's end), and timeline.json carries them on their own rows. The toy is widened so that its blocks,
+    not only the tied embedding (reduced at the step's end, after its sum between the stages), have
+    gradients to reduce."""
+    summary = run_in_process("gpt", [*TOY, "model.hidden_size=128", "parallel=dp2_pp2", "trainer.max_steps=2",
+                                     "trainer.grad_bucket_mb=0.25", "trainer.wall_clock_breakdown=true",
+                                     "trainer.activation_checkpointing=false", "trainer.disable_tqdm=true"], tmp_path)
+    stages = summary["timeline"]["dp_reductions"]
+    assert stages, summary["timeline"]
+    for stage in stages:
+        buckets = stage["buckets"]
+        assert len(buckets) >= 2, stage
+        assert stage["started_before_last_backward_end"] >= len(buckets) - 1, stage
+        assert all(b["start"] <= b["end"] for b in buckets)
+    trace = json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+    assert sum(event.get("cat") == "dp_reduction" for event in trace) == sum(len(s["buckets"]) for s in stages)
