@@ -15,6 +15,7 @@ import logging
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -186,3 +187,21 @@ def single_stage_engine(args: argparse.Namespace, state, *, num_microbatches: in
     return PipelineEngine(model=built.model, stages=built.stages, loss_fn=causal_lm_loss, state=state,
                           schedule="1f1b", num_microbatches=num_microbatches, total_steps=total_steps,
                           **engine_options)
+
+
+GPT_TRAIN = Path(__file__).resolve().parents[1] / "recipes/gpt/train.py"
+
+
+def train_recipe(overrides: Sequence[str], run_dir: Path, script: Path = GPT_TRAIN) -> dict:
+    """One recipe run (``script``, the gpt recipe's train.py by default) in its own process, offline, into
+    ``run_dir``: its summary.json. Its output goes to ``run_dir/stdout.log``, named when it fails."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    command = [sys.executable, str(script), *overrides, f"hydra.run.dir={run_dir}"]
+    with open(run_dir / "stdout.log", "w") as log:
+        result = subprocess.run(command, cwd=script.parents[2], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                timeout=1800, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed; see {run_dir / 'stdout.log'}")
+    return json.loads((run_dir / "summary.json").read_text())
+

@@ -23,14 +23,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+import common  # noqa: E402  (first of merak's: one thread, before torch starts any)
 
 from merak.autoplan.commands import run_overrides  # noqa: E402
 from merak.autoplan.energy import frontier_for_run  # noqa: E402
@@ -56,14 +56,7 @@ def _measured_layouts(report) -> list:
 
 
 def _train(overrides: list[str], run_dir: Path) -> dict:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    command = [sys.executable, str(TRAIN), *overrides, f"hydra.run.dir={run_dir}"]
-    with open(run_dir / "stdout.log", "w") as log:
-        result = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed; see {run_dir / 'stdout.log'}")
-    return json.loads((run_dir / "summary.json").read_text())
+    return common.train_recipe(overrides, run_dir, TRAIN)
 
 
 def main() -> int:

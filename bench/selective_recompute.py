@@ -15,10 +15,7 @@ Dropout is on (the recipe's toy model has none by default).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -52,14 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def train(overrides: list[str], run_dir: Path) -> dict:
     """One recipe run in its own process: its summary.json."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    command = [sys.executable, str(TRAIN), *overrides, f"hydra.run.dir={run_dir}"]
-    with open(run_dir / "stdout.log", "w") as log:
-        result = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=1800)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed; see {run_dir / 'stdout.log'}")
-    return json.loads((run_dir / "summary.json").read_text())
+    return common.train_recipe(overrides, run_dir, TRAIN)
 
 
 def measure(name: str, overrides: list[str], args: argparse.Namespace) -> dict:
