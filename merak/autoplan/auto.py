@@ -70,7 +70,7 @@ def plan_layout(spec, cfg: DictConfig, *, outside_world: int | None, train: Trai
     objective = _objective(cfg)
     try:
         report = plan_for_settings(spec, settings, world_size=world, cluster=cluster,
-                                   global_batch_size=requested_global_batch(cfg), objective=str(objective))
+                                   global_batch_size=requested_global_batch(cfg), objective=objective)
     except PlanError as error:
         raise ConfigError(f"invalid configuration:\n  - parallel=auto: {error}") from None
     outcome = None

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None, *, prog: str = "merak-plan") -> int:
     out = args.out or os.path.join("outputs", "merak-plan", f"{args.recipe}-{cluster.name}-{cluster.nodes}n.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     clock_plan = {}
-    if str(report.objective) != "time":
+    if report.objective.wants_energy:
         frontier = os.path.abspath(os.path.splitext(out)[0] + ".frontier.json")
         deadline = frontier_for_run(report, report.best, report.objective, frontier)
         clock_plan = {"trainer.frequency_frontier": frontier, "trainer.frontier_deadline": f"{deadline:.9g}"}

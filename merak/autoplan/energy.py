@@ -30,9 +30,10 @@ from merak.autoplan.cluster import Cluster
 from merak.autoplan.cost import StageCostModel, along_the_step, group_links
 from merak.autoplan.search import Candidate
 from merak.energy.dag import step_graph
-from merak.energy.planner import FrequencyPlanner, PlanPoint
+from merak.energy.planner import FrequencyPlanner, PlanPoint, pareto_points
 from merak.energy.profile_csv import Option
 from merak.energy.simulated import SPECS, GPUSpec
+from merak.report.console import quiet_below
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +165,8 @@ class LayoutEnergy:
         self.layout, self.spec = candidate.layout, spec
         self.predicted_step_s = candidate.predicted_step_s
         model = report.cost_model
-        self.pieces = model.pieces(self.layout)
         _, _, pp_link = group_links(model.cluster, self.layout.dp, self.layout.tp, self.layout.pp)
-        self.costs = StageCostModel(self.pieces, self.layout.pp, pp_link, self.layout.recompute)
+        self.costs = StageCostModel(model.pieces(self.layout), self.layout.pp, pp_link, self.layout.recompute)
         self.clocks = _planning_clocks(spec)
         self.gpus = self.layout.dp * self.layout.tp
 
@@ -201,7 +201,7 @@ class LayoutEnergy:
 
         def fastest_time(length: int) -> list[float]:
             planners[length] = self.planner(length)[1]
-            with _quiet_planner():
+            with _planner_warnings_only():
                 fastest[length] = planners[length].fastest()
             return [fastest[length].iteration_time]
 
@@ -232,13 +232,18 @@ class LayoutEnergy:
 def _least_energy(planner: FrequencyPlanner, stretch: float | None) -> PlanPoint | None:
     """The least-energy plan of the whole frontier (``stretch`` None), or of the steps at most ``stretch`` x
     the fastest one (None when that is faster than the fastest)."""
-    with _quiet_planner():
+    with _planner_warnings_only():
         if stretch is None:
             return planner.least_energy()
-        bound = stretch * planner.fastest_time()
         if stretch < 1 - 1e-9:
             return None
-        return planner.solve(max(bound, planner.fastest_time()))
+        fastest = planner.fastest_time()
+        return planner.solve(max(stretch * fastest, fastest))
+
+
+def _planner_warnings_only():
+    """The planner logs every frontier (ranking plans dozens); its warnings (a spent time budget) still show."""
+    return quiet_below(logging.WARNING, "merak.energy.planner")
 
 
 def _within(points: list[PlanPoint], bound: float | None) -> int:
@@ -247,18 +252,6 @@ def _within(points: list[PlanPoint], bound: float | None) -> int:
         return len(points) - 1
     fitting = [i for i, p in enumerate(points) if p.iteration_time <= bound * (1 + 1e-9)]
     return fitting[-1] if fitting else -1
-
-
-class _quiet_planner:
-    """The planner logs every frontier; ranking plans dozens."""
-
-    def __enter__(self):
-        self.logger = logging.getLogger("merak.energy.planner")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.WARNING)
-
-    def __exit__(self, *exc):
-        self.logger.setLevel(self.level)
 
 
 def rank_for_energy(report, objective: Objective) -> None:
@@ -286,7 +279,6 @@ def rank_for_energy(report, objective: Objective) -> None:
         raise ValueError(f"objective {objective}: no layout is predicted to step within {bound} (the fastest "
                          f"takes {fastest * 1e3:,.1f} ms); loosen the bound")
     report.candidates = meeting + missing + rest
-    report.objective = objective
     best = meeting[0]
     for candidate in report.candidates[1:]:
         if candidate.fits:
@@ -316,29 +308,19 @@ def frontier_for_run(report, candidate: Candidate, objective: Objective, path: s
         objective.deadline(report.best.predicted_step_s))
     layout = candidate.layout
     graph, planner = energy.planner(layout.num_microbatches, budget_s=RUN_FRONTIER_BUDGET_S)
-    with _quiet_planner():
+    with _planner_warnings_only():
         points = planner.frontier(FRONTIER_POINTS)
     bound = price.bound_s
     if bound is not None:  # the bound's own plan, between two of the frontier's
         solved = _least_energy(planner, (bound - price.outside_graph_s) / planner.fastest_time())
-        points = _pareto([*points, *([solved] if solved is not None else [])])
+        points = pareto_points([*points, *([solved] if solved is not None else [])])
+    # Pareto points, energy falling: without a bound the last one uses the least.
     index = max(0, _within(points, None if bound is None else bound - price.outside_graph_s))
-    if bound is None:
-        index = min(range(len(points)), key=lambda i: points[i].energy)
     write_frontier(path, graph, points, schedule=layout.schedule, num_chunks=layout.chunks,
                    p2p_power=energy.spec.blocked_power, num_microbatches=layout.num_microbatches,
                    step_overhead=price.outside_graph_s)
     # A hair above the plan's own time, so that rounding in the file never selects a faster plan.
     return points[index].iteration_time * (1 + 1e-6)
-
-
-def _pareto(points: list[PlanPoint]) -> list[PlanPoint]:
-    """Fastest first, each slower point using less energy than every faster one."""
-    kept: list[PlanPoint] = []
-    for point in sorted(points, key=lambda p: (p.iteration_time, p.energy)):
-        if not kept or point.energy < kept[-1].energy - 1e-9:
-            kept.append(point)
-    return kept
 
 
 __all__ = ["EnergyPrice", "LayoutEnergy", "OBJECTIVES", "Objective", "frontier_for_run", "power_model",

@@ -52,7 +52,7 @@ class PlanReport:
     peak_flops: float | None = None  # per device, of the run's dtype
     cost_model: CostModel | None = None
     capacity_bytes: float = 0.0
-    objective: str = "time"  # merak.autoplan.energy.Objective once ranked for energy
+    objective: Objective = dataclasses.field(default_factory=Objective)  # what the ranking minimizes
 
     def price(self, layout: Layout) -> Candidate:
         """Any layout of this request priced by the same cost model (e.g. a published one, to compare)."""
@@ -165,7 +165,7 @@ def _supports_sequence_parallel(profiles: ProfileCache, tp: int) -> bool:
 
 
 def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, global_batch_size: int,
-                      space_overrides: dict | None = None, objective: str = "time") -> PlanReport:
+                      space_overrides: dict | None = None, objective: str | Objective = "time") -> PlanReport:
     """Rank every layout of ``world_size`` devices of ``cluster`` for the recipe's model, from ``settings``
     (a single-process run's) at the fixed ``global_batch_size``; ``space_overrides`` narrow :class:`SearchSpace`.
     ``objective``: ``time``, ``energy`` or ``energy@BOUND`` (:mod:`merak.autoplan.energy`). On this machine with
@@ -176,7 +176,7 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
             message says what would.
     """
     try:
-        goal = Objective.parse(objective)
+        goal = objective if isinstance(objective, Objective) else Objective.parse(objective)
     except ValueError as error:
         raise PlanError(str(error)) from None
     energy = settings.trainer.energy
@@ -208,7 +208,7 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
                         profile_seconds=profiles.seconds, search_seconds=elapsed - profiles.seconds,
                         flops_per_sample=_flops_per_sample(profiles(1, False)),
                         peak_flops=_peak_flops(cluster, _dtype_name(settings.trainer)), cost_model=model,
-                        capacity_bytes=capacity)
+                        capacity_bytes=capacity, objective=goal)
     if not candidates:
         raise PlanError(_no_layout_message(space, world_size))
     if not candidates[0].fits:

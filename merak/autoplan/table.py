@@ -41,7 +41,7 @@ def format_table(report: PlanReport, top: int = 10, extra: list[tuple[str, Candi
             return "(slower in the trials)" if chosen is not None else "(chosen)"
         return candidate.why_not
 
-    energy = str(report.objective) != "time"
+    energy = report.objective.wants_energy
     columns = (*COLUMNS[:-1], *ENERGY_COLUMNS, COLUMNS[-1]) if energy else COLUMNS
     shown = report.candidates[:top]
     rows = [_row(i + 1, c, report, note(i + 1, c), energy) for i, c in enumerate(shown)]

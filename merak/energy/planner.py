@@ -88,6 +88,15 @@ class PlanPoint:
         return plans
 
 
+def pareto_points(points: list[PlanPoint]) -> list[PlanPoint]:
+    """``points`` fastest first, each kept only if it uses less energy than every faster one."""
+    kept: list[PlanPoint] = []
+    for point in sorted(points, key=lambda p: (p.iteration_time, p.energy)):
+        if not kept or point.energy < kept[-1].energy - 1e-9:
+            kept.append(point)
+    return kept
+
+
 @dataclass
 class _Choices:
     """Pareto options of one (stage, instruction), fastest first, and their convex hull."""
@@ -395,11 +404,7 @@ class FrequencyPlanner:
         fastest, end = self.fastest_time(), self._useful_end()
         deadlines = np.linspace(fastest, end, max(2, num_points)) if end > fastest else [fastest]
         points = [self.solve(float(t)) for t in deadlines]
-        points.sort(key=lambda p: (p.iteration_time, p.energy))
-        kept: list[PlanPoint] = []
-        for p in points:
-            if not kept or p.energy < kept[-1].energy - 1e-9:
-                kept.append(p)
+        kept = pareto_points(points)
         logger.info("frontier: %d points (%d deadlines) in %.1f s", len(kept), len(points),
                     time.perf_counter() - started)
         return kept

@@ -38,18 +38,24 @@ def use_merak_format(who: str = "main") -> None:
 
 
 @contextlib.contextmanager
-def only_errors(*names: str) -> Iterator[None]:
+def quiet_below(level: int, *names: str) -> Iterator[None]:
+    """Show only records of ``level`` and above from the loggers ``names`` (default ``merak``; each with its
+    children) for the duration."""
+    targets = [logging.getLogger(name) for name in names or ("merak",)]
+    previous = [target.level for target in targets]
+    for target in targets:
+        target.setLevel(level)
+    try:
+        yield
+    finally:
+        for target, level_before in zip(targets, previous, strict=True):
+            target.setLevel(level_before)
+
+
+def only_errors(*names: str):
     """Show only errors of the loggers ``names`` (default ``merak``; each with its children) for the duration.
 
     For work that is done again later in the run, where it reports the same lines itself, or whose
     lines a summary says again.
     """
-    targets = [logging.getLogger(name) for name in names or ("merak",)]
-    previous = [target.level for target in targets]
-    for target in targets:
-        target.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for target, level in zip(targets, previous, strict=True):
-            target.setLevel(level)
+    return quiet_below(logging.ERROR, *names)
