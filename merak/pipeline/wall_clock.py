@@ -89,12 +89,15 @@ def _reduction_trace_event(reduction: dict) -> dict:
             "args": {"bytes": reduction["bytes"], "chunk": reduction["chunk"]}}
 
 
+_BACKWARD_KINDS = ("backward", "backward_input", "backward_weight")
+
+
 def reductions_beside_backward(events: list[TimedInstruction], reductions: list[dict]) -> list[dict]:
     """Per stage: its bucket reductions (start and end: launched during the backward, waited for at the
     step's end) and when its last backward pass ended, so that the overlap can be read off."""
     stages = []
     for stage in sorted({r["stage"] for r in reductions}):
-        backward_ends = [e.end for e in events if e.stage == stage and e.kind in ("backward", "backward_weight")]
+        backward_ends = [e.end for e in events if e.stage == stage and e.kind in _BACKWARD_KINDS]
         last_end = max(backward_ends, default=None)
         mine = sorted((r for r in reductions if r["stage"] == stage), key=lambda r: r["start"])
         stages.append({"stage": stage, "last_backward_end": last_end, "buckets": mine,

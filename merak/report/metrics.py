@@ -311,9 +311,12 @@ def format_energy(energy: dict | None) -> str | None:
     return ", ".join(parts)
 
 
+_SI_PREFIXES = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
 def _si(count: float) -> str:
     """``count`` with an SI prefix and a space before the unit that follows: ``1.05 G``."""
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    for scale, prefix in _SI_PREFIXES:
         if abs(count) >= scale:
             return f"{count / scale:.3g} {prefix}"
     return f"{count:.3g} "
@@ -324,7 +327,7 @@ def _mib_or_dash(value: int | None) -> str:
 
 
 def _human(count: float, unit: str = "") -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    for scale, suffix in _SI_PREFIXES:
         if abs(count) >= scale:
             return f"{count / scale:.2f}{suffix}{unit}"
     return f"{count:.0f}{unit}"
