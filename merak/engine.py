@@ -7,6 +7,7 @@ trainer API and tests drive the same code.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import warnings
@@ -25,7 +26,8 @@ from merak.optim.distributed import DistributedOptimizer
 from merak.optim.grad_sync import all_reduce_tensors
 from merak.optim.overlap import last_weight_passes
 from merak.optim.schedule import build_lr_scheduler, make_optimizer
-from merak.optim.settings import OptimizerSettings, PrecisionSettings, ZeroSettings
+from merak.optim.settings import ZERO3_WITH_COMPILE, OptimizerSettings, PrecisionSettings, ZeroSettings
+from merak.optim.sharded_params import ShardedParameters, stage_units
 from merak.pipeline import instructions as ins
 from merak.pipeline.compiled import CompileClock
 from merak.pipeline.executor import PipelineExecutor
@@ -121,7 +123,8 @@ class PipelineEngine:
         self.num_stages = grid.pp
         self.num_chunks = num_chunks
         self.chunks = {c: stages[c * grid.pp + self.stage_id].to(state.device) for c in range(num_chunks)}
-        flat_views = zero.stage >= 1 and grid.dp > 1 and precision.dtype == torch.float32
+        # fp32 ZeRO updates flat views of the parameters, and ZeRO-3 gathers flat pieces into them.
+        flat_views = zero.stage >= 1 and grid.dp > 1 and (precision.dtype == torch.float32 or zero.stage >= 3)
         self.channels_last = channels_last and not flat_views
         if self.channels_last:
             for chunk in self.chunks.values():
@@ -171,6 +174,7 @@ class PipelineEngine:
             # the master weights were taken from their fp32 values.
             for chunk in self.chunks.values():
                 chunk.to(precision.dtype)
+        self.sharded_parameters = self._shard_parameters(compile)
         self._overlap_reduction()
         self._total_steps = total_steps
         self.lr_scheduler = self._build_lr_scheduler()
@@ -196,7 +200,8 @@ class PipelineEngine:
             step_handlers={ins.ReduceTiedGrads: self._reduce_tied_grads,
                            ins.ReduceGrads: self._reduce_grads,
                            ins.OptimizerStep: self._optimizer_step},
-            hooks=[*hooks, _GradientsReady(self.optimizer, last_weight_passes(self.instructions, num_chunks))],
+            hooks=[*hooks, _GradientsReady(self.optimizer, last_weight_passes(self.instructions, num_chunks)),
+                   *([self.sharded_parameters] if self.sharded_parameters is not None else [])],
             dropout_seed=seed_of,
             free_sent_outputs=dealloc_pipeoutput, record_timeline=record_timeline,
             compute_dtype=precision.dtype, loss_scale=lambda: self.optimizer.loss_scale,
@@ -220,6 +225,25 @@ class PipelineEngine:
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             for _ in range(lr_scheduler_steps):
                 self.lr_scheduler.step()
+
+    def _shard_parameters(self, compile: CompileSettings) -> ShardedParameters | None:
+        """ZeRO-3: keep only this rank's pieces of the trainable parameters; each stage part gathers its own
+        where it runs (merak.optim.sharded_params)."""
+        if not self.optimizer.shards_parameters:
+            return None
+        if compile.enabled:
+            raise ValueError(ZERO3_WITH_COMPILE)
+        index_of = {id(p): i for i, p in enumerate(self.trainable)}
+        return ShardedParameters(self.trainable, self.optimizer.shards, stage_units(self.chunks, index_of),
+                                 dp_group=self.state.dp_group, dp_size=self.state.grid.dp)
+
+    def whole_parameters(self, *, write_back: bool = False) -> contextlib.AbstractContextManager:
+        """Every local parameter whole inside the block, for code outside the schedule that reads (or, with
+        ``write_back``, writes) them: checkpoints, generation. With ZeRO-3 it all-gathers over data parallelism,
+        so every replica must enter it; otherwise it does nothing."""
+        if self.sharded_parameters is None:
+            return contextlib.nullcontext()
+        return self.sharded_parameters.whole(write_back=write_back, piece_range=self.optimizer.piece_range)
 
     def _overlap_reduction(self) -> None:
         """Let the optimizer reduce each chunk's gradients during its last backward (merak.optim.overlap).
@@ -358,7 +382,8 @@ class PipelineEngine:
         # evaluation step is none of theirs (a frequency plan would not find its instructions in it). Nor is
         # the recorded timeline (wall_clock_breakdown) theirs: it keeps the last training step, whose
         # backwards the end-of-run pictures price the training schedule with.
-        self.executor.hooks = HookList()
+        # ZeRO-3's gathering is no listener: it frees what each instruction gathered.
+        self.executor.hooks = HookList([self.sharded_parameters] if self.sharded_parameters is not None else [])
         for chunk in self.chunks.values():
             chunk.eval()
         try:
@@ -404,6 +429,8 @@ class PipelineEngine:
         self.optimizer.reduce_gradients()
 
     def _optimizer_step(self) -> None:
+        if self.sharded_parameters is not None:
+            self.sharded_parameters.check_freed()
         self._last_outcome = self.optimizer.step(max_grad_norm=self.options.max_grad_norm,
                                                  loss=self.executor.step_loss())
         if self._last_outcome.skipped:  # a skipped step leaves the schedule where it was
@@ -440,6 +467,11 @@ class PipelineEngine:
             return sum(t.numel() * t.element_size() for t in tensors)
         params = [p for _, p in self._param_names]
         report = {"parameter_bytes": nbytes(params), **self.optimizer.memory_report()}
+        if self.sharded_parameters is not None:  # ZeRO-3: the pieces, and the peak of whole parameters
+            sharded = {id(p) for p in self.trainable}
+            report["parameter_bytes"] = nbytes([p for p in params if id(p) not in sharded]) + \
+                self.sharded_parameters.shard_bytes()
+            report["peak_gathered_parameter_bytes"] = self.sharded_parameters.peak_gathered_bytes
         if self.executor.meter.peak_bytes is not None:
             report["peak_activation_bytes"] = self.executor.meter.peak_bytes
         if self.state.device.type == "cuda":

@@ -85,7 +85,8 @@ def generate(session, prompts: Sequence[Sequence[int]], options: GenerationOptio
     decoder = PipelineDecoder(adapter, blocks, state, dtype=engine.optimizer.precision.dtype,
                               vocab_parallel=grid.tp > 1 and settings.trainer.tensor_parallel.parallel_vocab)
     results = {}
-    with _inference(session.model, adapter):
+    # ZeRO-3: the decoder runs the blocks directly, so every parameter is gathered for the whole generation.
+    with _inference(session.model, adapter), engine.whole_parameters():
         for index, prompt in enumerate(prompts):
             if index % grid.dp == coords.dp:
                 sequence = decoder.continue_prompt(list(map(int, prompt)), options, eos_token_ids,

@@ -260,7 +260,8 @@ def load_checkpoint(engine, checkpoint: str, *, options: CheckpointSettings = Ch
     source = CheckpointSource(checkpoint)
     manifest = source.manifest
     partial = options.finetune and options.partial_load
-    _load_weights(engine, source, strict=not partial, skip_other_shapes=partial)
+    with engine.whole_parameters(write_back=True):
+        _load_weights(engine, source, strict=not partial, skip_other_shapes=partial)
     trainer_state = files.read_json(checkpoint, manifest, "trainer_state.json")
     if options.finetune:
         logger.info("finetune: weights from %s; step, optimizer and schedule start at 0", checkpoint)
@@ -290,13 +291,15 @@ def load_checkpoint(engine, checkpoint: str, *, options: CheckpointSettings = Ch
 def load_weights(engine, checkpoint: str) -> int:
     """Load only the weights of ``checkpoint`` into this rank's stage (any saving layout); the step, the
     optimizer state and the schedule stay as they are. Returns tensors loaded."""
-    count = _load_weights(engine, CheckpointSource(checkpoint), strict=True)
+    with engine.whole_parameters(write_back=True):
+        count = _load_weights(engine, CheckpointSource(checkpoint), strict=True)
     engine.optimizer.refresh_master_weights()
     return count
 
 
 def load_pretrained(engine, directory: str) -> int:
     """Load Hugging Face weights (safetensors) into this rank's stage; returns tensors loaded."""
-    count = _load_weights(engine, PretrainedSource(directory), strict=False)
+    with engine.whole_parameters(write_back=True):
+        count = _load_weights(engine, PretrainedSource(directory), strict=False)
     engine.optimizer.refresh_master_weights()
     return count

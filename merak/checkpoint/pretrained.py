@@ -84,7 +84,8 @@ def write_pretrained(state: dict[str, torch.Tensor], model_info: dict | None, ou
 def save_pretrained_model(engine, out_dir: str) -> str | None:
     """Gather the trained model and write it to ``out_dir`` on rank 0 (collective). Returns ``out_dir``
     on rank 0, None elsewhere; every rank raises alike when the write fails."""
-    state = gather_weights(engine)
+    with engine.whole_parameters():
+        state = gather_weights(engine)
     problem = None
     if state is not None:
         try:

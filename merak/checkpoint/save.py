@@ -132,9 +132,10 @@ def save_checkpoint(engine, output_dir: str, *, step: int, trainer_state: dict, 
         for sub in ("model", "optimizer", "rng"):
             os.makedirs(os.path.join(staging, sub))
     _barrier()
-    problem = _problem(engine, options)
-    # A rank with bad values writes nothing: the checkpoint will not be committed anyway.
-    records = [] if problem else rank_files(engine, staging, rank=rank, options=options)
+    with engine.whole_parameters():  # ZeRO-3: every replica gathers; replica 0 writes the weights
+        problem = _problem(engine, options)
+        # A rank with bad values writes nothing: the checkpoint will not be committed anyway.
+        records = [] if problem else rank_files(engine, staging, rank=rank, options=options)
     # One exchange tells every rank of every problem, so all of them raise together (no rank waits
     # in a later collective for one that gave up).
     everyone = groups.gather_from_all({"records": records, "problem": problem})

@@ -23,7 +23,7 @@ from merak.data.settings import BatchSettings
 from merak.distributed.settings import LauncherSettings
 from merak.distributed.topology import RankGrid
 from merak.energy.settings import EnergySettings
-from merak.optim.settings import OptimizerSettings, PrecisionSettings, ZeroSettings
+from merak.optim.settings import ZERO3_WITH_COMPILE, OptimizerSettings, PrecisionSettings, ZeroSettings
 from merak.pipeline.settings import SELECTIVE_WITH_COMPILE, CompileSettings, ScheduleSettings
 from merak.report.settings import ReportSettings
 from merak.shard.settings import ShardingSettings
@@ -235,10 +235,12 @@ def _cross_section_problems(trainer: TrainerSettings, grid: RankGrid | None) -> 
     if overlapping_halves and trainer.schedule.activation_checkpointing:
         problems.append("trainer.tp_overlapping_level=2 runs stage halves on two threads and cannot recompute "
                         "them: set trainer.activation_checkpointing=false")
-    if trainer.zero.stage == 2 and overlapping_halves:
-        problems.append("trainer.zero_stage=2 reduces gradients as autograd produces them, and "
+    if trainer.zero.stage >= 2 and overlapping_halves:
+        problems.append(f"trainer.zero_stage={trainer.zero.stage} reduces gradients as autograd produces them, and "
                         "tp_overlapping_level=2 produces them on two threads in no fixed order: use "
                         "zero_stage=1 or tp_overlapping_level 0 or 1")
+    if trainer.zero.stage == 3 and trainer.compile.enabled:
+        problems.append(ZERO3_WITH_COMPILE)
     # Contradicting compile settings are the compile section's to report.
     compile_ok = not trainer.compile.contradictions()
     if trainer.schedule.activation_checkpointing and compile_ok and trainer.compile.uses_cuda_graphs:

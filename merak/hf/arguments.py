@@ -141,7 +141,7 @@ class MerakArguments(TrainingArguments):
     zero_allow_untested_optimizer: bool = _merak(
         "zero_allow_untested_optimizer", "Allow ZeRO with a non-elementwise optimizer."
     )
-    zero_stage: int = _merak("zero_stage", "ZeRO stage: 1 or 2.")
+    zero_stage: int = _merak("zero_stage", "ZeRO stage: 1, 2 or 3.")
     zero_allgather_bucket_size: float = _merak("zero_allgather_bucket_size", "Elements per all-gather after the step.")
     zero_reduce_bucket_size: float = _merak("zero_reduce_bucket_size", "Elements per gradient reduce-scatter.")
     save: bool | None = _doc(

@@ -59,9 +59,10 @@ def save_adapter(trainer, directory: str) -> None:
     session = trainer._session()
     engine, coords = session.engine, session.state.coordinates
     mine = {}
-    if coords.dp == 0:
-        mine = {name: param.detach().float().cpu() for name, param in engine.named_parameters()
-                if param.requires_grad and name in engine.primary_names}
+    with engine.whole_parameters():
+        if coords.dp == 0:
+            mine = {name: param.detach().float().cpu() for name, param in engine.named_parameters()
+                    if param.requires_grad and name in engine.primary_names}
     pieces = groups.gather_from_all(mine)
     if session.state.rank != 0:
         return

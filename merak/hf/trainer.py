@@ -252,7 +252,8 @@ class MerakTrainer(TrainerOutputs):
                 self.energy.attach(self.session)  # each logged step's energy, and the run's (or why not)
             self.model = self.session.model
             grid = self.state_grid.grid
-            if (grid.pp > 1 or grid.tp > 1) and not self.args.lora_config:  # save_adapter gathers adapters
+            zero3 = self.settings.trainer.zero.stage == 3 and grid.dp > 1
+            if (grid.pp > 1 or grid.tp > 1 or zero3) and not self.args.lora_config:  # save_adapter gathers
                 # The model object holds this rank's stage (sliced with tp): its other tensors are never
                 # trained, so saving it would write a wrong model without a word.
                 self.model.save_pretrained = self._refuse_partial_save
@@ -263,10 +264,11 @@ class MerakTrainer(TrainerOutputs):
 
     def _refuse_partial_save(self, *args, **kwargs):
         grid = self.state_grid.grid
+        split = f"split over {grid.pp} pipeline stages x {grid.tp} tensor-parallel ranks" \
+            if grid.pp > 1 or grid.tp > 1 else f"sharded over {grid.dp} data-parallel ranks (ZeRO-3)"
         raise RuntimeError(
-            f"trainer.model is split over {grid.pp} pipeline stages x {grid.tp} tensor-parallel ranks: this "
-            f"process trained only its own part. Call trainer.save_model(directory) on every rank; it gathers "
-            f"the whole trained model and writes it where from_pretrained loads it")
+            f"trainer.model is {split}: this process holds only its own part. Call trainer.save_model(directory) "
+            f"on every rank; it gathers the whole trained model and writes it where from_pretrained loads it")
 
     # -- training --------------------------------------------------------------
 

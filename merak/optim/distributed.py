@@ -11,6 +11,9 @@ stage that holds it, and lets a checkpoint name each piece by parameter.
 - ZeRO stage 2: as 1, and gradients are reduce-scattered during the backward as
   soon as ``reduce_bucket_size`` elements are ready (and at the end of every backward
   instruction), so at most about one bucket of full-size gradients is held.
+- ZeRO stage 3: as 2, and the model's parameters too are held as the owned pieces
+  (``shards``, in the model's dtype); :mod:`merak.optim.sharded_params` gathers them
+  where they are used. The step updates the pieces; nothing is all-gathered after it.
 
 With fp16/bf16 the model holds half-precision parameters and gradients, and the
 optimizer updates fp32 master weights (whole or the owned piece). Gradients are
@@ -116,7 +119,11 @@ class DistributedOptimizer:
         self.norm_group_size = norm_group_size * dp_size
         self.counts_replica = self.sharded or dp_rank == 0
         self.copies = self.sharded or precision.needs_master_weights
-        self.master = [self._master_of(p, piece) for p, piece in zip(self.params, self.pieces)]
+        # ZeRO-3: the model's weights are these pieces (the parameters hold data only while gathered).
+        self.shards_parameters = zero.stage >= 3 and self.sharded
+        self.shards = [self._shard_of(p, piece) for p, piece in zip(self.params, self.pieces)] \
+            if self.shards_parameters else []
+        self.master = [self._master_of(i) for i in range(len(self.params))]
         owned = [(m, p.ndim >= 2) for m, p in zip(self.master, self.params) if m.numel() > 0]
         # A rank may own nothing to update (a stage without parameters, or ZeRO pieces of tensors smaller
         # than dp): its optimizer still exists, over an empty placeholder, for the learning-rate schedule.
@@ -128,6 +135,10 @@ class DistributedOptimizer:
         if zero.stage >= 2 and self.sharded:
             self._watch_gradients()
 
+    def piece_range(self, i: int) -> tuple[int, int]:
+        """The flat range ``[start, stop)`` of parameter ``i`` this rank owns."""
+        return self.pieces[i].start, self.pieces[i].stop
+
     def overlap_reduction(self, chunk_of: Sequence[int], excluded: set[int]) -> OverlappedReduction | None:
         """Reduce over data parallelism during the backward (:mod:`merak.optim.overlap`), with ``chunk_of`` the
         model chunk of each parameter and ``excluded`` the indices reduced at the step's end as before. None
@@ -138,9 +149,18 @@ class DistributedOptimizer:
         self.overlap = OverlappedReduction(self.params, chunk_of, excluded, self.bucket_bytes, self._start_bucket)
         return self.overlap
 
-    def _master_of(self, param: nn.Parameter, piece: Piece) -> torch.Tensor:
+    def _shard_of(self, param: nn.Parameter, piece: Piece) -> torch.Tensor:
+        """This rank's piece of ``param`` in the model's dtype, padded to the piece size (all-gathers take
+        equal pieces)."""
+        own = param.detach().reshape(-1)[piece.start:piece.stop].to(self.precision.dtype)
+        return torch.nn.functional.pad(own, (0, piece.size - piece.length)).clone()
+
+    def _master_of(self, i: int) -> torch.Tensor:
+        param, piece = self.params[i], self.pieces[i]
         if not self.copies:
             return param
+        if self.shards_parameters and not self.precision.needs_master_weights:
+            return nn.Parameter(self.shards[i][:piece.length])  # fp32: the step updates the piece in place
         own = param.detach().reshape(-1)[piece.start:piece.stop]
         if not self.precision.needs_master_weights:
             # An fp32 piece is a view of the parameter: the step updates the model in place.
@@ -152,6 +172,10 @@ class DistributedOptimizer:
         if not self.copies:
             return
         with torch.no_grad():
+            if self.shards_parameters:
+                for shard, master, piece in zip(self.shards, self.master, self.pieces):
+                    master.copy_(shard[:piece.length].float())
+                return
             for param, master, piece in zip(self.params, self.master, self.pieces):
                 master.copy_(param.detach().reshape(-1)[piece.start:piece.stop].float())
 
@@ -374,12 +398,18 @@ class DistributedOptimizer:
                            loss_finite=loss_finite, scale_may_cure=may_cure)
 
     def _publish(self) -> None:
-        """Copy the updated master weights into the model (all-gathered when sharded)."""
+        """Copy the updated master weights into the model (all-gathered when sharded, into the pieces with
+        ZeRO-3)."""
         if not self.copies:
             return
         with torch.no_grad():
             if not self.sharded:
                 torch._foreach_copy_(self.params, [m.view(p.shape) for m, p in zip(self.master, self.params)])
+                return
+            if self.shards_parameters:  # the next forward gathers the new pieces
+                if self.precision.needs_master_weights:
+                    for shard, master, piece in zip(self.shards, self.master, self.pieces):
+                        shard[:piece.length].copy_(master.detach())
                 return
             for bucket in self._buckets(range(len(self.params)), self.zero.allgather_bucket_elements):
                 self._all_gather_bucket(bucket)

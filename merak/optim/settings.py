@@ -17,8 +17,11 @@ OPTIMIZERS = ("adamw_torch", "sgd", "adafactor")
 # so ZeRO may cut parameters anywhere; the others need zero_allow_untested_optimizer.
 ZERO_TESTED_OPTIMIZERS = ("adamw_torch", "sgd")
 NOT_ELEMENTWISE_WARNING = "is not elementwise, so ZeRO's flat pieces change its updates"
-ZERO_STAGES = (0, 1, 2)  # off, optimizer state sharded, gradients too
+ZERO_STAGES = (0, 1, 2, 3)  # off, optimizer state sharded, gradients too, parameters too
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+ZERO3_WITH_COMPILE = ("trainer.zero_stage=3 gathers each stage part's parameters in module hooks around the part, "
+                      "which trainer.torch_compile's compiled graphs do not run: compile without ZeRO-3 "
+                      "(zero_stage 1 or 2) or run eagerly")
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,9 @@ class PrecisionSettings:
 class ZeroSettings:
     """ZeRO sharding and the data-parallel gradient reduction (DeepSpeed's names; sizes in elements)."""
 
-    zero_optimization: bool = setting(False, "shard optimizer state (stage 1) and gradients (stage 2) over dp")
-    zero_stage: int = setting(1, "1 | 2")
+    zero_optimization: bool = setting(False, "shard optimizer state (stage 1), gradients (stage 2) and parameters "
+                                             "(stage 3) over dp")
+    zero_stage: int = setting(1, "1 | 2 | 3")
     # DeepSpeed configs write 5e8, hence int | float.
     zero_reduce_bucket_size: int | float = setting(500_000_000, "elements per gradient reduce-scatter")
     zero_allgather_bucket_size: int | float = setting(500_000_000,
@@ -175,8 +179,8 @@ class ZeroSettings:
         problems = []
         if self.zero_optimization:  # zero_stage is unused (and unchecked) with ZeRO off
             if self.zero_stage not in ZERO_STAGES[1:]:
-                problems.append(f"trainer.zero_stage={self.zero_stage!r}: stages 1 (optimizer state) and 2 "
-                                f"(gradients too) are supported")
+                problems.append(f"trainer.zero_stage={self.zero_stage!r}: stages 1 (optimizer state), 2 "
+                                f"(gradients too) and 3 (parameters too) are supported")
             if optim in OPTIMIZERS and optim not in ZERO_TESTED_OPTIMIZERS and not self.zero_allow_untested_optimizer:
                 problems.append(f"trainer.optim={optim} {NOT_ELEMENTWISE_WARNING}; use "
                                 f"{' or '.join(ZERO_TESTED_OPTIMIZERS)}, or set "

@@ -33,7 +33,8 @@ class ActivationMeter:
     """
 
     def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
-        self._parameter_storages = {s[0] for p in parameters if (s := _storage(p)) is not None}
+        # By storage object, not address: ZeRO-3 frees a parameter's storage and reallocates it where it runs.
+        self._parameter_storages = {p.untyped_storage()._cdata for p in parameters if p.device.type != "meta"}
         self._kept: dict[object, dict[int, int]] = {}
         self._current: object | None = None
         self.peak_bytes = 0
@@ -42,7 +43,7 @@ class ActivationMeter:
         if self._current is None or not isinstance(tensor, torch.Tensor):
             return
         found = _storage(tensor)
-        if found is not None and found[0] not in self._parameter_storages and found[0] != 0:
+        if found is not None and found[0] != 0 and tensor.untyped_storage()._cdata not in self._parameter_storages:
             self._kept.setdefault(self._current, {})[found[0]] = found[1]
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -54,10 +54,10 @@ def _files(checkpoint: Path, folder: str) -> dict[str, bytes]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", [
-    ["parallel=dp2_pp2", "trainer.zero_optimization=true", "trainer.zero_stage=2", "trainer.fp16=true",
+    ["parallel=dp2_pp2", "trainer.zero_optimization=true", "trainer.zero_stage=3", "trainer.fp16=true",
      "trainer.initial_scale_power=12", "model.dropout=0.1"],
     ["parallel=dp2", "trainer.zero_optimization=true", "trainer.train_schedule=1f1b"],
-], ids=["dp2-pp2-zero2-fp16-dropout", "dp2-zero1"])
+], ids=["dp2-pp2-zero3-fp16-dropout", "dp2-zero1"])
 def test_resume_is_bit_exact(layout, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     _run(straight, *layout, "trainer.max_steps=4", "trainer.save=true", "trainer.save_steps=2")
@@ -94,9 +94,9 @@ def tp_source(tmp_path_factory):
 @pytest.mark.parametrize("target", [
     ["parallel=single"],
     ["parallel=pp4", "trainer.zero_optimization=false"],
-    ["parallel=dp4", "trainer.zero_optimization=true", "trainer.zero_stage=2"],
+    ["parallel=dp4", "trainer.zero_optimization=true", "trainer.zero_stage=3"],
     ["parallel=tp2", "trainer.sequence_parallel=false"],
-], ids=["single", "pp4", "dp4-zero2", "tp2"])
+], ids=["single", "pp4", "dp4-zero3", "tp2"])
 def test_checkpoint_loads_into_other_layouts(target, tmp_path, tp_source):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -1,4 +1,4 @@
-"""ZeRO 1/2 and mixed precision train to the single-process numbers, with pp and tp on too.
+"""ZeRO 1/2/3 and mixed precision train to the single-process numbers, with pp and tp on too.
 
 ZeRO: every rank's owned piece of every gradient equals the same piece of the
 reference gradient (fp32 tolerance), so reduce-scatter, tied and
@@ -22,6 +22,7 @@ from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
 from merak.optim.settings import PrecisionSettings, ZeroSettings
+from merak.pipeline.settings import ScheduleSettings
 from merak.session.assemble import assemble
 from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel.options import TensorParallelSplit
@@ -52,11 +53,19 @@ LAYOUTS = {
                                   ZeroSettings(zero_optimization=True, zero_stage=1, **SMALL_BUCKETS)),
     "dp2-pp2-zero2-zb_h1": (2, 1, 2, "zb_h1", ZeroSettings(zero_optimization=True, zero_stage=2, **SMALL_BUCKETS)),
     "dp2-tp2-pp2-zero2": (2, 2, 2, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=2, **SMALL_BUCKETS)),
+    "dp2-zero3-recompute": (2, 1, 1, "1f1b", ZeroSettings(zero_optimization=True, zero_stage=3, **SMALL_BUCKETS)),
+    "dp2-pp2-zero3-zb_h1": (2, 1, 2, "zb_h1", ZeroSettings(zero_optimization=True, zero_stage=3, **SMALL_BUCKETS)),
+    "dp2-tp2-pp2-zero3-interleaved": (2, 2, 2, "interleaved_1f1b",
+                                      ZeroSettings(zero_optimization=True, zero_stage=3, **SMALL_BUCKETS)),
 }
+# Layouts run with full recomputation: ZeRO-3 gathers a part again inside the backward, where torch's
+# recomputation may stop early by raising out of the part.
+RECOMPUTED = {"dp2-zero3-recompute"}
+RECOMPUTE = ScheduleSettings(activation_checkpointing=True)
 
 
 def _engine(state, model_cfg, *, tp: int, pp: int, schedule: str, zero=ZeroSettings(),
-            precision=PrecisionSettings()):
+            precision=PrecisionSettings(), recompute: ScheduleSettings | None = None):
     micro_batch = GLOBAL_BATCH // (state.grid.dp * MICROBATCHES)
     chunks = 2 if schedule == "interleaved_1f1b" else 1
     built = assemble(
@@ -70,7 +79,7 @@ def _engine(state, model_cfg, *, tp: int, pp: int, schedule: str, zero=ZeroSetti
     slices = parameter_slices(built.model)
     engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                             schedule=schedule, num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS,
-                            zero=zero, precision=precision, num_chunks=chunks)
+                            zero=zero, precision=precision, num_chunks=chunks, recompute=recompute)
     return engine, slices, micro_batch
 
 
@@ -82,12 +91,22 @@ def _loader(state, model_cfg, tokens, micro_batch):
     return MicrobatchLoader(data.load(tokens, model_cfg), plan)
 
 
+def _largest_unit_bytes(engine) -> int | None:
+    """ZeRO-3: bytes of the largest unit of parameters gathered together (None without ZeRO-3)."""
+    sharded = engine.sharded_parameters
+    if sharded is None:
+        return None
+    return max(sum(sharded.params[i].numel() * sharded.params[i].element_size() for i in unit.params)
+               for unit in sharded.units)
+
+
 def _train_zero(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
     dp, tp, pp, schedule, zero = LAYOUTS[layout]
     torch.set_num_threads(1)
     state = groups.init(dp=dp, tp=tp, pp=pp, timeout_s=120)
     try:
-        engine, slices, micro_batch = _engine(state, model_cfg, tp=tp, pp=pp, schedule=schedule, zero=zero)
+        engine, slices, micro_batch = _engine(state, model_cfg, tp=tp, pp=pp, schedule=schedule, zero=zero,
+                                              recompute=RECOMPUTE if layout in RECOMPUTED else None)
         loader = _loader(state, model_cfg, tokens, micro_batch)
         records = []
         for step in range(STEPS):
@@ -100,7 +119,8 @@ def _train_zero(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
                     "sizes": {name: p.numel() for name, p in engine.named_parameters()},
                     "owned": sum(stop - start for start, stop, _ in engine.gradient_pieces().values()),
                     "local": sum(p.numel() for _, p in engine.named_parameters()),
-                    "largest": max(p.numel() for _, p in engine.named_parameters())},
+                    "largest": max(p.numel() for _, p in engine.named_parameters()),
+                    "largest_unit": _largest_unit_bytes(engine)},
                    Path(out_dir) / f"rank{state.rank}.pt")
     finally:
         groups.shutdown()
@@ -116,7 +136,7 @@ def references(toy_model_cfg, toy_tokens):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_zero_matches_single_process(layout, tmp_path, references, toy_model_cfg, toy_tokens):
-    dp, tp, pp, _, zero = LAYOUTS[layout]
+    dp, tp, pp, schedule, zero = LAYOUTS[layout]
     model_cfg = vocab_padded(toy_model_cfg) if tp > 1 else toy_model_cfg
     reference = references["padded" if tp > 1 else "plain"]
     spawn_workers(_train_zero, world_size=dp * tp * pp, args=(str(tmp_path), layout, model_cfg, toy_tokens))
@@ -147,6 +167,15 @@ def test_zero_matches_single_process(layout, tmp_path, references, toy_model_cfg
             # parameter that completed it); the rest is the owned fp32 pieces.
             bound = 4 * (saved["owned"] + dp * zero.reduce_bucket_elements + saved["largest"])
             assert memory["gradient_bytes"] <= bound, memory
+        if zero.stage == 3:
+            # The weights are held as the owned pieces (padding at most dp - 1 elements per tensor)...
+            tensors = len(saved["sizes"])
+            assert 4 * saved["owned"] <= memory["parameter_bytes"] <= 4 * (saved["owned"] + (dp - 1) * tensors), memory
+            # ...and whole only a unit (a stage part) at a time, except in zb_h1's weight pass (its whole chunk).
+            gathered = memory["peak_gathered_parameter_bytes"]
+            assert 0 < gathered <= 4 * saved["local"], memory
+            if schedule != "zb_h1":
+                assert gathered == saved["largest_unit"], memory
     # At every (pp, tp) position the dp ranks' pieces tile each parameter exactly (no gap, no
     # overlap), and between them the positions hold every parameter of the model.
     for key, ranges in owned.items():
@@ -198,40 +227,112 @@ def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path, references, toy_mo
     assert rows[0][0]["loss"] == pytest.approx(references["plain"][0]["loss"], rel=5e-3)
 
 
-BF16_ZERO = {
-    "zero2": ZeroSettings(zero_optimization=True, zero_stage=2),
+BF16 = PrecisionSettings(bf16=True)
+FP16 = PrecisionSettings(fp16=True, initial_scale_power=16)
+# name -> (ZeRO, precision, recomputation), each run at dp2 x pp2.
+HALF_PRECISION = {
+    "zero2": (ZeroSettings(zero_optimization=True, zero_stage=2), BF16, None),
     # Overlapped reductions summed in bfloat16 (half the traffic), into fp32 master pieces.
-    "zero1-overlap-bf16-sums": ZeroSettings(zero_optimization=True, zero_stage=1, grad_bucket_mb=0.002,
-                                            grad_reduce_dtype="bfloat16"),
-    "zero0-overlap-bf16-sums": ZeroSettings(grad_bucket_mb=0.002, grad_reduce_dtype="bfloat16"),
+    "zero1-overlap-bf16-sums": (ZeroSettings(zero_optimization=True, zero_stage=1, grad_bucket_mb=0.002,
+                                             grad_reduce_dtype="bfloat16"), BF16, None),
+    "zero0-overlap-bf16-sums": (ZeroSettings(grad_bucket_mb=0.002, grad_reduce_dtype="bfloat16"), BF16, None),
+    # ZeRO-3 gathers bf16 / fp16 pieces; recomputation gathers a part again inside the backward.
+    "zero3-recompute": (ZeroSettings(zero_optimization=True, zero_stage=3, **SMALL_BUCKETS), BF16, RECOMPUTE),
+    "zero3-fp16": (ZeroSettings(zero_optimization=True, zero_stage=3, **SMALL_BUCKETS), FP16, None),
 }
 
 
-def _train_bf16(out_dir: str, model_cfg, tokens: str) -> None:
-    """Every BF16_ZERO setting in turn, in one world."""
+def _train_half_precision(out_dir: str, model_cfg, tokens: str) -> None:
+    """Every HALF_PRECISION setting in turn, in one world."""
     torch.set_num_threads(1)
     state = groups.init(dp=2, pp=2, timeout_s=120)
     try:
-        for name, zero in BF16_ZERO.items():
+        for name, (zero, precision, recompute) in HALF_PRECISION.items():
             engine, _, micro_batch = _engine(state, model_cfg, tp=1, pp=2, schedule="1f1b", zero=zero,
-                                             precision=PrecisionSettings(bf16=True))
+                                             precision=precision, recompute=recompute)
             loader = _loader(state, model_cfg, tokens, micro_batch)
-            losses = [engine.train_step(loader.load_step(step) if loader else None).loss for step in range(STEPS)]
+            results = [engine.train_step(loader.load_step(step) if loader else None) for step in range(STEPS)]
             master = engine.optimizer.master[0]
-            torch.save({"losses": losses, "param_dtype": str(engine.trainable[0].dtype),
-                        "master_dtype": str(master.dtype)}, Path(out_dir) / f"bf16-{name}-rank{state.rank}.pt")
+            torch.save({"losses": [r.loss for r in results], "skipped": [r.skipped for r in results],
+                        "param_dtype": str(engine.trainable[0].dtype), "master_dtype": str(master.dtype)},
+                       Path(out_dir) / f"half-{name}-rank{state.rank}.pt")
     finally:
         groups.shutdown()
 
 
 @pytest.mark.timeout(300)
-def test_bf16_tracks_fp32(tmp_path, references, toy_model_cfg, toy_tokens):
-    spawn_workers(_train_bf16, world_size=4, args=(str(tmp_path), toy_model_cfg, toy_tokens))
+def test_half_precision_tracks_fp32(tmp_path, references, toy_model_cfg, toy_tokens):
+    spawn_workers(_train_half_precision, world_size=4, args=(str(tmp_path), toy_model_cfg, toy_tokens))
     want = [r["loss"] for r in references["plain"]]
     assert abs(want[0] - want[-1]) > 0.05
-    for name in BF16_ZERO:
-        saved = torch.load(tmp_path / f"bf16-{name}-rank0.pt")
-        assert saved["param_dtype"] == "torch.bfloat16" and saved["master_dtype"] == "torch.float32", name
-        # bf16 keeps 8 bits of mantissa: losses agree to about 1 %, far closer than steps differ.
+    for name, (_, precision, _) in HALF_PRECISION.items():
+        saved = torch.load(tmp_path / f"half-{name}-rank0.pt")
+        assert saved["param_dtype"] == str(precision.dtype) and saved["master_dtype"] == "torch.float32", name
+        assert not any(saved["skipped"]), name
+        # bf16 keeps 8 bits of mantissa: losses agree to about 1 %, far closer than steps differ (fp16, 11 bits,
+        # closer still).
         for got, expected in zip(saved["losses"], want, strict=True):
             assert got == pytest.approx(expected, rel=1e-2), name
+
+
+def _zero3_checkpoints(out_dir: str, model_cfg, tokens: str, dp: int, source: str | None) -> None:
+    """ZeRO-3 at ``dp``: with no ``source``, train 2 steps and save ``trained``, then load it into a fresh
+    engine and save ``same-layout``; with a ``source``, load it and save ``dp{dp}``."""
+    from merak.checkpoint import load_checkpoint, save_checkpoint
+
+    torch.set_num_threads(1)
+    state = groups.init(dp=dp, timeout_s=120)
+    zero = ZeroSettings(zero_optimization=True, zero_stage=3, **SMALL_BUCKETS)
+    try:
+        def fresh():
+            return _engine(state, model_cfg, tp=1, pp=1, schedule="1f1b", zero=zero)[0]
+
+        def save(engine, name: str) -> None:
+            written = save_checkpoint(engine, out_dir, step=2, trainer_state={}, run_info={})
+            groups.barrier()
+            if state.rank == 0:
+                Path(written).rename(Path(out_dir) / name)
+            groups.barrier()
+
+        if source is None:
+            engine, _, micro_batch = _engine(state, model_cfg, tp=1, pp=1, schedule="1f1b", zero=zero)
+            loader = _loader(state, model_cfg, tokens, micro_batch)
+            for step in range(2):
+                engine.train_step(loader.load_step(step))
+            save(engine, "trained")
+            source, name = str(Path(out_dir) / "trained"), "same-layout"
+        else:
+            name = f"dp{dp}"
+        engine = fresh()
+        load_checkpoint(engine, source)
+        save(engine, name)
+    finally:
+        groups.shutdown()
+
+
+def _consolidated(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every weight and optimizer state of a checkpoint, whole, whatever layout wrote it."""
+    from merak.checkpoint.load import CheckpointSource
+
+    source = CheckpointSource(str(checkpoint))
+    tensors = {f"weight/{name}": source.weight(name) for name in source.weight_names()}
+    for name in source.optimizer.index:
+        states, scalars = source.state_keys(name)
+        tensors.update({f"state/{name}/{key}": source.state(name, key) for key in [*states, *scalars]})
+    return tensors
+
+
+@pytest.mark.timeout(300)
+def test_zero3_checkpoint_resumes_at_another_dp_bit_identically(tmp_path, toy_model_cfg, toy_tokens):
+    """Saved at dp2 with ZeRO-3, loaded back at dp2 and at dp4 (other pieces on every rank) and saved again:
+    every weight and every optimizer state is the same bytes all three times."""
+    spawn_workers(_zero3_checkpoints, world_size=2, args=(str(tmp_path), toy_model_cfg, toy_tokens, 2, None))
+    spawn_workers(_zero3_checkpoints, world_size=4,
+                  args=(str(tmp_path), toy_model_cfg, toy_tokens, 4, str(tmp_path / "trained")))
+    trained = _consolidated(tmp_path / "trained")
+    assert any(key.endswith("/exp_avg") for key in trained) and any(key.startswith("weight/") for key in trained)
+    for resumed in ("same-layout", "dp4"):
+        got = _consolidated(tmp_path / resumed)
+        assert got.keys() == trained.keys(), resumed
+        for key, tensor in trained.items():
+            assert torch.equal(got[key], tensor), f"{resumed}: {key}"
