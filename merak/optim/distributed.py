@@ -439,11 +439,15 @@ class DistributedOptimizer:
                 for piece, g in zip(self.pieces, grads)]
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes held by this rank: master weights and optimizer state (gradients: their peak)."""
+        """Bytes held by this rank: master weights and optimizer state; gradients: their peak, and those held now
+        (after a step: what the optimizer keeps between steps, the whole gradients without ZeRO, the owned
+        pieces with it)."""
         def nbytes(tensors):
             return sum(t.numel() * t.element_size() for t in tensors)
         copies = [m for m, p in zip(self.master, self.params) if self.copies and m.dtype != p.dtype]
         states = [v for s in self.optimizer.state.values() for v in s.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0]
-        return {"gradient_bytes": self.peak_gradient_bytes, "master_weight_bytes": nbytes(copies),
-                "optimizer_state_bytes": nbytes(states)}
+        held = [g for g in [*(p.grad for p in self.params), *(m.grad for m in self.master if self.copies)]
+                if g is not None]
+        return {"gradient_bytes": self.peak_gradient_bytes, "gradient_bytes_now": nbytes(held),
+                "master_weight_bytes": nbytes(copies), "optimizer_state_bytes": nbytes(states)}

@@ -9,6 +9,7 @@ training loop with checkpoints and listeners, evaluates, and writes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -38,6 +39,7 @@ from merak.report.trackers import Trackers, tracker_names
 from merak.session.assemble import assemble
 from merak.shard.costs import calibrate
 from merak.shard.plan import needs_calibration
+from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel.options import TensorParallelSplit
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,20 @@ def _calibrate_as_a_worker(settings: RunSettings, device, dtype):
         torch.set_num_threads(threads)
 
 
+def _sharding_for(spec, settings: RunSettings) -> ShardingSettings:
+    """The run's sharding section with the recipe's defaults. ZeRO-3 gathers one stage part at a time, and
+    ``min_bytes`` (the default) cuts one part per stage: with the recipe's split points the stages are cut
+    at them instead (``layer_split``), so a part is about one layer, as FSDP wraps one block per unit."""
+    sharding = spec.sharding(settings.trainer.sharding)
+    zero3 = settings.trainer.zero.stage == 3 and settings.grid.dp > 1
+    if zero3 and sharding.split_method == "min_bytes" and sharding.custom_split_points \
+            and sharding.trace_method is not None:
+        logger.info("zero_stage=3: stages cut at the split points %s (split_method=layer_split), so each part "
+                    "is gathered on its own", ", ".join(sharding.custom_split_points))
+        return dataclasses.replace(sharding, split_method="layer_split")
+    return sharding
+
+
 def assemble_worker(spec, settings: RunSettings, prepared, *, stage_id: int, device, tp_rank: int = 0,
                     planning: bool = False):
     """This worker's model and stages; ``planning``: nothing materialized on meta (the model is built
@@ -79,7 +95,7 @@ def assemble_worker(spec, settings: RunSettings, prepared, *, stage_id: int, dev
     pieces ``stage_id, stage_id + pp, ...``."""
     trainer = settings.trainer
     chunks, pp = trainer.schedule.chunks, settings.grid.pp
-    sharding = spec.sharding(trainer.sharding)
+    sharding = _sharding_for(spec, settings)
     dtype = trainer.precision.dtype
     device_type = machine_rates = None
     if planning:  # plan for the workers' device (a process planning on the CPU for GPU workers)
