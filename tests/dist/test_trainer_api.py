@@ -87,8 +87,9 @@ def _dp2_pp2_worker(output_dir: str) -> None:
             if "loss" in logs:
                 losses.append(logs["loss"])
 
-    trainer = merak.MerakTrainer(model=build_model(), args=arguments(output_dir), train_data=train,
-                                 eval_data=evaluation, callbacks=[Record()])
+    # ZeRO-3: training, evaluation, prediction and generation each gather the parameters where they run.
+    trainer = merak.MerakTrainer(model=build_model(), args=arguments(output_dir, zero_optimization=True, zero_stage=3),
+                                 train_data=train, eval_data=evaluation, callbacks=[Record()])
     trainer.train()
     metrics = trainer.evaluate()
     predicted = trainer.predict(evaluation)
@@ -128,6 +129,11 @@ def test_trainer_dp2_pp2_matches_one_process(tmp_path):
     with open(os.path.join(output_dir, "summary.json"), encoding="utf-8") as handle:
         summary = json.load(handle)
     assert summary["layout"] == {"dp": 2, "tp": 1, "pp": 2}
+    assert summary["precision"]["zero_stage"] == 3
+    # Each rank holds its pieces of the weights between uses (generation gathered them all).
+    for rank in summary["ranks"]:
+        assert rank["parameter_bytes"] <= 4 * rank["num_parameters"] / 2 + 4 * 64, rank
+        assert rank["peak_gathered_parameter_bytes"] == 4 * rank["num_parameters"], rank
     assert summary["flops"]["model_flops_per_step"] > 0
     with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as handle:
         lines = [json.loads(line) for line in handle]

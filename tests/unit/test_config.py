@@ -296,3 +296,17 @@ def test_selective_recomputation_composes_with_the_ratio_and_pre_checkpointing_s
 def test_overlap_level_two_refuses_recompute():
     with pytest.raises(ConfigError, match="cannot recompute"):
         resolve_settings(SPEC, compose("model=toy", "parallel=tp2", "trainer.tp_overlapping_level=2"))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel=dp2", "trainer.torch_compile=true"], "trainer.zero_stage=3 gathers each stage part's parameters"),
+    (["parallel=dp2_tp2_pp2", "trainer.tp_overlapping_level=2", "trainer.activation_checkpointing=false"],
+     "trainer.zero_stage=3 reduces gradients as autograd produces them"),
+])
+def test_zero3_refuses_what_skips_its_hooks(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        resolve_settings(SPEC, compose("model=toy", "trainer.zero_optimization=true", "trainer.zero_stage=3",
+                                       *overrides))
+    settings = resolve_settings(SPEC, compose("model=toy", "parallel=dp2", "trainer.zero_optimization=true",
+                                              "trainer.zero_stage=3"))
+    assert settings.trainer.zero.stage == 3
