@@ -7,7 +7,8 @@ saved (``MUST_SAVE``) or recomputed in the backward (``PREFER_RECOMPUTE``). ``se
 names what is saved:
 
 - ``matmuls``: the outputs of matrix products (mm, addmm, bmm, baddbmm; ``linear`` and ``matmul``
-  reach the dispatcher as these) and of fused attention (the scaled-dot-product kernels). The cheap
+  reach the dispatcher as these; with tensor parallelism merak's own linear layers, whose collective is
+  then not run again either) and of fused attention (the scaled-dot-product kernels). The cheap
   operators around them (layer norms, activations, residual adds, softmax, masks) are recomputed,
   so the backward runs no matrix product twice (Megatron-LM's and torchtitan's selective policy).
 - ``attention``: everything except the attention core. The core starts at a product of two
@@ -54,6 +55,9 @@ from merak.pipeline.settings import SELECTIVE_MODES as MODES
 _aten = torch.ops.aten
 # Matrix products whose outputs the "matmuls" mode saves (overload packets: every overload counts).
 MATRIX_PRODUCTS = frozenset({_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm})
+# merak's tensor-parallel linear layers (merak.tensor_parallel.linear_ops), by schema name: they reach the
+# dispatcher as one operator each, collective included.
+TENSOR_PARALLEL_PRODUCTS = frozenset({"merak::column_linear", "merak::row_linear"})
 # Fused attention kernels (their dropout makes them random when dropout_p > 0).
 FUSED_ATTENTION = frozenset(getattr(_aten, name) for name in (
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -185,7 +189,7 @@ class SelectivePolicy:
         index = counters[func] - 1 if counters is not None and func in counters else -1
         tensors = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
         kept = _Kept((func, index), tensors, recompute.saved_operator_flops(func, args, kwargs, output),
-                     droppable=func._overloadpacket in _OUTPUT_UNUSED_BY_BACKWARD and index >= 0)
+                     droppable=output_unused_by_backward(func) and index >= 0)
         for tensor in tensors:
             self._kept.setdefault(_address(tensor), []).append(kept)
 
@@ -225,13 +229,30 @@ class SelectivePolicy:
         return True
 
 
+def matmuls_saves(func, args, kwargs) -> bool:
+    """Whether the ``matmuls`` policy saves the output of ``func`` called with ``args`` and ``kwargs`` (what
+    :class:`SelectivePolicy` decides; the planner prices a selective layout's kept bytes with it)."""
+    return not _always_recomputed(func, args, kwargs) and _is_saved_product(func)
+
+
+def output_unused_by_backward(func) -> bool:
+    """Whether ``func``'s backward does not read its output: a saved output of it that no later operator
+    reads is let go (:meth:`SelectivePolicy.finish`)."""
+    return getattr(func, "_overloadpacket", None) in _OUTPUT_UNUSED_BY_BACKWARD or _tensor_parallel_product(func)
+
+
+def _tensor_parallel_product(func) -> bool:
+    schema = getattr(func, "_schema", None)
+    return schema is not None and schema.name in TENSOR_PARALLEL_PRODUCTS
+
+
 def _address(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
 def _is_saved_product(func) -> bool:
     packet = getattr(func, "_overloadpacket", None)
-    return packet in MATRIX_PRODUCTS or packet in FUSED_ATTENTION
+    return packet in MATRIX_PRODUCTS or packet in FUSED_ATTENTION or _tensor_parallel_product(func)
 
 
 def _always_recomputed(func, args, kwargs) -> bool:

@@ -19,6 +19,7 @@ from merak.distributed import groups
 from merak.distributed.launch import spawn_workers
 from merak.engine import PipelineEngine
 from merak.optim.settings import ZeroSettings
+from merak.pipeline.settings import ScheduleSettings
 from merak.session.assemble import assemble
 from merak.shard.settings import ShardingSettings
 from merak.tensor_parallel.options import TensorParallelSplit
@@ -43,6 +44,10 @@ LAYOUTS = {
     "tp2-pp2-overlap2": (1, 2, 2, False, True, 2),
     "dp2-tp2-pp2": (2, 2, 2, True, True, 1),
 }
+# Layouts run with selective recomputation: the matmuls policy keeps the outputs of merak's tensor-parallel
+# linear operators, so their collectives do not run again in the backward (on every rank alike).
+SELECTIVE = {"tp2-vocab-sequence": ScheduleSettings(activation_checkpointing="selective",
+                                                    selective_recompute="matmuls")}
 
 
 def _train(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
@@ -61,7 +66,7 @@ def _train(out_dir: str, layout: str, model_cfg, tokens: str) -> None:
         # Small buckets: with dp, many overlapped reductions beside the sequence-parallel sums (merak.optim.overlap).
         engine = PipelineEngine(model=built.model, stages=built.stages, loss_fn=model.causal_lm_loss, state=state,
                                 schedule="1f1b", num_microbatches=MICROBATCHES, total_steps=STEPS, optimizer=OPTIONS,
-                                zero=ZeroSettings(grad_bucket_mb=0.002))
+                                zero=ZeroSettings(grad_bucket_mb=0.002), recompute=SELECTIVE.get(layout))
         loader = None
         if state.is_first_stage or state.is_last_stage:
             dataset = data.load(tokens, model_cfg)

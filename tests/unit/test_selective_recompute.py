@@ -119,3 +119,48 @@ def test_a_saved_output_modified_in_place_is_recomputed():
 def test_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="selective_recompute='everything' is not one of matmuls, attention"):
         _stage("eager").configure_checkpointing(StageRecomputation(parts=1, saves="everything"))
+
+
+class _TensorParallelMLP(nn.Module):
+    """An MLP of merak's tensor-parallel linear operators (column then row parallel) on a group of one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, hidden):
+        ops = torch.ops.merak
+        inner = ops.column_linear(hidden, self.up.weight, self.up.bias, "tp-test", False, "none", -1, False)
+        return hidden + ops.row_linear(torch.nn.functional.gelu(inner), self.down.weight, self.down.bias, "tp-test",
+                                       False, -1, False)
+
+
+def test_tensor_parallel_linears_count_as_matrix_products():
+    # With tp > 1 every linear layer is one of merak's operators, its collective inside: matmuls keeps their
+    # outputs (the backward runs neither the product nor the collective again), as it keeps aten's.
+    import merak.tensor_parallel.linear_ops  # noqa: F401  (registers the operators)
+    from merak.core import group_registry
+
+    group_registry.register_group("tp-test", None, rank=0, size=1)
+
+    def run(options):
+        torch.manual_seed(0)
+        stage = StageModule([_TensorParallelMLP(), _TensorParallelMLP()])
+        stage.configure_checkpointing(options)
+        hidden = torch.randn(2, SEQ, WIDTH, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        meter = memory.ActivationMeter(stage.parameters())
+        with recompute.counting_recomputation() as work, memory.active_meter(meter), meter.saving("microbatch"):
+            out = stage(hidden)
+        kept = meter.live_bytes()
+        out.square().sum().backward()
+        return kept, work.flops, [p.grad for p in stage.parameters()] + [hidden.grad]
+
+    try:
+        none, full, matmuls = run(NONE), run(FULL), run(MATMULS)
+    finally:
+        group_registry.unregister_groups()
+    assert full[0] < matmuls[0] < none[0]
+    assert matmuls[1] == 0 < full[1]  # nothing counted is recomputed
+    for grad, expected in zip(matmuls[2], none[2], strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-7)
