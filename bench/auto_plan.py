@@ -584,7 +584,7 @@ def reprice(results: dict, args: argparse.Namespace) -> None:
         report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=group["world"],
                                    cluster=load_cluster(args.cluster, processes=group["world"]),
                                    global_batch_size=results["args"]["global_batch"])
-        now = [report.price(Layout(**r["planner"]["layout"])).predicted_step_s for r in rows]
+        now = [report.price(Layout.from_json(r["planner"]["layout"])).predicted_step_s for r in rows]
         fastest = tuple(min(rows, key=lambda r: r["measured_step_s"])["grid"])
         tried = [c.layout.grid for c in trial_candidates(report.candidates, args.trials)]
         measured = [r["measured_step_s"] for r in rows]

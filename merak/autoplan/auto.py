@@ -118,7 +118,7 @@ def priced_stages(report, candidate) -> dict:
     stages = []
     for stage in range(layout.pp):
         mine = [pieces[chunk * layout.pp + stage] for chunk in range(layout.chunks)]
-        seconds = sum(p.forward + p.backward + (p.recompute if layout.recompute else 0.0) for p in mine)
+        seconds = sum(p.forward + p.backward + (p.recompute if layout.recomputes else 0.0) for p in mine)
         stages.append({"fwd_bwd_s": seconds, "memory_bytes": int(candidate.prediction.stage_memory[stage])})
     cluster = report.cluster
     return {"cluster": cluster.name, "devices": f"{report.world_size} x {cluster.accelerator.name}",

@@ -2,13 +2,16 @@
 
     merak-plan gpt model=toy trainer.global_batch_size=16 --world 4
     merak-plan gpt model=gpt3-175b model.seq_length=2048 trainer.bf16=true trainer.global_batch_size=2048 \\
-        --cluster h100-80 --nodes 64 --compare megatron:tp=4,pp=8,mb=2,schedule=interleaved_1f1b,chunks=6,sp=1
+        --cluster h100-80 --nodes 64 \\
+        --compare megatron-core:tp=4,pp=8,mb=2,schedule=interleaved_1f1b,chunks=6,sp=1,recompute=selective,zero=1
 
 Prints the ranked table (predicted step time, MFU, memory per device, why each runner-up lost), for a
 GPU cluster the commands that run the first layout there (torchrun, srun, SLURM), and writes the plan
 as JSON (``--out``; default ``outputs/merak-plan/RECIPE-CLUSTER-Nn.json``). ``--compare NAME:KEY=VALUE,...``
-prices a layout of your own beside them
-(keys: dp, tp, pp, mb, schedule, chunks, recompute, zero, sp; dp defaults to what the world leaves).
+prices a layout of your own beside them (keys: dp, tp, pp, mb, schedule, chunks, recompute (0, 1 or
+selective), zero (0-3), sp; dp defaults to what the world leaves, mb to 1, schedule to 1f1b, the rest to off;
+NAME only labels the row). ``--attention fused|math`` prices the activations of that attention kernel
+rather than the cluster's device's.
 ``--objective energy`` (or ``energy@1.1x``, ``energy@250ms``) ranks by predicted energy per step, each
 layout with its own GPU clock plan, and writes the first layout's frontier beside the JSON
 (``...frontier.json``) with the settings that run it.
@@ -22,10 +25,11 @@ import logging
 import os
 import sys
 
+from merak.autoplan.attention import KERNELS
 from merak.autoplan.cluster import load_cluster, usable_cores
 from merak.autoplan.commands import format_commands, launch_commands, run_overrides
 from merak.autoplan.energy import frontier_for_run
-from merak.autoplan.layout import Layout
+from merak.autoplan.layout import RECOMPUTE_FULL, RECOMPUTE_MODES, RECOMPUTE_OFF, Layout
 from merak.autoplan.planner import (
     PlanError,
     compose_recipe,
@@ -37,7 +41,16 @@ from merak.autoplan.table import format_table
 
 logger = logging.getLogger("merak.plan")
 
-_COMPARE_KEYS = {"dp": int, "tp": int, "pp": int, "mb": int, "schedule": str, "chunks": int, "recompute": int,
+
+def _recompute(value: str) -> str:
+    """``recompute=``: 0 or off, 1 or full, selective."""
+    mode = {"0": RECOMPUTE_OFF, "1": RECOMPUTE_FULL}.get(value, value)
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute={value!r}: use 0, 1 or selective")
+    return mode
+
+
+_COMPARE_KEYS = {"dp": int, "tp": int, "pp": int, "mb": int, "schedule": str, "chunks": int, "recompute": _recompute,
                  "zero": int, "sp": int}
 
 
@@ -59,7 +72,7 @@ def parse_layout(text: str, world_size: int, global_batch_size: int) -> tuple[st
         raise ValueError(f"--compare {text}: the global batch {global_batch_size} does not divide by dp x mb")
     layout = Layout(dp=dp, tp=tp, pp=pp, micro_batch_size=micro,
                     num_microbatches=global_batch_size // (dp * micro), schedule=str(values.get("schedule", "1f1b")),
-                    chunks=int(values.get("chunks", 1)), recompute=bool(values.get("recompute", 0)),
+                    chunks=int(values.get("chunks", 1)), recompute=str(values.get("recompute", RECOMPUTE_OFF)),
                     zero_stage=int(values.get("zero", 0)), sequence_parallel=bool(values.get("sp", 0)))
     return name or "compare", layout
 
@@ -84,6 +97,9 @@ def _parser(prog: str = "merak-plan") -> argparse.ArgumentParser:
                              "GPU clock plan) | energy@1.1x (within 10%% of the fastest step) | energy@250ms "
                              "(within a step time); energy objectives write the first layout's frontier beside the "
                              "JSON and print the settings that run its clock plan (default: time)")
+    parser.add_argument("--attention", choices=KERNELS, default="auto",
+                        help="the attention kernel whose saved tensors are priced: the cluster's device's (auto), "
+                             "fused (no scores kept) or math (scores kept) (default: auto)")
     parser.add_argument("--out", default=None,
                         help="where to write the plan (default: outputs/merak-plan/RECIPE-CLUSTER-Nn.json)")
     return parser
@@ -102,7 +118,7 @@ def main(argv: list[str] | None = None, *, prog: str = "merak-plan") -> int:
         batch = requested_global_batch(cfg)
         compared = [parse_layout(text, world, batch) for text in args.compare]
         report = plan_for_settings(spec, single_process_settings(spec, cfg), world_size=world, cluster=cluster,
-                                   global_batch_size=batch, objective=args.objective)
+                                   global_batch_size=batch, objective=args.objective, attention=args.attention)
         extra = [(name, report.price(layout)) for name, layout in compared]
     except (PlanError, ValueError) as error:
         logger.error("%s", error)

@@ -4,14 +4,16 @@ Pure pricing of a cluster description; nothing here measures the machine. Comput
 captured graph (:mod:`merak.autoplan.profile`) takes ``flops / F + bytes / B + ops * c`` at the
 accelerator's rates (:class:`merak.shard.costs.MachineRates`); the backward twice the forward,
 recomputation a forward more; on a CPU node, busy processes beyond its cores share them
-(``cores / busy`` each). Communication: tensor-parallel collectives from their bytes in the
-graph, pipeline transfers from what crosses each stage boundary, the data-parallel reduction (and
-ZeRO's gather) from the stage's gradients, each over the link its group crosses. Pipeline: the
+(``cores / busy`` each). Selective recomputation reruns a unit less the FLOPs of the operators its
+policy saves. Communication: tensor-parallel collectives from their bytes in the graph, pipeline
+transfers from what crosses each stage boundary, the data-parallel reduction (and ZeRO's gathers and
+reduce-scatters) from the stage's parameters, each over the link its group crosses. Pipeline: the
 stages' costs run through the schedule simulator (:func:`merak.pipeline.simulate.simulate`) with
 the real instruction lists; :func:`quick_step_seconds` is its closed form for ranking many layouts
-first. Memory: the stage's model state (ZeRO divides what it shards by dp) plus what autograd saves
-per microbatch times the microbatches in flight, or with recomputation the checkpointed inputs plus
-one layer.
+first. Memory: the stage's model state (ZeRO divides what it shards by dp; ZeRO 2 and 3 hold a reduce
+bucket of full gradients, ZeRO 3 two gathered parts) plus what autograd saves per microbatch times the
+microbatches in flight, or with recomputation the checkpointed inputs (and, selective, what its policy
+keeps) plus one layer being recomputed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from merak.autoplan.cluster import Cluster, Link
-from merak.autoplan.layout import Layout
+from merak.autoplan.layout import RECOMPUTE_SELECTIVE, Layout
 from merak.autoplan.profile import GraphProfile
 from merak.core.partition import PartitionError
 from merak.distributed.topology import RankGrid
@@ -60,6 +62,8 @@ SCALAR_BYTES = 8
 SIMULATED_MICROBATCHES = 8  # a longer step is simulated at about this many and extended linearly
 OVERLAP_BUCKET_BYTES = 25 * 2**20  # trainer.grad_bucket_mb's default: the last bucket cannot overlap
 QUICK_RUNTIME_CUTS_MOST_UNITS = 256  # larger models are ranked on the planner's own cuts first (_piece_bounds)
+ZERO_BUCKET_ELEMENTS = 500_000_000  # trainer.zero_reduce_bucket_size's default: full gradients held before a scatter
+ZERO3_GATHERED_PARTS = 2  # a part's parameters gathered while the next one is prefetched
 
 
 class LayoutError(ValueError):
@@ -91,9 +95,21 @@ class VirtualStage:
     params: int
     saved: int  # autograd's saved tensors per microbatch without recomputation (the loss's included)
     kept: int  # per microbatch with recomputation: the checkpointed inputs (and the loss's)
-    largest_layer: int  # saved bytes of the largest layer: live while it is recomputed
+    largest_layer: int  # what the largest layer saves beyond what recomputation kept: live while it is recomputed
     tp_seconds: float  # of forward + backward, included in forward/backward
     tied: int = 0  # elements of parameters another piece reads too (tied weights): their gradients are summed
+    # ZeRO on the critical path of each microbatch, included in forward/backward: ZeRO 3's all-gathers of the
+    # piece's parameters before its forward and again before its backward (what prefetching cannot hide), and
+    # ZeRO 2 and 3's reduce-scatter of its gradients after every backward.
+    gather_forward: float = 0.0
+    gather_backward: float = 0.0
+    scatter: float = 0.0
+    parts: tuple[int, ...] = ()  # parameters of each part (a layer; the units before the first, after the last)
+
+    @property
+    def zero_seconds(self) -> float:
+        """ZeRO's per-microbatch communication in forward + backward."""
+        return self.gather_forward + self.gather_backward + self.scatter
 
 
 @dataclass
@@ -221,8 +237,49 @@ def _cuts(profile: GraphProfile, pieces: int, unit_seconds: Sequence[float]) -> 
     return best
 
 
+@dataclass(frozen=True)
+class _ZeroTraffic:
+    """ZeRO 2 or 3 of one layout: its stage, dp, the data-parallel link, bytes per parameter gathered (the
+    model's dtype) and reduce-scattered (float32 whenever the optimizer keeps float32 copies), and how a
+    reduce-scatter is priced (gloo's takes a whole all-reduce)."""
+
+    stage: int
+    dp: int
+    link: Link
+    weight_bytes: int
+    gradient_bytes: int
+    scatter: Callable[[float, int, Link], float]
+
+
+def _zero_seconds(zero: _ZeroTraffic, params: int, parts: Sequence[int], forward_s: float,
+                  backward_s: float) -> tuple[float, float, float]:
+    """ZeRO's communication inside one microbatch's passes over a piece of ``params`` parameters in ``parts``:
+    (all-gather before the forward, all-gather before the backward, reduce-scatter after the backward).
+
+    ZeRO 3 gathers each part's parameters over dp before its forward and again before its backward (a
+    recomputation reuses the backward's), the next part prefetched while one computes: what a pass of
+    ``forward_s`` or ``backward_s`` cannot hide stays on its critical path, and at least the first part's
+    gather. ZeRO 2 and 3 reduce-scatter the gradients after every backward, waiting for it."""
+    if params == 0:
+        return 0.0, 0.0, 0.0
+    reduce_s = zero.scatter(params * zero.gradient_bytes, zero.dp, zero.link)
+    if zero.stage < 3:
+        return 0.0, 0.0, reduce_s
+    gathers = [gather_seconds(p * zero.weight_bytes, zero.dp, zero.link) for p in parts if p] or [0.0]
+    total = sum(gathers)
+    return max(total - forward_s, gathers[0]), max(total - backward_s, gathers[-1]), reduce_s
+
+
+def _parts(table: _UnitTable, first: int, last: int) -> tuple[int, ...]:
+    """Parameters of each part of units ``first .. last - 1``: cut at every layer start."""
+    inside = table.starts[bisect.bisect_right(table.starts, first):bisect.bisect_left(table.starts, last)]
+    edges = [first, *inside, last]
+    return tuple(round(table.params[b] - table.params[a]) for a, b in itertools.pairwise(edges))
+
+
 class StageCostModel:
-    """Prices each instruction of a schedule for the simulator, per stage and chunk."""
+    """Prices each instruction of a schedule for the simulator, per stage and chunk; ``recompute``: whether the
+    backward recomputes (each piece's ``recompute`` seconds, full or selective)."""
 
     def __init__(self, pieces: Sequence[VirtualStage], num_stages: int, p2p_link: Link, recompute: bool) -> None:
         self.pieces, self.num_stages, self.link, self.recompute = pieces, num_stages, p2p_link, recompute
@@ -240,8 +297,12 @@ class StageCostModel:
             extra = piece.recompute if self.recompute else 0.0
             if isinstance(instruction, Backward):
                 return piece.backward + extra
-            half = piece.backward / 2
-            return half + extra if isinstance(instruction, BackwardInput) else half
+            # The input-gradient pass needs the gathered weights; the weight-gradient pass makes the gradients
+            # that are reduce-scattered.
+            half = (piece.backward - piece.gather_backward - piece.scatter) / 2
+            if isinstance(instruction, BackwardInput):
+                return half + piece.gather_backward + extra
+            return half + piece.scatter
         if isinstance(instruction, (Exchange, *P2P_TYPES)):
             return p2p_seconds(self.piece(stage_id, instruction).send_bytes, self.link)
         return 0.0
@@ -281,6 +342,10 @@ class _UnitTable:
     saved: list[float]
     kept: list[float]  # prefix sums of what crosses each layer start (what recomputation keeps)
     layer_saved: list[tuple[int, int]]  # (layer start, saved bytes up to the next layer start)
+    selective_forward: list[float]  # prefix sums of compute seconds a selective recomputation reruns
+    selective_kept: list[float]  # prefix sums of what the selective policy keeps besides the inputs
+    layer_selective_live: list[tuple[int, int]]  # (layer start, saved bytes beyond those it keeps)
+    starts: tuple[int, ...]  # layer starts inside the model (where a part begins)
     cuts_at: list[float]  # per-unit seconds used to place piece boundaries
     crossing: tuple[int, ...]
     received_saved: tuple[int, ...]  # GraphProfile.received_saved_bytes (a profile without them: its crossing)
@@ -335,12 +400,16 @@ class CostModel:
             cuts them (:func:`merak.shard.plan.stage_unit_bounds`); None: the cuts balancing the costs best.
         overlap_grad_reduce: the run's ``trainer.overlap_grad_reduce``: data-parallel buckets start during the
             last backward (:meth:`_data_parallel_seconds`).
+        zero_bucket_elements: the run's ``trainer.zero_reduce_bucket_size``: the full gradients ZeRO 2 and 3
+            hold before reduce-scattering them.
     """
 
     def __init__(self, profiles, cluster: Cluster, dtype: str = "float32", *,
-                 sharding: ShardingSettings | None = None, overlap_grad_reduce: bool = True) -> None:
+                 sharding: ShardingSettings | None = None, overlap_grad_reduce: bool = True,
+                 zero_bucket_elements: int = ZERO_BUCKET_ELEMENTS) -> None:
         self.profiles, self.cluster, self.dtype, self.sharding = profiles, cluster, dtype, sharding
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.zero_bucket_elements = zero_bucket_elements
         # Whose nominal rates a run's partitioner weighs the units with (merak.shard.costs).
         self.device_type = cluster.device_type
         self._tables: dict[tuple[int, bool, int], _UnitTable] = {}
@@ -370,12 +439,23 @@ class CostModel:
         kept = [profile.crossing_bytes[k] if k in set(starts) else 0 for k in range(len(profile))]
         edges = [*starts, len(profile)]
         layer_saved = [(a, sum(profile.saved_bytes[a:b])) for a, b in zip(edges, edges[1:])]
+        # A profile without the selective policy's numbers prices selective recomputation as full recomputation.
+        selective_kept = profile.selective_kept_bytes or (0,) * len(profile)
+        saved_flops = profile.selective_saved_flops or (0,) * len(profile)
+        # Selective recomputation ("matmuls") reruns what its policy does not save. Priced by operator kind: the
+        # operators it saves (matrix products, fused attention) are those the FLOPs are counted for, so a unit
+        # reruns less the FLOPs of the ones it saved there; their memory traffic and launches stay priced (a
+        # small overestimate on a GPU, where products are bound by their FLOPs).
+        selective_forward = [max(0.0, seconds - rates.seconds(f, 0, 0)) for seconds, f in zip(forward, saved_flops)]
+        layer_live = [(a, max(0, sum(profile.saved_bytes[a:b]) - sum(selective_kept[a:b])))
+                      for a, b in zip(edges, edges[1:])]
         table = _UnitTable(
             forward=_prefix(forward),
             tp_forward=_prefix(tp_forward), tp_backward=_prefix(tp_backward),
             tp_forward_hops=_prefix(tp_forward_hops), tp_backward_hops=_prefix(tp_backward_hops),
             params=_prefix(profile.params), saved=_prefix(profile.saved_bytes), kept=_prefix(kept),
-            layer_saved=layer_saved,
+            layer_saved=layer_saved, selective_forward=_prefix(selective_forward),
+            selective_kept=_prefix(selective_kept), layer_selective_live=layer_live, starts=tuple(starts),
             cuts_at=[f * (1 + BACKWARD_FLOPS_FACTOR) + a + b + (ha + hb) * tp_hop
                      for f, a, b, ha, hb in zip(forward, tp_forward, tp_backward, tp_forward_hops, tp_backward_hops)],
             crossing=tuple(profile.crossing_bytes),
@@ -441,6 +521,8 @@ class CostModel:
             work[(len(bounds) - 2) % layout.pp] += table.loss_forward + table.loss_backward
             slowdown = max(1.0, self._busy(layout, work, self.cluster.devices_per_node) / self.cluster.cores_per_node)
         tp_latency = group_links(self.cluster, 1, layout.tp, 1)[0].latency_us * 1e-6
+        selective = layout.recompute == RECOMPUTE_SELECTIVE
+        zero = self._zero_links(layout, table, slowdown)
         spans = list(itertools.pairwise(bounds))
         pieces = []
         for index, (first, last) in enumerate(spans):
@@ -451,21 +533,45 @@ class CostModel:
             tp_b = table.tp_backward[last] - table.tp_backward[first] \
                 + (table.tp_backward_hops[last] - table.tp_backward_hops[first]) * tp_latency
             kept = table.kept[last] - table.kept[first + 1] + (table.crossing[first] if first > 0 else 0)
-            largest = max((saved for start, saved in table.layer_saved if first <= start < last),
-                          default=round(table.saved[last] - table.saved[first]))
+            if selective:
+                # The forward's tensor-parallel collectives run again too: they live inside merak's parallel
+                # linears, which the policy recomputes whole (one operator, no matrix product it knows).
+                recompute = (table.selective_forward[last] - table.selective_forward[first]) * slowdown + tp_f
+                kept += table.selective_kept[last] - table.selective_kept[first]
+                largest = max((live for start, live in table.layer_selective_live if first <= start < last),
+                              default=round(max(0.0, table.saved[last] - table.saved[first]
+                                                - (table.selective_kept[last] - table.selective_kept[first]))))
+            else:
+                recompute = compute + tp_f
+                largest = max((saved for start, saved in table.layer_saved if first <= start < last),
+                              default=round(table.saved[last] - table.saved[first]))
             loss_saved = table.output_bytes if is_last else 0
             # A stage keeps what it receives until its backward, saved by its operations or not.
             received = max(0, table.crossing[first] - table.received_saved[first]) if first > 0 else 0
             backward = compute * BACKWARD_FLOPS_FACTOR + (table.loss_backward * slowdown if is_last else 0.0)
+            forward = compute + tp_f + (table.loss_forward * slowdown if is_last else 0.0)
+            params = round(table.params[last] - table.params[first]) + _shared_in(table.shared, first, last)
+            parts = _parts(table, first, last) if layout.zero_stage == 3 else ()
+            gather_forward, gather_backward, scatter = _zero_seconds(zero, params, parts, forward, backward + tp_b) \
+                if zero is not None else (0.0, 0.0, 0.0)
             pieces.append(VirtualStage(
-                forward=compute + tp_f + (table.loss_forward * slowdown if is_last else 0.0),
-                backward=backward + tp_b, recompute=compute + tp_f,
-                send_bytes=0 if is_last else table.crossing[last],
-                params=round(table.params[last] - table.params[first]) + _shared_in(table.shared, first, last),
+                forward=forward + gather_forward, backward=backward + tp_b + gather_backward + scatter,
+                recompute=recompute, send_bytes=0 if is_last else table.crossing[last], params=params,
                 saved=round(table.saved[last] - table.saved[first]) + received + loss_saved,
                 kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b,
-                tied=_tied_in(table.shared, bounds, index)))
+                tied=_tied_in(table.shared, bounds, index), gather_forward=gather_forward,
+                gather_backward=gather_backward, scatter=scatter, parts=parts))
         return pieces, slowdown
+
+    def _zero_links(self, layout: Layout, table: _UnitTable, slowdown: float) -> _ZeroTraffic | None:
+        """What ZeRO 2 and 3 move in every microbatch, and over which link (None: nothing, ZeRO 0 and 1)."""
+        if layout.dp == 1 or layout.zero_stage < 2:
+            return None
+        precision = Precision.of(table.dtype_bytes)
+        link = _slowed(group_links(self.cluster, layout.dp, layout.tp, layout.pp)[1], slowdown)
+        return _ZeroTraffic(stage=layout.zero_stage, dp=layout.dp, link=link, weight_bytes=precision.weight,
+                            gradient_bytes=precision.master or precision.gradient,
+                            scatter=all_reduce_seconds if self.device_type == "cpu" else gather_seconds)
 
     def _sync_seconds(self, layout: Layout) -> float:
         """The loss and gradient norm every step reduces over all processes: small all-reduces over the slowest link."""
@@ -484,8 +590,10 @@ class CostModel:
     def _data_parallel_seconds(self, layout: Layout, parameters: int, precision: Precision, link: Link,
                                backward_s: float = 0.0, tied: int = 0) -> float:
         """A stage's data-parallel traffic on the step's critical path after its backward: its gradients'
-        all-reduce, or with ZeRO their reduce-scatter and the updated weights' all-gather (gradients in float32
-        when the optimizer keeps float32 copies; gloo reduce-scatters by a whole all-reduce).
+        all-reduce, or with ZeRO 1 their reduce-scatter and the updated weights' all-gather (gradients in float32
+        when the optimizer keeps float32 copies; gloo reduce-scatters by a whole all-reduce). ZeRO 2 and 3
+        reduce-scatter during every backward (:meth:`_zero_seconds`): ZeRO 2 only gathers the updated weights
+        here, ZeRO 3 nothing (its weights are gathered before each part runs).
 
         With ``overlap_grad_reduce`` (ZeRO 0 and 1) the buckets of all but the tied weights start during the
         stage's last weight-gradient pass of ``backward_s`` seconds, as their gradients become final: what
@@ -495,13 +603,15 @@ class CostModel:
         if dp == 1:
             return 0.0
         gradient_bytes = parameters * (precision.master or precision.gradient)
+        if layout.zero_stage >= 2:
+            return gather_seconds(parameters * precision.weight, dp, link) if layout.zero_stage == 2 else 0.0
         if layout.zero_stage == 0:
             reduce, gather = all_reduce_seconds(gradient_bytes, dp, link), 0.0
         else:
             scatter = all_reduce_seconds if self.device_type == "cpu" else gather_seconds
             reduce = scatter(gradient_bytes, dp, link)
             gather = gather_seconds(parameters * precision.weight, dp, link)
-        if not self.overlap_grad_reduce or layout.zero_stage >= 2 or parameters == 0:
+        if not self.overlap_grad_reduce or parameters == 0:
             return reduce + gather
         overlapped = reduce * (parameters - min(tied, parameters)) / parameters
         buckets = max(1.0, (parameters - tied) * (precision.master or precision.gradient) / OVERLAP_BUCKET_BYTES)
@@ -512,26 +622,42 @@ class CostModel:
         """Adam's step over ``parameters``: its state streamed through memory, slowed as the compute is."""
         return parameters * ADAM_BYTES_PER_PARAMETER / (self.cluster.accelerator.memory_bandwidth_gbs * 1e9) * slowdown
 
-    def _state_bytes(self, layout: Layout, params: int, precision: Precision) -> int:
-        dp = layout.dp
-        sharded_optimizer = (precision.master + precision.optimizer) / (dp if layout.zero_stage >= 1 else 1)
-        gradient = precision.gradient / (dp if layout.zero_stage >= 2 else 1)
-        return round(params * (precision.weight + gradient + sharded_optimizer))
+    def _state_bytes(self, layout: Layout, mine: Sequence[VirtualStage], precision: Precision) -> int:
+        """A stage's model state over its pieces ``mine``. ZeRO 1 shards the master weights and optimizer state
+        over dp; ZeRO 2 the gradients too, each rank summing its piece in float32, while about one reduce
+        bucket of full gradients (of the piece being backwarded) waits for its reduce-scatter; ZeRO 3 also the
+        weights, gathering two parts at a time in the model's dtype (the one running, the next prefetched; a
+        zero-bubble weight-gradient pass gathers its whole piece)."""
+        dp, stage = layout.dp, layout.zero_stage if layout.dp > 1 else 0
+        params = sum(p.params for p in mine)
+        sharded_optimizer = (precision.master + precision.optimizer) / (dp if stage >= 1 else 1)
+        if stage < 2:
+            return round(params * (precision.weight + precision.gradient + sharded_optimizer))
+        piece = (precision.master or precision.gradient) / dp  # float32 sums (the run's master gradients)
+        bucket = min(self.zero_bucket_elements, max(p.params for p in mine)) * precision.gradient
+        if stage == 2:
+            return round(params * (precision.weight + piece + sharded_optimizer) + bucket)
+        parts = sorted((part for p in mine for part in p.parts), reverse=True)
+        gathered = sum(parts[:ZERO3_GATHERED_PARTS])
+        if layout.schedule == "zb_h1":
+            gathered = max(gathered, max(p.params for p in mine))
+        return round(params * (precision.weight / dp + piece + sharded_optimizer) + bucket
+                     + gathered * precision.weight)
 
     def _activation_bytes(self, layout: Layout, pieces: Sequence[VirtualStage], stage: int, lists,
                           counts: Sequence[int]) -> int:
         """Peak activations on ``stage``: from its instruction list when given, else from ``counts``."""
         mine = {c: pieces[c * layout.pp + stage] for c in range(layout.chunks)}
-        weights = {c: p.kept if layout.recompute else p.saved for c, p in mine.items()}
+        weights = {c: p.kept if layout.recomputes else p.saved for c, p in mine.items()}
         held = _in_flight_peak(lists[stage], weights) if lists is not None else counts[stage] * max(weights.values())
-        return held + (max(p.largest_layer for p in mine.values()) if layout.recompute else 0)
+        return held + (max(p.largest_layer for p in mine.values()) if layout.recomputes else 0)
 
     def _simulated(self, layout: Layout, pieces: Sequence[VirtualStage], p2p_link: Link):
         """:func:`simulated_pipeline`, shared by layouts whose pipelines cost the same (ZeRO stages differ after it)."""
-        key = (layout.schedule, layout.pp, layout.chunks, layout.num_microbatches, layout.recompute, p2p_link,
-               tuple((p.forward, p.backward, p.recompute, p.send_bytes) for p in pieces))
+        key = (layout.schedule, layout.pp, layout.chunks, layout.num_microbatches, layout.recomputes, p2p_link,
+               tuple((p.forward, p.backward, p.recompute, p.send_bytes, p.gather_backward, p.scatter) for p in pieces))
         if key not in self._simulations:
-            model = StageCostModel(pieces, layout.pp, p2p_link, layout.recompute)
+            model = StageCostModel(pieces, layout.pp, p2p_link, layout.recomputes)
             self._simulations[key] = simulated_pipeline(layout, model)
         return self._simulations[key]
 
@@ -562,7 +688,7 @@ class CostModel:
             step = max(end + tied + dp + step_s for end, tied, dp, step_s
                        in zip(ends, tied_seconds, dp_seconds, optimizer_seconds)) + sync
         counts = in_flight_counts(layout.schedule, pp, layout.num_microbatches, chunks)
-        memory = tuple(self._state_bytes(layout, stage_params[s], precision)
+        memory = tuple(self._state_bytes(layout, [pieces[c * pp + s] for c in range(chunks)], precision)
                        + self._activation_bytes(layout, pieces, s, lists, counts) for s in range(pp))
         if lists is None:
             step = quick_step_seconds(pieces, layout, dp_seconds, optimizer_seconds, pp_link) + max(tied_seconds) \
@@ -576,7 +702,8 @@ class CostModel:
             "bubble_s": max(0.0, step - work - max(tied_seconds) - max(dp_seconds) - max(optimizer_seconds) - sync),
             "tied_comm_s": max(tied_seconds),
             "tp_comm_s": sum(p.tp_seconds for p in mine) * layout.num_microbatches,
-            "recompute_s": sum(p.recompute for p in mine) * layout.num_microbatches if layout.recompute else 0.0,
+            "recompute_s": sum(p.recompute for p in mine) * layout.num_microbatches if layout.recomputes else 0.0,
+            "zero_comm_s": sum(p.zero_seconds for p in mine) * layout.num_microbatches,
             "dp_comm_s": max(dp_seconds), "optimizer_s": max(optimizer_seconds), "sync_s": sync}
         return Prediction(layout=layout, step_s=step, stage_memory=memory, breakdown=breakdown,
                           simulated=simulate_schedule)
@@ -629,7 +756,7 @@ def simulated_pipeline(layout: Layout, model: StageCostModel) -> tuple[list[floa
 
 def _work(piece: VirtualStage, layout: Layout) -> float:
     """A piece's seconds per microbatch under ``layout``'s schedule (its backward split by zero-bubble ones)."""
-    return piece.forward + piece.backward + (piece.recompute if layout.recompute else 0.0)
+    return piece.forward + piece.backward + (piece.recompute if layout.recomputes else 0.0)
 
 
 def _stage_work(pieces: Sequence[VirtualStage], layout: Layout) -> list[float]:

@@ -166,7 +166,7 @@ class LayoutEnergy:
         self.predicted_step_s = candidate.predicted_step_s
         model = report.cost_model
         _, _, pp_link = group_links(model.cluster, self.layout.dp, self.layout.tp, self.layout.pp)
-        self.costs = StageCostModel(model.pieces(self.layout), self.layout.pp, pp_link, self.layout.recompute)
+        self.costs = StageCostModel(model.pieces(self.layout), self.layout.pp, pp_link, self.layout.recomputes)
         self.clocks = _planning_clocks(spec)
         self.gpus = self.layout.dp * self.layout.tp
 
@@ -181,7 +181,8 @@ class LayoutEnergy:
             seconds = self.costs.of(node.stage, node.instruction)
             piece = self.costs.piece(node.stage, node.instruction)
             whole = piece.forward + piece.backward
-            fixed = seconds * piece.tp_seconds / whole if whole > 0 else 0.0  # tensor-parallel communication
+            # Tensor-parallel and ZeRO communication: the clock does not speed it up.
+            fixed = seconds * (piece.tp_seconds + piece.zero_seconds) / whole if whole > 0 else 0.0
             compute = seconds - fixed
             options[key] = [Option(clock, spec.time(compute, clock) + fixed,
                                    spec.energy(compute, clock) + blocked * fixed) for clock in self.clocks]

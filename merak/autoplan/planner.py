@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from merak.autoplan.attention import KERNELS
 from merak.autoplan.cluster import Cluster, load_cluster, with_simulated_gpus
 from merak.autoplan.cost import BACKWARD_FLOPS_FACTOR, CostModel, LayoutError
 from merak.autoplan.energy import Objective, rank_for_energy
-from merak.autoplan.layout import Layout
+from merak.autoplan.layout import RECOMPUTE_SELECTIVE, Layout
 from merak.autoplan.profile import GraphProfile, profile_recipe
 from merak.autoplan.search import MEMORY_HEADROOM, Candidate, SearchSpace, explain, search
 from merak.core.files import write_json_atomic
@@ -103,7 +104,18 @@ def _dtype_name(trainer) -> str:
     return "bfloat16" if precision.bf16 else "float16" if precision.fp16 else "float32"
 
 
-PROFILE_FORMAT = 6  # bump when GraphProfile or what it measures changes: cached profiles are then taken again
+PROFILE_FORMAT = 7  # bump when GraphProfile or what it measures changes: cached profiles are then taken again
+
+
+@functools.cache
+def _selective_policy_digest() -> str:
+    """A digest of the selective recomputation policy's source: the profiles measure what it keeps, so a
+    change to it takes them again."""
+    import inspect
+
+    from merak.pipeline import selective
+
+    return hashlib.sha256(inspect.getsource(selective).encode()).hexdigest()[:12]
 
 
 def cache_directory() -> Path:
@@ -112,10 +124,13 @@ def cache_directory() -> Path:
 
 
 class ProfileCache:
-    """Profiles of one model per (tp, sequence_parallel), taken once and kept on disk keyed by what shapes them."""
+    """Profiles of one model per (tp, sequence_parallel), taken once and kept on disk keyed by what shapes them;
+    attention saves what ``device_type``'s kernel saves, or what the ``attention`` kernel named saves
+    (:data:`merak.autoplan.attention.KERNELS`)."""
 
-    def __init__(self, spec, settings, directory: Path | None = None, device_type: str = "cpu") -> None:
-        self.spec, self.settings, self.device_type = spec, settings, device_type
+    def __init__(self, spec, settings, directory: Path | None = None, device_type: str = "cpu",
+                 attention: str = "auto") -> None:
+        self.spec, self.settings, self.device_type, self.attention = spec, settings, device_type, attention
         self.directory = cache_directory() if directory is None else directory
         self.seconds = 0.0
 
@@ -127,7 +142,9 @@ class ProfileCache:
                                "tp": tp, "sp": sequence_parallel, "trace": trainer.sharding.trace_method,
                                "dtype": _dtype_name(trainer), "vocab": trainer.tensor_parallel.parallel_vocab,
                                "leaf": trainer.sharding.leaf_modules, "inputs": trainer.batch.input_names,
-                               "device": self.device_type, "torch": torch.__version__}, sort_keys=True,
+                               "device": self.device_type, "attention": self.attention,
+                               "selective": _selective_policy_digest(),
+                               "torch": torch.__version__}, sort_keys=True,
                               default=str)
         return self.directory / f"{self.spec.name}-{hashlib.sha256(identity.encode()).hexdigest()[:20]}.json"
 
@@ -143,7 +160,7 @@ class ProfileCache:
         # Each profile builds and captures the model twice: their lines would repeat per tp degree.
         with only_errors("merak.session", "merak.trace", "merak.tensor_parallel"):
             profile = profile_recipe(self.spec, self.settings, tp=tp, sequence_parallel=sequence_parallel,
-                                     device_type=self.device_type)
+                                     device_type=self.device_type, attention=self.attention)
         self.seconds += time.perf_counter() - started
         logger.debug("profiled %s at tp=%d%s: %d units (%.1f s)", self.spec.name, tp,
                     ", sequence parallel" if sequence_parallel else "", len(profile), time.perf_counter() - started)
@@ -165,11 +182,14 @@ def _supports_sequence_parallel(profiles: ProfileCache, tp: int) -> bool:
 
 
 def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, global_batch_size: int,
-                      space_overrides: dict | None = None, objective: str | Objective = "time") -> PlanReport:
+                      space_overrides: dict | None = None, objective: str | Objective = "time",
+                      attention: str = "auto") -> PlanReport:
     """Rank every layout of ``world_size`` devices of ``cluster`` for the recipe's model, from ``settings``
     (a single-process run's) at the fixed ``global_batch_size``; ``space_overrides`` narrow :class:`SearchSpace`.
-    ``objective``: ``time``, ``energy`` or ``energy@BOUND`` (:mod:`merak.autoplan.energy`). On this machine with
-    ``trainer.energy_device=simulated`` the processes are priced as the simulated GPUs they time themselves as.
+    ``objective``: ``time``, ``energy`` or ``energy@BOUND`` (:mod:`merak.autoplan.energy`). ``attention``: the
+    attention kernel whose saved tensors are priced, ``auto`` (the cluster's device's), ``fused`` or ``math``.
+    On this machine with ``trainer.energy_device=simulated`` the processes are priced as the simulated GPUs they
+    time themselves as.
 
     Raises:
         PlanError: no layout fits, the global batch does not divide, or the objective cannot be priced; the
@@ -179,6 +199,8 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
         goal = objective if isinstance(objective, Objective) else Objective.parse(objective)
     except ValueError as error:
         raise PlanError(str(error)) from None
+    if attention not in KERNELS:
+        raise PlanError(f"attention kernel {attention!r}: choose one of {', '.join(KERNELS)}")
     energy = settings.trainer.energy
     if cluster.cores_per_node is not None and cluster.simulated_gpu is None and energy.energy_device == "simulated":
         cluster = with_simulated_gpus(cluster, energy.simulated_gpu, energy.simulated_tflops)
@@ -187,11 +209,16 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
                         f"{cluster.nodes} node(s) x {cluster.devices_per_node} = {cluster.world_size}: give it more "
                         "nodes (cluster.nodes=..., merak-plan --nodes)")
     started = time.perf_counter()
-    profiles = ProfileCache(spec, settings, device_type=cluster.device_type)
+    profiles = ProfileCache(spec, settings, device_type=cluster.device_type, attention=attention)
     model_cfg = settings.model_cfg
     space = SearchSpace(world_size=world_size, global_batch_size=global_batch_size,
                         layout_problems=lambda dp, tp, pp: spec.check_layout(model_cfg, dp, tp, pp),
                         **(space_overrides or {}))
+    if settings.trainer.compile.enabled:
+        # A compiled part is one opaque graph: selective recomputation cannot save operators inside it, nor can
+        # ZeRO-3 gather parameters around it, and the run refuses either with compilation.
+        space = dataclasses.replace(space, recompute=tuple(r for r in space.recompute if r != RECOMPUTE_SELECTIVE),
+                                    zero_stages=tuple(z for z in space.zero_stages if z != 3))
     if space.sequence_parallel != (False,) and world_size > 1:
         tp_values = [tp for tp in range(2, world_size + 1) if world_size % tp == 0
                      and tp <= cluster.devices_per_node and not spec.check_layout(model_cfg, 1, tp, 1)]
@@ -199,7 +226,8 @@ def plan_for_settings(spec, settings, *, world_size: int, cluster: Cluster, glob
             space = dataclasses.replace(space, sequence_parallel=(False,))
     sharding = spec.sharding(settings.trainer.sharding)
     model = CostModel(profiles, cluster, _dtype_name(settings.trainer), sharding=sharding,
-                      overlap_grad_reduce=settings.trainer.zero.overlap_grad_reduce)
+                      overlap_grad_reduce=settings.trainer.zero.overlap_grad_reduce,
+                      zero_bucket_elements=settings.trainer.zero.reduce_bucket_elements)
     capacity = cluster.accelerator.memory_gib * 2**30
     candidates = search(model, space, capacity)
     elapsed = time.perf_counter() - started
@@ -289,14 +317,14 @@ def requested_global_batch(cfg) -> int:
 
 
 def plan_recipe(recipe: str, overrides: list[str], *, world_size: int, cluster: str | dict | Cluster = "this",
-                space_overrides: dict | None = None, objective: str = "time") -> PlanReport:
+                space_overrides: dict | None = None, objective: str = "time", attention: str = "auto") -> PlanReport:
     """Plan ``recipe`` (a directory name under recipes/) with Hydra ``overrides`` on ``world_size`` devices."""
     spec, cfg = compose_recipe(recipe, overrides)
     if not isinstance(cluster, Cluster):
         cluster = load_cluster(cluster, processes=world_size)
     return plan_for_settings(spec, single_process_settings(spec, cfg), world_size=world_size, cluster=cluster,
                              global_batch_size=requested_global_batch(cfg), space_overrides=space_overrides,
-                             objective=objective)
+                             objective=objective, attention=attention)
 
 
 __all__ = ["Layout", "PlanError", "PlanReport", "compose_recipe", "plan_for_settings", "plan_recipe"]

@@ -3,7 +3,8 @@
 The model is built on the meta device (no weights: a 175 B model costs nothing), split for tensor rank
 0 as a worker splits it (collectives simulated), captured and run once on meta tensors. Per unit: what
 :mod:`merak.shard.costs` measures for the partitioner (matrix FLOPs, bytes moved, operations,
-parameters), the bytes autograd saves for backward, and the bytes and count of the tensor-parallel
+parameters), the bytes autograd saves for backward, what selective recomputation's ``matmuls`` policy
+keeps and the FLOPs it spares the recomputation, and the bytes and count of the tensor-parallel
 collectives in forward and backward; per cut between units, the bytes that cross it. Everything but
 parameters and operation counts grows linearly with the microbatch (:meth:`GraphProfile.scaled`).
 """
@@ -20,9 +21,12 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from merak.autoplan.attention import ATTENTION_TARGETS, attention_on
+from merak.compat.flops import flop_counter
 from merak.core.group_registry import simulated_groups
+from merak.pipeline.selective import SHAPED_FACTORIES, matmuls_saves, output_unused_by_backward
 from merak.session.assemble import build_model, default_input_names
 from merak.shard.costs import measure_units
 from merak.shard.graph import GraphUnits, _params_of_node
@@ -80,6 +84,11 @@ class GraphProfile:
     backward_gather_calls: tuple[int, ...] = ()
     # Per cut, the part of ``crossing_bytes`` first saved at or after it: a stage keeps all it receives.
     received_saved_bytes: tuple[int, ...] = ()
+    # Per unit, what selective recomputation's "matmuls" policy keeps of it besides the checkpointed inputs
+    # (the outputs of the operators it saves, saved by autograd or not), and those operators' FLOPs, which the
+    # backward does not recompute (:class:`_MatmulsPolicyRecorder`).
+    selective_kept_bytes: tuple[int, ...] = ()
+    selective_saved_flops: tuple[int, ...] = ()
     # Per field, the part that does not grow with the microbatch (:func:`with_fixed_parts`).
     fixed: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
@@ -128,7 +137,8 @@ COLLECTIVE_FIELDS = ("forward_all_reduce", "forward_gather", "backward_all_reduc
 
 # What grows with the microbatch (less any fixed part); parameters and operation counts do not.
 SCALED_FIELDS = ("flops", "bytes_moved", "saved_bytes", "forward_all_reduce", "forward_gather", "backward_all_reduce",
-                 "backward_gather", "crossing_bytes", "received_saved_bytes")
+                 "backward_gather", "crossing_bytes", "received_saved_bytes", "selective_kept_bytes",
+                 "selective_saved_flops")
 
 
 def _collective_name(node: fx.Node) -> str | None:
@@ -151,9 +161,10 @@ class _SavedBytesRecorder(fx.Interpreter):
     """Runs the graph with autograd on, filing what autograd saves under the unit computing it,
     and the bytes of every tensor-parallel collective."""
 
-    def __init__(self, module: fx.GraphModule, units: GraphUnits, tp: int, device_type: str) -> None:
+    def __init__(self, module: fx.GraphModule, units: GraphUnits, tp: int, device_type: str,
+                 attention: str = "auto") -> None:
         super().__init__(module)
-        self.units, self.tp, self.device_type = units, tp, device_type
+        self.units, self.tp, self.device_type, self.attention = units, tp, device_type, attention
         count = len(units)
         self.saved = [0] * count
         self.comm = {key: [0] * count for key in COLLECTIVE_FIELDS}
@@ -222,7 +233,7 @@ class _SavedBytesRecorder(fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         if target in ATTENTION_TARGETS:  # as the run's device computes it, not as meta does
-            return attention_on(self.device_type, *args, **kwargs)
+            return attention_on(self.device_type, *args, kernel=self.attention, **kwargs)
         return super().call_function(target, args, kwargs)
 
     def run_node(self, node: fx.Node):
@@ -243,6 +254,68 @@ class _SavedBytesRecorder(fx.Interpreter):
         if backward:
             self._add(f"backward_{backward}", size)
         return result
+
+
+_UNSAFE_VIEW = torch.ops.aten._unsafe_view
+_READ_NO_VALUES = SHAPED_FACTORIES | {_UNSAFE_VIEW}
+
+
+class _MatmulsPolicyRecorder(TorchDispatchMode):
+    """Per unit, what selective recomputation's ``matmuls`` policy keeps of the forward, decided operator by
+    operator as the run decides (:func:`merak.pipeline.selective.matmuls_saves`): the outputs of the operators
+    it saves, except an output that no later operator reads of an operator whose backward does not read it
+    (a language model head's logits); and the FLOPs of the operators it saves, which the recomputation does
+    not run again. The meta run has no storage to compare, so tensors are followed by identity through views.
+
+    What the policy does not see as one matrix product is recomputed: merak's tensor-parallel linears are
+    single operators (``merak::column_linear``), and attention with dropout draws random numbers."""
+
+    def __init__(self, current_unit, count: int) -> None:
+        super().__init__()
+        self._current_unit = current_unit
+        self.flops = [0] * count
+        self._entries: list[list] = []  # [unit, bytes, droppable, read]
+        self._readers: dict[int, list[list]] = {}  # root tensor id -> the entries of its outputs
+        self._root: dict[int, int] = {}  # a view's id -> the id of the tensor it views
+        self._alive: list[torch.Tensor] = []  # ids stay unique while the run lasts
+        self._formulas = flop_counter().flop_registry
+
+    def kept_bytes(self) -> list[int]:
+        kept = [0] * len(self.flops)
+        for unit, nbytes, droppable, read in self._entries:
+            if read or not droppable:
+                kept[unit] += nbytes
+        return kept
+
+    def _root_of(self, tensor: torch.Tensor) -> int:
+        return self._root.get(id(tensor), id(tensor))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        outputs = [leaf for leaf in pytree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        packet = getattr(func, "_overloadpacket", None)
+        if getattr(func, "is_view", False) or packet is _UNSAFE_VIEW:
+            if inputs:
+                for tensor in outputs:
+                    self._alive.append(tensor)
+                    self._root[id(tensor)] = self._root_of(inputs[0])
+            return out
+        if packet not in _READ_NO_VALUES:
+            for tensor in inputs:
+                for entry in self._readers.get(self._root_of(tensor), ()):
+                    entry[3] = True
+        unit = self._current_unit()
+        if unit is not None and outputs and matmuls_saves(func, args, kwargs):
+            entry = [unit, sum(_tensor_bytes(t) for t in outputs), output_unused_by_backward(func), False]
+            self._entries.append(entry)
+            for tensor in outputs:
+                self._alive.append(tensor)
+                self._readers.setdefault(id(tensor), []).append(entry)
+            formula = self._formulas.get(packet)
+            self.flops[unit] += formula(*args, **kwargs, out_val=out) if formula is not None else 0
+        return out
 
 
 def _layer_key(scope: tuple[str, ...]) -> str | None:
@@ -271,9 +344,10 @@ def _shared_params(units: GraphUnits) -> tuple[tuple[int, tuple[int, ...]], ...]
 
 def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor], *, trace_method: str,
                   input_names=None, leaf_modules=(), tp: int = 1, sequence_parallel: bool = False,
-                  device_type: str = "cpu") -> GraphProfile:
+                  device_type: str = "cpu", attention: str = "auto") -> GraphProfile:
     """Capture ``model`` (already split for tensor rank 0, weights on meta) and measure it; what autograd saves
-    as on ``device_type`` (its attention kernels save different tensors)."""
+    as on ``device_type`` (its attention kernels save different tensors), or with the attention kernel
+    ``attention`` names (:data:`merak.autoplan.attention.KERNELS`)."""
     example_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in example_inputs.items()}
     names = list(input_names or default_input_names(model, example_inputs))
     captured = capture(model, {n: example_inputs[n] for n in names}, method=trace_method, input_names=names,
@@ -282,9 +356,10 @@ def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor
     units = GraphUnits(captured)
     inputs = {name: example_inputs[name] for name in captured.input_names}
     costs = measure_units(units, inputs)
-    recorder = _SavedBytesRecorder(captured.module, units, tp, device_type)
+    recorder = _SavedBytesRecorder(captured.module, units, tp, device_type, attention)
+    policy = _MatmulsPolicyRecorder(lambda: recorder._unit, len(units))
     with simulated_groups(), buffers_on_meta(captured.module), \
-            torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor):
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda tensor: tensor), policy:
         recorder.run(*[inputs[name] for name in captured.input_names])
     dtype_bytes = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     micro_batch = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
@@ -296,23 +371,25 @@ def profile_graph(model: torch.nn.Module, example_inputs: dict[str, torch.Tensor
         **{f"{key}_calls": tuple(values) for key, values in recorder.calls.items()},
         crossing_bytes=tuple(units.crossing_bytes(costs.value_bytes)), layer_starts=_layer_starts(units),
         received_saved_bytes=tuple(recorder.received_saved()),
+        selective_kept_bytes=tuple(policy.kept_bytes()), selective_saved_flops=tuple(policy.flops),
         output_bytes=costs.output_bytes, shared_params=_shared_params(units), weight_bytes=tuple(costs.weight_bytes))
 
 
 def profile_recipe(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int = 1,
-                   device_type: str = "cpu") -> GraphProfile:
-    """The profile of ``spec``'s model as the run builds it at tensor degree ``tp`` for ``device_type``, with
-    what does not grow with the microbatch from a second capture at twice ``micro_batch_size``."""
+                   device_type: str = "cpu", attention: str = "auto") -> GraphProfile:
+    """The profile of ``spec``'s model as the run builds it at tensor degree ``tp`` for ``device_type`` (its
+    attention kernel as ``attention`` says: :func:`profile_graph`), with what does not grow with the microbatch
+    from a second capture at twice ``micro_batch_size``."""
     with tensor_parallel_state_kept():
         profile = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
-                              micro_batch_size=micro_batch_size, device_type=device_type)
+                              micro_batch_size=micro_batch_size, device_type=device_type, attention=attention)
         larger = _profile_at(spec, settings, tp=tp, sequence_parallel=sequence_parallel,
-                             micro_batch_size=2 * micro_batch_size, device_type=device_type)
+                             micro_batch_size=2 * micro_batch_size, device_type=device_type, attention=attention)
     return profile.with_fixed_parts(larger)
 
 
 def _profile_at(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch_size: int,
-                device_type: str) -> GraphProfile:
+                device_type: str, attention: str = "auto") -> GraphProfile:
     from merak.session.training import example_inputs
 
     trainer = settings.trainer
@@ -334,4 +411,4 @@ def _profile_at(spec, settings, *, tp: int, sequence_parallel: bool, micro_batch
     sharding = spec.sharding(trainer.sharding)
     return profile_graph(model, examples, trace_method=sharding.trace_method or "fx", tp=tp,
                          input_names=trainer.batch.input_names or spec.input_names, leaf_modules=sharding.leaf_modules,
-                         sequence_parallel=sequence_parallel, device_type=device_type)
+                         sequence_parallel=sequence_parallel, device_type=device_type, attention=attention)

@@ -1,8 +1,9 @@
 """The search over layouts: every valid one is priced, the ones that fit are ranked by step time.
 
 Candidates: every (dp, tp, pp) the recipe accepts (tensor groups within a node), microbatch, schedule (1F1B,
-zb_h1, interleaved), recomputation, ZeRO 0-2 (dp > 1) and sequence parallelism (tp > 1), priced in closed
-form; the best, and the best of every grid not far behind, are then simulated with their real schedules.
+zb_h1, interleaved), recomputation (off, full, selective), ZeRO 0-3 (dp > 1) and sequence parallelism (tp > 1),
+priced in closed form; the best, and the best of every grid not far behind, are then simulated with their real
+schedules.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from merak.autoplan.cluster import Cluster
 from merak.autoplan.cost import CostModel, LayoutError, Prediction
-from merak.autoplan.layout import Layout
+from merak.autoplan.layout import RECOMPUTE_MODES, ZERO_STAGES, Layout
 from merak.pipeline.simulate import ScheduleError
 
 logger = logging.getLogger(__name__)
@@ -67,8 +68,8 @@ class SearchSpace:
     world_size: int
     global_batch_size: int
     schedules: tuple[str, ...] = PIPELINE_SCHEDULES
-    recompute: tuple[bool, ...] = (False, True)
-    zero_stages: tuple[int, ...] = (0, 1, 2)
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
+    zero_stages: tuple[int, ...] = ZERO_STAGES
     sequence_parallel: tuple[bool, ...] = (False, True)
     max_micro_batch_size: int | None = None
     layout_problems: Callable[[int, int, int], list[str]] = field(default=lambda dp, tp, pp: [])
@@ -113,7 +114,7 @@ def layouts(space: SearchSpace, cluster: Cluster, max_pp: int | None = None) -> 
 
 
 def _complexity(layout: Layout) -> int:
-    return int(layout.recompute) + layout.zero_stage + int(layout.schedule != "1f1b") \
+    return int(layout.recomputes) + layout.zero_stage + int(layout.schedule != "1f1b") \
         + int(layout.sequence_parallel)
 
 
@@ -131,6 +132,7 @@ def _rank_key(candidate: Candidate) -> tuple[bool, float]:
 
 _PARTS = {"bubble_s": "pipeline bubble", "tp_comm_s": "tensor-parallel communication",
           "recompute_s": "recomputation", "dp_comm_s": "data-parallel gradient reduction",
+          "zero_comm_s": "ZeRO's gathers and reduce-scatters in every microbatch",
           "tied_comm_s": "summing tied weights' gradients between stages",
           "optimizer_s": "optimizer step", "compute_s": "compute on the busiest stage",
           "sync_s": "the loss and gradient norm reduced over every process"}

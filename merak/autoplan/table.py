@@ -20,7 +20,7 @@ def _row(rank: int, candidate: Candidate, report: PlanReport, note: str, energy:
     step = price.step_s if price is not None else candidate.predicted_step_s
     mfu = report.mfu(candidate, step)
     cells = [str(rank), str(layout.dp), str(layout.tp), str(layout.pp), str(layout.micro_batch_size),
-             str(layout.num_microbatches), schedule, "on" if layout.recompute else "off", str(layout.zero_stage),
+             str(layout.num_microbatches), schedule, layout.recompute, str(layout.zero_stage),
              "on" if layout.sequence_parallel else "off", f"{step * 1e3:,.1f}",
              "-" if mfu is None else f"{mfu:.1%}", f"{candidate.prediction.max_memory / 2**30:.3g}"]
     if energy:

@@ -381,7 +381,7 @@ def format_partition(report: dict) -> str:
     if priced is not None:
         lines.append(f"predicted {priced['schedule']} step on {priced['devices']} ({priced['cluster']}): "
                      f"{_duration(priced['step_s'])} ({priced['num_microbatches']} microbatches, ZeRO "
-                     f"{priced['zero_stage']}, recomputation {'on' if priced['recompute'] else 'off'}); fwd+bwd "
+                     f"{priced['zero_stage']}, recomputation {priced['recompute']}); fwd+bwd "
                      f"and sends per microbatch, memory per device: the plan's first row")
     elif report.get("predicted_step_s") is not None:
         lines.append(f"predicted 1F1B step on this machine ({report.get('num_microbatches', '?')} microbatches, "

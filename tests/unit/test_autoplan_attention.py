@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from merak.autoplan.attention import attention_on, takes_fused_kernel
+from merak.autoplan.attention import KERNELS, attention_on, takes_fused_kernel
 
 BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 8, 16
 
@@ -89,3 +89,25 @@ def test_cuda_kernels_fuse_with_dropout_and_a_learned_bias(case):
 def test_three_dimensional_inputs_take_the_math_path_on_cuda():
     args, kwargs = _call("meta", "three dimensions")
     assert not takes_fused_kernel("cuda", *args, **kwargs)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("case", ["plain", "learned bias", "three dimensions"])
+def test_a_named_kernel_overrides_the_devices_choice(device, case):
+    args, kwargs = _call("meta", case)
+    probabilities = (*args[0].shape[:-1], SEQ)
+    math = _saved_shapes(lambda: attention_on(device, *args, **kwargs, kernel="math"))
+    fused = _saved_shapes(lambda: attention_on(device, *args, **kwargs, kernel="fused"))
+    assert probabilities in math
+    if case == "three dimensions":  # no fused kernel takes them: the math path whatever is asked
+        assert fused == math
+    else:
+        assert fused.count(probabilities) == (1 if case == "learned bias" else 0)  # a learned bias is kept
+        assert (BATCH, HEADS, SEQ) in fused  # the log-sum-exp per query row
+
+
+def test_an_unknown_kernel_is_refused():
+    args, kwargs = _call("meta", "plain")
+    assert KERNELS == ("auto", "fused", "math")
+    with pytest.raises(ValueError, match="choose one of auto, fused, math"):
+        attention_on("cpu", *args, **kwargs, kernel="flash")

@@ -20,10 +20,19 @@ def test_parse_layout_fills_in_data_parallel_and_microbatches():
                                 world_size=8, global_batch_size=16)
     assert name == "megatron"
     assert layout == Layout(dp=2, tp=2, pp=2, micro_batch_size=2, num_microbatches=4, schedule="interleaved_1f1b",
-                            chunks=2, recompute=True, zero_stage=1, sequence_parallel=True)
+                            chunks=2, recompute="full", zero_stage=1, sequence_parallel=True)
     unnamed, plain = parse_layout("pp=4", world_size=4, global_batch_size=16)
     assert unnamed == "compare"
     assert plain == Layout(dp=1, tp=1, pp=4, micro_batch_size=1, num_microbatches=16)
+
+
+def test_parse_layout_takes_selective_recomputation_and_zero_3():
+    text = "megatron-core:tp=4,pp=8,mb=2,schedule=interleaved_1f1b,chunks=6,sp=1,recompute=selective,zero=3"
+    name, layout = parse_layout(text, world_size=512, global_batch_size=2048)
+    assert name == "megatron-core"
+    assert (layout.dp, layout.num_microbatches, layout.recompute, layout.zero_stage) == (16, 64, "selective", 3)
+    for value, mode in (("0", "off"), ("off", "off"), ("1", "full"), ("full", "full")):
+        assert parse_layout(f"x:recompute={value}", world_size=4, global_batch_size=16)[1].recompute == mode
 
 
 @pytest.mark.parametrize(("text", "problem"), [
@@ -31,6 +40,8 @@ def test_parse_layout_fills_in_data_parallel_and_microbatches():
     ("x:dp=2,tp=4", "dp\\*tp\\*pp = 8, the world is 4"),
     ("x:dp=4,mb=3", "does not divide"),
     ("x:tp=two", "invalid literal"),
+    ("x:recompute=some", "use 0, 1 or selective"),
+    ("x:dp=4,zero=4", "zero_stage=4: choose one of 0, 1, 2, 3"),
 ])
 def test_parse_layout_rejects_bad_layouts(text, problem):
     with pytest.raises(ValueError, match=problem):
@@ -89,6 +100,20 @@ def test_cli_compare_of_another_world_exits_2(cache_dir, tmp_path, caplog):
 
 def test_cli_compare_that_cannot_run_exits_2(cache_dir, tmp_path):
     assert main([*TOY, "--out", str(tmp_path / "plan.json"), "--compare", "mine:pp=4,schedule=no_such_schedule"]) == 2
+
+
+def test_cli_attention_kernel_changes_what_a_gpt_keeps(cache_dir, tmp_path):
+    """The toy GPT on one H100: the math kernel keeps each layer's attention scores, the fused kernel none."""
+    memory = {}
+    for kernel in ("fused", "math"):
+        out = tmp_path / f"{kernel}.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["gpt", "model=toy", "trainer.global_batch_size=16", "--cluster", "h100-80", "--world", "1",
+                         "--attention", kernel, "--out", str(out), "--compare", "mine:mb=1"]) == 0
+        memory[kernel] = json.loads(out.read_text())["compared"][0]["predicted_stage_memory_bytes"][0]
+    # One microbatch of one sample in flight: 4 layers x 4 heads x 32 x 32 float32 probabilities, at least (the
+    # math path keeps more).
+    assert memory["math"] - memory["fused"] >= 4 * 4 * 32 * 32 * 4
 
 
 # merak-plan for gpt2 on two GPU servers: tests/recipes/test_auto_parallel.py (it shares gpt2's profiles).

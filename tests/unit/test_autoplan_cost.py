@@ -14,6 +14,7 @@ import pytest
 
 from merak.autoplan.cluster import Link, preset, this_machine
 from merak.autoplan.cost import (
+    ZERO_BUCKET_ELEMENTS,
     CostModel,
     LayoutError,
     _in_flight_peak,
@@ -35,9 +36,11 @@ FP32_STATE_BYTES = 4 + 4 + 8  # weight, gradient, Adam's two moments
 
 
 def synthetic_profile(*, layers: int = LAYERS, dtype_bytes: int = 4, forward_all_reduce: int = 0,
-                      backward_all_reduce: int = 0, tp: int = 1) -> GraphProfile:
+                      backward_all_reduce: int = 0, tp: int = 1, selective_kept: int = 0,
+                      selective_flops: int = 0) -> GraphProfile:
     """An embedding, ``layers`` layers of three units and a head; each layer's last unit all-reduces
-    ``forward_all_reduce`` bytes in forward and its first unit ``backward_all_reduce`` in backward."""
+    ``forward_all_reduce`` bytes in forward and its first unit ``backward_all_reduce`` in backward; selective
+    recomputation keeps ``selective_kept`` bytes of each layer unit and spares it ``selective_flops``."""
     count = 1 + layers * UNITS_PER_LAYER + 1
 
     def per_unit(layer_values) -> tuple[int, ...]:
@@ -52,14 +55,16 @@ def synthetic_profile(*, layers: int = LAYERS, dtype_bytes: int = 4, forward_all
         params=per_unit([PARAMS_PER_UNIT] * 3), saved_bytes=per_unit([SAVED_PER_UNIT] * 3),
         forward_all_reduce=per_unit([0, 0, forward_all_reduce]), forward_gather=per_unit([0] * 3),
         backward_all_reduce=per_unit([backward_all_reduce, 0, 0]), backward_gather=per_unit([0] * 3),
-        crossing_bytes=tuple(crossing), layer_starts=tuple(range(1, count - 1, UNITS_PER_LAYER)), output_bytes=0)
+        crossing_bytes=tuple(crossing), layer_starts=tuple(range(1, count - 1, UNITS_PER_LAYER)), output_bytes=0,
+        selective_kept_bytes=per_unit([selective_kept] * 3), selective_saved_flops=per_unit([selective_flops] * 3))
 
 
-def gpu_model(profile: GraphProfile | None = None, nodes: int = 2, overlap_grad_reduce: bool = True) -> CostModel:
+def gpu_model(profile: GraphProfile | None = None, nodes: int = 2, overlap_grad_reduce: bool = True,
+              zero_bucket_elements: int = ZERO_BUCKET_ELEMENTS) -> CostModel:
     """A cost model of ``profile`` (default: the synthetic one) on ``nodes`` H100 servers."""
     profile = profile or synthetic_profile()
     return CostModel(lambda tp, sequence_parallel: profile, preset("h100-80").with_size(nodes=nodes),
-                     overlap_grad_reduce=overlap_grad_reduce)
+                     overlap_grad_reduce=overlap_grad_reduce, zero_bucket_elements=zero_bucket_elements)
 
 
 def layout(**fields) -> Layout:
@@ -85,14 +90,14 @@ def test_layout_key_and_sizes():
     assert plain.key() == "dp2 tp1 pp2 mb4 M2 1f1b rc0 z0 sp0"
     assert (plain.world_size, plain.global_batch_size, plain.grid) == (4, 16, (2, 1, 2))
     fancy = Layout(dp=2, tp=4, pp=2, micro_batch_size=1, num_microbatches=4, schedule="interleaved_1f1b", chunks=2,
-                   recompute=True, zero_stage=2, sequence_parallel=True)
+                   recompute="full", zero_stage=2, sequence_parallel=True)
     assert fancy.key() == "dp2 tp4 pp2 mb1 M4 interleaved_1f1bx2 rc1 z2 sp1"
     assert fancy.world_size == 16 and fancy.global_batch_size == 8
 
 
 def test_layout_overrides_set_every_field():
     fancy = Layout(dp=2, tp=4, pp=2, micro_batch_size=3, num_microbatches=4, schedule="interleaved_1f1b", chunks=2,
-                   recompute=True, zero_stage=2, sequence_parallel=True)
+                   recompute="full", zero_stage=2, sequence_parallel=True)
     values = dict(item.split("=", 1) for item in fancy.overrides())
     assert values == {
         "parallel.dp": "2", "parallel.tp": "4", "parallel.pp": "2",
@@ -106,7 +111,31 @@ def test_layout_overrides_set_every_field():
     assert plain["trainer.activation_checkpointing"] == "false"
     assert plain["trainer.zero_optimization"] == "false"
     assert plain["trainer.sequence_parallel"] == "false"
+    assert "trainer.selective_recompute" not in plain
     assert json.loads(json.dumps(fancy.to_json())) == dataclasses.asdict(fancy)
+    assert Layout.from_json(json.loads(json.dumps(fancy.to_json()))) == fancy
+
+
+def test_selective_recomputation_and_zero_3_run_as_the_runtime_names_them():
+    chosen = layout(dp=2, recompute="selective", zero_stage=3)
+    assert chosen.key() == "dp2 tp1 pp1 mb1 M8 1f1b rcsel z3 sp0"
+    values = dict(item.split("=", 1) for item in chosen.overrides())
+    assert values["trainer.activation_checkpointing"] == "selective"
+    assert values["trainer.selective_recompute"] == "matmuls"
+    assert (values["trainer.zero_optimization"], values["trainer.zero_stage"]) == ("true", "3")
+    for zero in (1, 2):
+        values = dict(item.split("=", 1) for item in layout(dp=2, zero_stage=zero).overrides())
+        assert (values["trainer.zero_optimization"], values["trainer.zero_stage"]) == ("true", str(zero))
+    assert layout(recompute="full").recomputes and chosen.recomputes and not layout().recomputes
+    # Plans written when recomputation was a bool still read.
+    old = {**layout().to_json(), "recompute": True}
+    assert Layout.from_json(old).recompute == "full"
+
+
+@pytest.mark.parametrize("fields", [{"recompute": True}, {"recompute": "some"}, {"zero_stage": 4}])
+def test_a_layout_refuses_what_no_run_can_be(fields):
+    with pytest.raises(ValueError, match="choose one of"):
+        layout(**fields)
 
 
 # --- collectives ---------------------------------------------------------------------------------------------
@@ -257,7 +286,7 @@ def test_quick_step_seconds_is_the_closed_form():
 def test_recompute_costs_a_forward_per_microbatch():
     model = gpu_model()
     plain = model.predict(layout(pp=2))
-    recomputed = model.predict(layout(pp=2, recompute=True))
+    recomputed = model.predict(layout(pp=2, recompute="full"))
     piece = model.pieces(layout(pp=2))[0]
     assert plain.breakdown["recompute_s"] == 0.0
     assert recomputed.breakdown["recompute_s"] == pytest.approx(8 * piece.recompute)
@@ -378,38 +407,165 @@ def test_a_stage_keeps_what_it_receives_besides_its_saves():
 def test_recompute_keeps_layer_inputs_and_one_layer():
     model = gpu_model()
     plain = activation_bytes(model, layout(pp=4))
-    recomputed = activation_bytes(model, layout(pp=4, recompute=True))
+    recomputed = activation_bytes(model, layout(pp=4, recompute="full"))
     layers_per_stage = LAYERS // 4
     one_layer = UNITS_PER_LAYER * SAVED_PER_UNIT
     assert recomputed == [(4 - s) * layers_per_stage * HIDDEN + one_layer for s in range(4)]
     assert all(r < p for r, p in zip(recomputed, plain))
 
 
+LAYER_PARAMS = UNITS_PER_LAYER * PARAMS_PER_UNIT
+BUCKET = PARAMS_PER_UNIT  # elements of full gradients a ZeRO 2 or 3 rank holds before a reduce-scatter
+
+
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_stages_shard_the_model_state(dp):
-    model = gpu_model()
-    stage_params = LAYERS // 2 * UNITS_PER_LAYER * PARAMS_PER_UNIT
+    model = gpu_model(zero_bucket_elements=BUCKET)
+    stage_params = LAYERS // 2 * LAYER_PARAMS
     memory = {z: model.predict(layout(dp=dp, pp=2, zero_stage=z), simulate_schedule=False).stage_memory
-              for z in (0, 1, 2)}
+              for z in (0, 1, 2, 3)}
     sharded = 1 - 1 / dp
     for stage in range(2):
         assert memory[0][stage] - memory[1][stage] == pytest.approx(stage_params * 8 * sharded, abs=1)
-        assert memory[1][stage] - memory[2][stage] == pytest.approx(stage_params * 4 * sharded, abs=1)
+        # ZeRO 2: the gradients sharded too (float32 pieces), one bucket of full gradients waiting.
+        assert memory[1][stage] - memory[2][stage] == pytest.approx(stage_params * 4 * sharded - BUCKET * 4, abs=1)
+        # ZeRO 3: all the model state is 1/dp of ZeRO 0's (16 bytes a parameter in float32), plus the bucket and
+        # two gathered parts (layers) in the model's dtype.
+        zero_0_state = stage_params * FP32_STATE_BYTES
+        assert memory[3][stage] - (memory[0][stage] - zero_0_state) == pytest.approx(
+            zero_0_state / dp + BUCKET * 4 + 2 * LAYER_PARAMS * 4, abs=1)
+
+
+def test_zero_3_holds_a_zero_bubble_weight_pass_whole_piece():
+    model = gpu_model(zero_bucket_elements=BUCKET)
+    stage_params = LAYERS // 2 * LAYER_PARAMS
+    zero_bubble = model.predict(layout(dp=4, pp=2, zero_stage=3, schedule="zb_h1")).stage_memory
+    plain = model.predict(layout(dp=4, pp=2, schedule="zb_h1")).stage_memory
+    for stage in range(2):
+        activations = plain[stage] - stage_params * FP32_STATE_BYTES
+        assert zero_bubble[stage] - activations == pytest.approx(
+            stage_params * FP32_STATE_BYTES / 4 + BUCKET * 4 + stage_params * 4, abs=1)
 
 
 def test_zero_with_half_precision_shards_master_weights_too():
-    model = gpu_model(synthetic_profile(dtype_bytes=2))
+    model = gpu_model(synthetic_profile(dtype_bytes=2), zero_bucket_elements=BUCKET)
     stage_params = LAYERS * UNITS_PER_LAYER * PARAMS_PER_UNIT
-    z0, z1, z2 = (model.predict(layout(dp=4, zero_stage=z), simulate_schedule=False).max_memory for z in (0, 1, 2))
-    # bf16 weight 2 + gradient 2, fp32 master 4 + moments 8: stage 1 shards 12 bytes, stage 2 also the 2 of grads.
+    z0, z1, z2, z3 = (model.predict(layout(dp=4, zero_stage=z), simulate_schedule=False).max_memory
+                      for z in (0, 1, 2, 3))
+    # bf16 weight 2 + gradient 2, fp32 master 4 + moments 8: stage 1 shards 12 bytes; stage 2 the gradients too,
+    # each rank summing its piece in float32 (4 / dp for 2), with a bucket of bf16 gradients; stage 3 the weights.
     assert z0 - z1 == pytest.approx(stage_params * 12 * 3 / 4, abs=1)
-    assert z1 - z2 == pytest.approx(stage_params * 2 * 3 / 4, abs=1)
+    assert z1 - z2 == pytest.approx(stage_params * (2 - 4 / 4) - BUCKET * 2, abs=1)
+    assert z2 - z3 == pytest.approx(stage_params * 2 * 3 / 4 - 2 * LAYER_PARAMS * 2, abs=1)
 
 
 def test_zero_shards_the_optimizer_step():
     model = gpu_model()
     plain = model.predict(layout(dp=4)).breakdown["optimizer_s"]
     assert model.predict(layout(dp=4, zero_stage=1)).breakdown["optimizer_s"] == pytest.approx(plain / 4)
+
+
+# --- selective recomputation ---------------------------------------------------------------------------------
+
+SELECTIVE_KEPT = HIDDEN  # of the 2 x HIDDEN each layer unit saves, what the "matmuls" policy keeps
+SELECTIVE_FLOPS = 3 * FLOPS_PER_UNIT // 4  # of each layer unit's FLOPs, those of the operators it saves
+
+
+def selective_model() -> CostModel:
+    return gpu_model(synthetic_profile(selective_kept=SELECTIVE_KEPT, selective_flops=SELECTIVE_FLOPS))
+
+
+def test_selective_recompute_keeps_what_its_policy_saves_and_one_layer_beyond():
+    model = selective_model()
+    plain = activation_bytes(model, layout(pp=4))
+    full = activation_bytes(model, layout(pp=4, recompute="full"))
+    selective = activation_bytes(model, layout(pp=4, recompute="selective"))
+    layers_per_stage = LAYERS // 4
+    kept = layers_per_stage * (HIDDEN + UNITS_PER_LAYER * SELECTIVE_KEPT)  # per microbatch in flight
+    recomputed_layer = UNITS_PER_LAYER * (SAVED_PER_UNIT - SELECTIVE_KEPT)
+    assert selective == [(4 - s) * kept + recomputed_layer for s in range(4)]
+    assert all(f < s < p for f, s, p in zip(full, selective, plain))
+
+
+def test_selective_recompute_reruns_the_forward_less_the_products_it_saved():
+    model = selective_model()
+    full = model.pieces(layout(pp=2, recompute="full"))[0]
+    selective = model.pieces(layout(pp=2, recompute="selective"))[0]
+    assert full.recompute == pytest.approx(full.forward)
+    # The synthetic units move no bytes and launch nothing: their forward is all FLOPs, three quarters saved.
+    assert selective.recompute == pytest.approx(full.forward / 4)
+    steps = [model.predict(layout(pp=2, recompute=mode)) for mode in ("off", "selective", "full")]
+    assert steps[0].step_s < steps[1].step_s < steps[2].step_s
+    assert steps[1].breakdown["recompute_s"] == pytest.approx(8 * selective.recompute)
+
+
+def test_a_profile_without_the_policys_numbers_prices_selective_as_full():
+    old = dataclasses.replace(synthetic_profile(), selective_kept_bytes=(), selective_saved_flops=())
+    model = gpu_model(old)
+    assert activation_bytes(model, layout(pp=2, recompute="selective")) == activation_bytes(
+        model, layout(pp=2, recompute="full"))
+    assert model.pieces(layout(pp=2, recompute="selective"))[0].recompute == pytest.approx(
+        model.pieces(layout(pp=2, recompute="full"))[0].recompute)
+
+
+@pytest.fixture(scope="module")
+def toy_gpt_profile(cache_dir) -> GraphProfile:
+    """The gpt recipe's toy model (4 layers, width 32, 32 tokens, no dropout) profiled at tensor degree 1."""
+    from merak.autoplan.planner import compose_recipe, single_process_settings
+    from merak.autoplan.profile import profile_recipe
+
+    spec, cfg = compose_recipe("gpt", ["model=toy", "trainer.global_batch_size=16"])
+    return profile_recipe(spec, single_process_settings(spec, cfg), tp=1, sequence_parallel=False)
+
+
+def test_selective_keeps_less_than_no_recomputation_and_more_than_full_for_a_gpt(toy_gpt_profile):
+    model = gpu_model(toy_gpt_profile)
+    chosen = {mode: layout(pp=2, recompute=mode) for mode in ("off", "full", "selective")}
+    memory = {mode: model.predict(c, simulate_schedule=False).stage_memory for mode, c in chosen.items()}
+    assert all(f < s < p for f, s, p in zip(memory["full"], memory["selective"], memory["off"]))
+    recomputed = {mode: sum(p.recompute for p in model.pieces(c)) for mode, c in chosen.items()}
+    assert 0 < recomputed["selective"] < recomputed["full"]
+
+
+def test_the_profile_keeps_what_the_runtimes_policy_keeps(toy_gpt_profile):
+    """A GPT-2 block of the toy's sizes run as a checkpointed stage part, as merak's activation meter counts what
+    it keeps: everything autograd saves, only its input (full recomputation), or its input and what the
+    "matmuls" policy saves. The profile's numbers for one of the toy's layers are the same."""
+    import torch
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from merak.pipeline import memory, recompute
+    from merak.pipeline.recompute import StageRecomputation
+    from merak.pipeline.stage import StageModule
+
+    class Block(torch.nn.Module):
+        def __init__(self, config: GPT2Config) -> None:
+            super().__init__()
+            self.block = GPT2Block(config)
+
+        def forward(self, hidden):
+            out = self.block(hidden)
+            return out[0] if isinstance(out, tuple) else out
+
+    config = GPT2Config(n_embd=32, n_head=4, n_positions=32, resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+    config._attn_implementation = "sdpa"
+
+    def kept(options: StageRecomputation) -> int:
+        stage = StageModule([Block(config)]).train()
+        stage.configure_checkpointing(options)
+        meter = memory.ActivationMeter(stage.parameters())
+        with memory.active_meter(meter), recompute.microbatch_seed(1), meter.saving("microbatch"):
+            stage(torch.randn(1, 32, 32, requires_grad=True))
+        return meter.live_bytes()
+
+    profile = toy_gpt_profile
+    first, last = profile.layer_starts[1:3]
+    layer_input = profile.crossing_bytes[first]
+    assert kept(StageRecomputation()) == sum(profile.saved_bytes[first:last])
+    assert kept(StageRecomputation(parts=1)) == layer_input
+    assert kept(StageRecomputation(parts=1, saves="matmuls")) == layer_input + sum(
+        profile.selective_kept_bytes[first:last])
 
 
 # --- tensor parallelism --------------------------------------------------------------------------------------
@@ -502,8 +658,38 @@ def test_zero_reduce_scatters_gradients_and_gathers_the_updated_weights():
         gather_seconds(params * 4, 8, link) + gather_seconds(params * 2, 8, link))
     # Gloo reduce-scatters by a whole all-reduce: ZeRO adds an all-gather, half an all-reduce.
     cpu = eight_on_two_cores(overlap_grad_reduce=False)
-    assert cpu.predict(layout(dp=8, zero_stage=2)).breakdown["dp_comm_s"] == pytest.approx(
-        1.5 * cpu.predict(layout(dp=8)).breakdown["dp_comm_s"])
+    whole = cpu.predict(layout(dp=8)).breakdown["dp_comm_s"]
+    assert cpu.predict(layout(dp=8, zero_stage=1)).breakdown["dp_comm_s"] == pytest.approx(1.5 * whole)
+    # ZeRO 2 reduce-scatters after every backward (each microbatch's), and gathers the updated weights at the end.
+    zero_2 = cpu.predict(layout(dp=8, zero_stage=2)).breakdown
+    assert zero_2["dp_comm_s"] == pytest.approx(0.5 * whole)
+    assert zero_2["zero_comm_s"] == pytest.approx(8 * whole)
+
+
+def test_zero_3_gathers_every_part_before_its_forward_and_its_backward():
+    """Per microbatch: the piece's parameters all-gathered twice, the gradients reduce-scattered once; what the
+    pass's compute hides (the next part prefetched) leaves at least the first part's gather."""
+    params = LAYERS * LAYER_PARAMS
+    fast = gpu_model()
+    link = preset("h100-80").intra_node
+    part = gather_seconds(LAYER_PARAMS * 4, 8, link)
+    scatter = gather_seconds(params * 4, 8, link)
+    hidden = fast.predict(layout(dp=8, zero_stage=3)).breakdown
+    assert hidden["zero_comm_s"] == pytest.approx(8 * (2 * part + scatter))
+    assert hidden["dp_comm_s"] == 0.0  # no weights to gather after the step: they are gathered as they are used
+    # On a slow link the gathers outlast the compute: all the traffic of 2 x M x the stage's parameters shows.
+    slow_link = Link(bandwidth_gbs=0.1, latency_us=0.0)
+    slow = CostModel(lambda tp, sequence_parallel: synthetic_profile(),
+                     dataclasses.replace(preset("h100-80"), intra_node=slow_link))
+    piece = slow.pieces(layout(dp=8, zero_stage=3))[0]
+    gathers = LAYERS * gather_seconds(LAYER_PARAMS * 4, 8, slow_link)
+    assert gathers == pytest.approx(params * 4 * 7 / 8 / 0.1e9)
+    compute_forward = piece.forward - piece.gather_forward
+    compute_backward = piece.backward - piece.gather_backward - piece.scatter
+    assert piece.gather_forward == pytest.approx(gathers - compute_forward)
+    assert piece.gather_backward == pytest.approx(gathers - compute_backward)
+    assert piece.scatter == pytest.approx(gather_seconds(params * 4, 8, slow_link))
+    assert slow.predict(layout(dp=8, zero_stage=3)).step_s > slow.predict(layout(dp=8, zero_stage=1)).step_s
 
 
 def test_tensor_parallel_collectives_pay_the_links_latency_on_cpu_processes():

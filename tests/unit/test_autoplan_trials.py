@@ -89,6 +89,9 @@ def test_a_trial_config_runs_the_layout_briefly_and_writes_nowhere_else():
     assert BASE_CFG.trainer.max_steps == 1000 and BASE_CFG.parallel.auto  # the original is untouched
     chosen = layout_config(BASE_CFG, layout)
     assert chosen.trainer.max_steps == 1000 and chosen.trainer.zero_optimization is False
+    selective = layout_config(BASE_CFG, dataclasses.replace(layout, recompute="selective", zero_stage=3)).trainer
+    assert (selective.activation_checkpointing, selective.selective_recompute) == ("selective", "matmuls")
+    assert (selective.zero_optimization, selective.zero_stage) == (True, 3)
 
 
 # --- choosing --------------------------------------------------------------------------------------------------
