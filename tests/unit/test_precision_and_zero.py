@@ -319,7 +319,7 @@ def test_optimizer_settings_that_resolve():
 
 @pytest.mark.parametrize("overrides,needle", [
     (["trainer.fp16=true", "trainer.bf16=true"], "trainer.fp16 and trainer.bf16 are both true"),
-    (["trainer.zero_optimization=true", "trainer.zero_stage=3"], "trainer.zero_stage=3"),
+    (["trainer.zero_optimization=true", "trainer.zero_stage=4"], "trainer.zero_stage=4: stages 1 (optimizer state), 2"),
     (["trainer.optim=adafactor", "trainer.zero_optimization=true"], "trainer.optim=adafactor is not elementwise"),
     (["trainer.zero_reduce_bucket_size=0"], "trainer.zero_reduce_bucket_size=0 must be a positive whole number"),
     (["trainer.zero_allgather_bucket_size=2.5"], "trainer.zero_allgather_bucket_size=2.5"),
@@ -345,5 +345,5 @@ def test_invalid_optimizer_and_checkpoint_settings(overrides, needle):
 
 def test_zero_settings_unused_without_zero():
     # zero_stage is only checked when ZeRO is on, and save_steps only when saving.
-    settings = resolve_settings(SPEC, compose("trainer.zero_stage=3", "trainer.save_steps=0"))
-    assert settings.trainer.zero.zero_stage == 3 and not settings.trainer.zero.zero_optimization
+    settings = resolve_settings(SPEC, compose("trainer.zero_stage=4", "trainer.save_steps=0"))
+    assert settings.trainer.zero.zero_stage == 4 and not settings.trainer.zero.zero_optimization
