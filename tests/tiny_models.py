@@ -144,3 +144,17 @@ def skip_net():
 
 ALL = {"gpt2": gpt2, "bert": bert, "t5": t5, "vit": vit, "swin": swin, "wide_resnet": wide_resnet,
        "timm_vit": timm_vit, "timm_swin": timm_swin, "skip_net": skip_net}
+
+
+class GPT2BlockPart(nn.Module):
+    """A GPT-2 block as a stage part: hidden states in, hidden states out."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        self.block = GPT2Block(config)
+
+    def forward(self, hidden):
+        out = self.block(hidden)
+        return out[0] if isinstance(out, tuple) else out

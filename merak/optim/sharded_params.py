@@ -78,7 +78,6 @@ class ShardedParameters(PipelineHook):
     Args:
         params: the optimizer's parameters, in its order.
         shards: this rank's piece of each, padded to the piece size, in the model's dtype.
-        numels: each parameter's element count.
         units: how they are gathered (:func:`stage_units`).
         dp_group / dp_size: the data-parallel group the pieces are spread over.
     """

@@ -532,27 +532,18 @@ def test_the_profile_keeps_what_the_runtimes_policy_keeps(toy_gpt_profile):
     it keeps: everything autograd saves, only its input (full recomputation), or its input and what the
     "matmuls" policy saves. The profile's numbers for one of the toy's layers are the same."""
     import torch
+    from tiny_models import GPT2BlockPart
     from transformers import GPT2Config
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     from merak.pipeline import memory, recompute
     from merak.pipeline.recompute import StageRecomputation
     from merak.pipeline.stage import StageModule
 
-    class Block(torch.nn.Module):
-        def __init__(self, config: GPT2Config) -> None:
-            super().__init__()
-            self.block = GPT2Block(config)
-
-        def forward(self, hidden):
-            out = self.block(hidden)
-            return out[0] if isinstance(out, tuple) else out
-
     config = GPT2Config(n_embd=32, n_head=4, n_positions=32, resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
     config._attn_implementation = "sdpa"
 
     def kept(options: StageRecomputation) -> int:
-        stage = StageModule([Block(config)]).train()
+        stage = StageModule([GPT2BlockPart(config)]).train()
         stage.configure_checkpointing(options)
         meter = memory.ActivationMeter(stage.parameters())
         with memory.active_meter(meter), recompute.microbatch_seed(1), meter.saving("microbatch"):

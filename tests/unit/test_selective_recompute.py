@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import GPT2BlockPart
 from torch import nn
 from transformers import GPT2Config
-from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
 from merak.pipeline import memory, recompute
 from merak.pipeline.recompute import StageRecomputation
@@ -22,23 +22,11 @@ MATMULS = StageRecomputation(parts=2, saves="matmuls")
 ATTENTION = StageRecomputation(parts=2, saves="attention")
 
 
-class Block(nn.Module):
-    """A GPT-2 block as a stage part: hidden states in, hidden states out."""
-
-    def __init__(self, config: GPT2Config) -> None:
-        super().__init__()
-        self.block = GPT2Block(config)
-
-    def forward(self, hidden):
-        out = self.block(hidden)
-        return out[0] if isinstance(out, tuple) else out
-
-
 def _stage(attention: str) -> StageModule:
     torch.manual_seed(0)
     config = GPT2Config(n_embd=WIDTH, n_head=4, n_positions=SEQ, resid_pdrop=0.1, attn_pdrop=0.1)
     config._attn_implementation = attention
-    return StageModule([Block(config), Block(config)]).train()
+    return StageModule([GPT2BlockPart(config), GPT2BlockPart(config)]).train()
 
 
 def _run(options: StageRecomputation, attention: str = "eager"):
