@@ -104,6 +104,9 @@ class VirtualStage:
     gather_forward: float = 0.0
     gather_backward: float = 0.0
     scatter: float = 0.0
+    # ZeRO 3 with a split backward: the weight-gradient pass gathers every part again, one after another, before
+    # it runs (merak.optim.sharded_params), all of it on the critical path; priced on BackwardWeight only.
+    gather_weight_pass: float = 0.0
     parts: tuple[int, ...] = ()  # parameters of each part (a layer; the units before the first, after the last)
 
     @property
@@ -252,22 +255,23 @@ class _ZeroTraffic:
 
 
 def _zero_seconds(zero: _ZeroTraffic, params: int, parts: Sequence[int], forward_s: float,
-                  backward_s: float) -> tuple[float, float, float]:
+                  backward_s: float) -> tuple[float, float, float, float]:
     """ZeRO's communication inside one microbatch's passes over a piece of ``params`` parameters in ``parts``:
-    (all-gather before the forward, all-gather before the backward, reduce-scatter after the backward).
+    (all-gather before the forward, all-gather before the backward, reduce-scatter after the backward, the
+    whole piece's gathers before a split backward's weight-gradient pass).
 
     ZeRO 3 gathers each part's parameters over dp before its forward and again before its backward (a
     recomputation reuses the backward's), the next part prefetched while one computes: what a pass of
     ``forward_s`` or ``backward_s`` cannot hide stays on its critical path, and at least the first part's
     gather. ZeRO 2 and 3 reduce-scatter the gradients after every backward, waiting for it."""
     if params == 0:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
     reduce_s = zero.scatter(params * zero.gradient_bytes, zero.dp, zero.link)
     if zero.stage < 3:
-        return 0.0, 0.0, reduce_s
+        return 0.0, 0.0, reduce_s, 0.0
     gathers = [gather_seconds(p * zero.weight_bytes, zero.dp, zero.link) for p in parts if p] or [0.0]
     total = sum(gathers)
-    return max(total - forward_s, gathers[0]), max(total - backward_s, gathers[-1]), reduce_s
+    return max(total - forward_s, gathers[0]), max(total - backward_s, gathers[-1]), reduce_s, total
 
 
 def _parts(table: _UnitTable, first: int, last: int) -> tuple[int, ...]:
@@ -302,7 +306,7 @@ class StageCostModel:
             half = (piece.backward - piece.gather_backward - piece.scatter) / 2
             if isinstance(instruction, BackwardInput):
                 return half + piece.gather_backward + extra
-            return half + piece.scatter
+            return half + piece.scatter + piece.gather_weight_pass
         if isinstance(instruction, (Exchange, *P2P_TYPES)):
             return p2p_seconds(self.piece(stage_id, instruction).send_bytes, self.link)
         return 0.0
@@ -552,15 +556,15 @@ class CostModel:
             forward = compute + tp_f + (table.loss_forward * slowdown if is_last else 0.0)
             params = round(table.params[last] - table.params[first]) + _shared_in(table.shared, first, last)
             parts = _parts(table, first, last) if layout.zero_stage == 3 else ()
-            gather_forward, gather_backward, scatter = _zero_seconds(zero, params, parts, forward, backward + tp_b) \
-                if zero is not None else (0.0, 0.0, 0.0)
+            gather_forward, gather_backward, scatter, gather_whole = \
+                _zero_seconds(zero, params, parts, forward, backward + tp_b) if zero is not None else (0.0,) * 4
             pieces.append(VirtualStage(
                 forward=forward + gather_forward, backward=backward + tp_b + gather_backward + scatter,
                 recompute=recompute, send_bytes=0 if is_last else table.crossing[last], params=params,
                 saved=round(table.saved[last] - table.saved[first]) + received + loss_saved,
                 kept=round(kept) + loss_saved, largest_layer=largest, tp_seconds=tp_f + tp_b,
                 tied=_tied_in(table.shared, bounds, index), gather_forward=gather_forward,
-                gather_backward=gather_backward, scatter=scatter, parts=parts))
+                gather_backward=gather_backward, scatter=scatter, gather_weight_pass=gather_whole, parts=parts))
         return pieces, slowdown
 
     def _zero_links(self, layout: Layout, table: _UnitTable, slowdown: float) -> _ZeroTraffic | None:

@@ -17,6 +17,7 @@ from merak.autoplan.cost import (
     ZERO_BUCKET_ELEMENTS,
     CostModel,
     LayoutError,
+    StageCostModel,
     _in_flight_peak,
     all_reduce_seconds,
     gather_seconds,
@@ -24,6 +25,7 @@ from merak.autoplan.cost import (
 )
 from merak.autoplan.layout import Layout
 from merak.autoplan.profile import GraphProfile
+from merak.pipeline.instructions import BackwardInput, BackwardWeight
 from merak.pipeline.schedules import build_schedule
 
 LAYERS = 8
@@ -681,6 +683,11 @@ def test_zero_3_gathers_every_part_before_its_forward_and_its_backward():
     assert piece.gather_backward == pytest.approx(gathers - compute_backward)
     assert piece.scatter == pytest.approx(gather_seconds(params * 4, 8, slow_link))
     assert slow.predict(layout(dp=8, zero_stage=3)).step_s > slow.predict(layout(dp=8, zero_stage=1)).step_s
+    # A split backward's weight-gradient pass gathers the whole piece again before it runs, nothing hidden.
+    assert piece.gather_weight_pass == pytest.approx(gathers)
+    weight_pass = StageCostModel([piece], 1, slow_link, recompute=False)
+    input_s, weight_s = (weight_pass.of(0, kind(microbatch=0)) for kind in (BackwardInput, BackwardWeight))
+    assert weight_s - input_s == pytest.approx(gathers + piece.scatter - piece.gather_backward)
 
 
 def test_tensor_parallel_collectives_pay_the_links_latency_on_cpu_processes():
@@ -724,7 +731,7 @@ def test_autopipes_1f1b_score_bounds_the_simulated_instruction_lists(seed):
     their partners. With free transfers the two agree on two stages, and autopipe's is a lower bound beyond."""
     import random
 
-    from merak.autoplan.cost import StageCostModel, VirtualStage, _lists, _stage_ends
+    from merak.autoplan.cost import VirtualStage, _lists, _stage_ends
     from merak.shard import autopipe
 
     rng = random.Random(seed)
