@@ -87,25 +87,26 @@ class ShardedParameters(PipelineHook):
         self.params, self.shards, self.units = list(params), list(shards), list(units)
         self.dp_group, self.dp_size = dp_group, dp_size
         self._holds = [0] * len(self.params)
+        self._nbytes = [p.numel() * p.element_size() for p in self.params]
+        self._unit_at = {(unit.chunk, unit.index): unit for unit in self.units}
         self._by_chunk: dict[int, list[Unit]] = {}
         for unit in self.units:
             self._by_chunk.setdefault(unit.chunk, []).append(unit)
         self._prefetched: dict[tuple[int, int], list[tuple[list[int], object, torch.Tensor]]] = {}
         self._backward_held: list[Unit] = []
         self._instruction_held: list[Unit] = []
+        self._gathered_bytes = 0  # of the parameters held whole now
         self.peak_gathered_bytes = 0
         for param in self.params:
             # A storage of its own, so that freeing it frees exactly this parameter.
             param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
             param.data.untyped_storage().resize_(0)
-        self._handles = []
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(
-                lambda _module, _args, unit=unit: self._before_forward(unit)))
+            unit.module.register_forward_pre_hook(lambda _module, _args, unit=unit: self._before_forward(unit))
             # always_call: a recomputation inside the backward stops early by raising out of the forward
             # (torch.utils.checkpoint), and the unit must still be freed.
-            self._handles.append(unit.module.register_forward_hook(
-                lambda _module, args, output, unit=unit: self._after_forward(unit, args, output), always_call=True))
+            unit.module.register_forward_hook(
+                lambda _module, args, output, unit=unit: self._after_forward(unit, args, output), always_call=True)
 
     # -- gathering -------------------------------------------------------------
 
@@ -151,7 +152,9 @@ class ShardedParameters(PipelineHook):
                 self._install(started)
             for i in unit.params:
                 self._holds[i] += 1
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes())
+                if self._holds[i] == 1:
+                    self._gathered_bytes += self._nbytes[i]
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
 
     def _release(self, units: Sequence[Unit]) -> None:
         for unit in units:
@@ -159,10 +162,10 @@ class ShardedParameters(PipelineHook):
                 self._holds[i] -= 1
                 if self._holds[i] == 0:
                     self.params[i].data.untyped_storage().resize_(0)
+                    self._gathered_bytes -= self._nbytes[i]
 
     def _prefetch(self, chunk: int, index: int) -> None:
-        units = self._by_chunk.get(chunk, [])
-        unit = next((u for u in units if u.index == index), None)
+        unit = self._unit_at.get((chunk, index))
         if unit is None or (chunk, index) in self._prefetched or all(self._holds[i] > 0 for i in unit.params):
             return
         self._prefetched[(chunk, index)] = self._start_gather(unit.params)
@@ -172,10 +175,6 @@ class ShardedParameters(PipelineHook):
             for _, handle, _ in started:
                 handle.wait()  # a collective in flight is finished on every rank, used or not
         self._prefetched.clear()
-
-    def gathered_bytes(self) -> int:
-        """Bytes of whole parameters held now (those of the units in use)."""
-        return sum(p.numel() * p.element_size() for p, held in zip(self.params, self._holds) if held)
 
     def shard_bytes(self) -> int:
         """Bytes of this rank's pieces."""
@@ -250,8 +249,3 @@ class ShardedParameters(PipelineHook):
                         self.shards[i][:stop - start].copy_(param.detach().reshape(-1)[start:stop])
         finally:
             self._release([every])
-
-    def remove(self) -> None:
-        """Take the module hooks off."""
-        for handle in self._handles:
-            handle.remove()
