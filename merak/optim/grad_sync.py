@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+T = TypeVar("T")
 
 
-def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Group tensors of one dtype into runs of about ``bucket_bytes``, keeping order."""
-    buckets: list[list[torch.Tensor]] = []
+def dtype_runs(items: Sequence[T], bucket_bytes: int,
+               tensor_of: Callable[[T], torch.Tensor] = lambda item: item) -> list[list[T]]:
+    """``items`` cut, in order, into runs whose tensors (``tensor_of(item)``) share a dtype and add up to
+    about ``bucket_bytes``."""
+    runs: list[list[T]] = []
     size = 0
-    for tensor in tensors:
+    for item in items:
+        tensor = tensor_of(item)
         nbytes = tensor.numel() * tensor.element_size()
-        same_dtype = buckets and buckets[-1][0].dtype == tensor.dtype
-        if not buckets or not same_dtype or size + nbytes > bucket_bytes:
-            buckets.append([])
+        if not runs or tensor_of(runs[-1][0]).dtype != tensor.dtype or size + nbytes > bucket_bytes:
+            runs.append([])
             size = 0
-        buckets[-1].append(tensor)
+        runs[-1].append(item)
         size += nbytes
-    return buckets
+    return runs
 
 
 def ensure_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -45,7 +49,7 @@ def all_reduce_tensors(tensors: Sequence[torch.Tensor], *, group, scale: float =
     ``pre_scale`` applies before the sum, which keeps fp16 sums in range; ``reduce_dtype`` (default: the
     tensors') is the dtype the sum travels and adds in.
     """
-    for bucket in _buckets(tensors, bucket_bytes):
+    for bucket in dtype_runs(tensors, bucket_bytes):
         flat = torch.cat([t.reshape(-1).to(reduce_dtype or t.dtype) for t in bucket])
         if pre_scale != 1.0:
             flat.mul_(pre_scale)

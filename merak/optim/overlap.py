@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from merak.optim.grad_sync import dtype_runs
+
 
 @dataclass
 class Bucket:
@@ -73,7 +75,7 @@ class OverlappedReduction:
         self.by_chunk: dict[int, list[Bucket]] = {}
         for chunk in sorted(set(chunk_of)):
             mine = [i for i in reversed(range(len(self.params))) if chunk_of[i] == chunk and i not in excluded]
-            for run in _runs(mine, self.params, bucket_bytes):
+            for run in dtype_runs(mine, bucket_bytes, lambda i: self.params[i]):
                 bucket = Bucket(len(self.buckets), chunk, run, sum(_nbytes(self.params[i]) for i in run))
                 self.buckets.append(bucket)
                 self.by_chunk.setdefault(chunk, []).append(bucket)
@@ -138,20 +140,6 @@ class OverlappedReduction:
 
 def _nbytes(param: nn.Parameter) -> int:
     return param.numel() * param.element_size()
-
-
-def _runs(indices: list[int], params: Sequence[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
-    """``indices`` cut, in order, into runs of one dtype and about ``bucket_bytes``."""
-    runs: list[list[int]] = []
-    size = 0
-    for i in indices:
-        nbytes = _nbytes(params[i])
-        if not runs or params[runs[-1][0]].dtype != params[i].dtype or size + nbytes > bucket_bytes:
-            runs.append([])
-            size = 0
-        runs[-1].append(i)
-        size += nbytes
-    return runs
 
 
 def last_weight_passes(instructions: Sequence, num_chunks: int) -> dict[int, object]:
