@@ -538,9 +538,9 @@ class CostModel:
                 + (table.tp_backward_hops[last] - table.tp_backward_hops[first]) * tp_latency
             kept = table.kept[last] - table.kept[first + 1] + (table.crossing[first] if first > 0 else 0)
             if selective:
-                # The forward's tensor-parallel collectives run again too: they live inside merak's parallel
-                # linears, which the policy recomputes whole (one operator, no matrix product it knows).
-                recompute = (table.selective_forward[last] - table.selective_forward[first]) * slowdown + tp_f
+                # The forward's tensor-parallel collectives live inside merak's parallel linears, whose outputs the
+                # policy saves: they do not run again.
+                recompute = (table.selective_forward[last] - table.selective_forward[first]) * slowdown
                 kept += table.selective_kept[last] - table.selective_kept[first]
                 largest = max((live for start, live in table.layer_selective_live if first <= start < last),
                               default=round(max(0.0, table.saved[last] - table.saved[first]

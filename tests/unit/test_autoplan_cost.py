@@ -501,6 +501,20 @@ def test_selective_recompute_reruns_the_forward_less_the_products_it_saved():
     assert steps[1].breakdown["recompute_s"] == pytest.approx(8 * selective.recompute)
 
 
+def test_selective_recompute_runs_no_tensor_parallel_collective_again():
+    # The collectives live inside merak's parallel linears, whose outputs the policy saves; full recomputation
+    # runs them again with the rest of the forward.
+    def pieces(forward_all_reduce: int):
+        profile = synthetic_profile(tp=2, forward_all_reduce=forward_all_reduce, selective_kept=SELECTIVE_KEPT,
+                                    selective_flops=SELECTIVE_FLOPS)
+        model = gpu_model(profile)
+        return [model.pieces(layout(tp=2, pp=2, recompute=mode))[0] for mode in ("full", "selective")]
+
+    (full_quiet, selective_quiet), (full_busy, selective_busy) = pieces(0), pieces(2**24)
+    assert full_busy.recompute > full_quiet.recompute
+    assert selective_busy.recompute == pytest.approx(selective_quiet.recompute)
+
+
 def test_a_profile_without_the_policys_numbers_prices_selective_as_full():
     old = dataclasses.replace(synthetic_profile(), selective_kept_bytes=(), selective_saved_flops=())
     model = gpu_model(old)
